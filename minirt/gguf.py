@@ -1,0 +1,391 @@
+"""GGUF reader over ``mmap`` (GGUF v2 and v3, little-endian).
+
+``minirt.gguf.open(path)`` parses the header, the metadata and the tensor table, and validates
+every count, length, type id, dimension and offset against the file size before it is used, so a
+malformed file raises :class:`minirt.GGUFError` naming the field and its byte offset instead of
+crashing, hanging or allocating more than the file holds. Tensor data is never read at open time:
+``tensor.data`` is a zero-copy ``numpy`` view of the mapped bytes.
+
+Layout (all little-endian)::
+
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv      × (string key, u32 value_type, value)
+    n_tensors × (string name, u32 n_dims, u64 ne[n_dims], u32 ggml_type, u64 offset)
+    padding to general.alignment (default 32)
+    tensor data (each tensor at data_start + offset, offsets aligned)
+
+where ``string`` is ``u64 length`` + UTF-8 bytes and ``ne[0]`` is the fastest-moving dimension
+(numpy order is the reverse: ``shape = ne[::-1]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from .errors import GGUFError
+from .quants.types import GGML_TYPES, GGMLType
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ALIGNMENT = 1 << 16
+MAX_ARRAY_DEPTH = 4  # arrays of arrays are legal; a bound keeps recursion finite
+
+# GGUF value types: id -> (name, numpy dtype or None for string/array)
+_VT_UINT8, _VT_INT8, _VT_UINT16, _VT_INT16, _VT_UINT32, _VT_INT32 = 0, 1, 2, 3, 4, 5
+_VT_FLOAT32, _VT_BOOL, _VT_STRING, _VT_ARRAY, _VT_UINT64, _VT_INT64, _VT_FLOAT64 = 6, 7, 8, 9, 10, 11, 12
+_SCALAR_DTYPES: dict[int, np.dtype] = {
+    _VT_UINT8: np.dtype("<u1"),
+    _VT_INT8: np.dtype("<i1"),
+    _VT_UINT16: np.dtype("<u2"),
+    _VT_INT16: np.dtype("<i2"),
+    _VT_UINT32: np.dtype("<u4"),
+    _VT_INT32: np.dtype("<i4"),
+    _VT_FLOAT32: np.dtype("<f4"),
+    _VT_BOOL: np.dtype("<u1"),
+    _VT_UINT64: np.dtype("<u8"),
+    _VT_INT64: np.dtype("<i8"),
+    _VT_FLOAT64: np.dtype("<f8"),
+}
+_STRUCT = {vt: struct.Struct("<" + dt.char) for vt, dt in _SCALAR_DTYPES.items()}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+VALUE_TYPE_NAMES = {
+    0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32",
+    7: "BOOL", 8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64",
+}
+
+
+@dataclass(eq=False)
+class GGUFTensor:
+    """One tensor of a GGUF file: its type, its shape in numpy order and its raw mapped bytes."""
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, ...]  # numpy order: (..., rows, cols); cols = ne[0]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+    _file: "GGUFFile" = field(repr=False)
+
+    @property
+    def qtype(self) -> str:
+        """ggml type name, e.g. ``"Q4_K"``."""
+        return self.type.name
+
+    @property
+    def n_elements(self) -> int:
+        """Number of scalar elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the last numpy dimension)."""
+        return self.type.row_bytes(self.shape[-1])
+
+    @property
+    def data(self) -> np.ndarray:
+        """Raw bytes, zero-copy and read-only: uint8 array of shape ``(*shape[:-1], row_bytes)``."""
+        mm = self._file._require_open()
+        arr = np.frombuffer(mm, dtype=np.uint8, count=self.nbytes, offset=self.offset)
+        return arr.reshape(self.shape[:-1] + (self.row_bytes,))
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 array of ``shape`` (same values as ``gguf.quants.dequantize``)."""
+        from .quants import dequantize
+
+        return dequantize(self.data, self.qtype, self.shape)
+
+
+class GGUFFile:
+    """A parsed, memory-mapped GGUF file. Use :func:`open`; close it (or use ``with``) when done."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.metadata: dict[str, Any] = {}
+        self.metadata_types: dict[str, str] = {}  # key -> GGUF value type name ("STRING", "ARRAY[UINT32]" ...)
+        self.tensors: dict[str, GGUFTensor] = {}
+        self.version = 0
+        self.alignment = DEFAULT_ALIGNMENT
+        self.data_offset = 0
+        self._mm: mmap.mmap | None = None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as e:
+            raise GGUFError(f"cannot open GGUF file {self.path!r}: {e.strerror}") from e
+        try:
+            self.file_size = os.fstat(fd).st_size
+            if self.file_size == 0:
+                raise GGUFError(f"{self.path}: header at byte 0: file is empty")
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise GGUFError(f"cannot map GGUF file {self.path!r}: {e}") from e
+        finally:
+            os.close(fd)
+        try:
+            _Parser(self, self._mm).parse()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _require_open(self) -> mmap.mmap:
+        if self._mm is None or self._mm.closed:
+            raise GGUFError(f"{self.path}: file is closed")
+        return self._mm
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` released the mapping."""
+        return self._mm is None
+
+    def close(self) -> None:
+        """Release the mapping. Arrays still viewing it keep it alive until they are dropped."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # numpy views of tensor data are still alive; the mapping is freed with them.
+                log.debug("%s: mapping still referenced by tensor views; freed when they are", self.path)
+
+    def __enter__(self) -> "GGUFFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- convenience -------------------------------------------------------------------------
+    @property
+    def architecture(self) -> str | None:
+        """``general.architecture`` or None."""
+        v = self.metadata.get("general.architecture")
+        return v if isinstance(v, str) else None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``metadata.get(key, default)``."""
+        return self.metadata.get(key, default)
+
+    def arch_get(self, suffix: str, default: Any = None) -> Any:
+        """Metadata value ``<architecture>.<suffix>``, e.g. ``arch_get("block_count")``."""
+        return self.metadata.get(f"{self.architecture}.{suffix}", default)
+
+    def __iter__(self) -> Iterator[GGUFTensor]:
+        return iter(self.tensors.values())
+
+    def __repr__(self) -> str:
+        return (f"GGUFFile({self.path!r}, v{self.version}, {len(self.metadata)} keys, "
+                f"{len(self.tensors)} tensors)")
+
+
+class _Parser:
+    """Single forward pass over the header with bounds checked before every read."""
+
+    def __init__(self, f: GGUFFile, buf: mmap.mmap) -> None:
+        self.f = f
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = 0
+
+    # -- primitives --------------------------------------------------------------------------
+    def fail(self, what: str, at: int, msg: str) -> GGUFError:
+        return GGUFError(f"{self.f.path}: {what} at byte {at}: {msg}")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(what, self.pos, f"truncated: needs {n} bytes, file has {self.size - self.pos} left")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self, what: str) -> str:
+        start = self.pos
+        n = self.u64(what + " length")
+        if n > self.size - self.pos:
+            raise self.fail(what, start, f"string length {n} exceeds the {self.size - self.pos} bytes left")
+        b = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        # surrogateescape keeps invalid UTF-8 (some vocabularies hold raw bytes) round-trippable.
+        return b.decode("utf-8", "surrogateescape")
+
+    # -- structure ---------------------------------------------------------------------------
+    def parse(self) -> None:
+        f = self.f
+        self.need(4, "magic")
+        magic = self.buf[0:4]
+        if magic != GGUF_MAGIC:
+            hint = " (big-endian GGUF is not supported)" if magic == GGUF_MAGIC[::-1] else ""
+            raise self.fail("magic", 0, f"expected b'GGUF', found {magic!r}{hint}")
+        self.pos = 4
+        version = self.u32("version")
+        if version not in SUPPORTED_VERSIONS:
+            hint = " (looks big-endian)" if (version & 0xFFFF) == 0 and version else ""
+            raise self.fail("version", 4, f"unsupported GGUF version {version}{hint}; supported: 2, 3")
+        f.version = version
+        at = self.pos
+        n_tensors = self.u64("tensor_count")
+        if n_tensors > (self.size - self.pos) // 24:  # each tensor info takes >= 24 bytes
+            raise self.fail("tensor_count", at, f"absurd count {n_tensors} for a {self.size}-byte file")
+        at = self.pos
+        n_kv = self.u64("metadata_kv_count")
+        if n_kv > (self.size - self.pos) // 13:  # key length (8) + type (4) + >= 1 byte of value
+            raise self.fail("metadata_kv_count", at, f"absurd count {n_kv} for a {self.size}-byte file")
+
+        md, mtypes = f.metadata, f.metadata_types
+        for i in range(n_kv):
+            kat = self.pos
+            key = self.string(f"metadata[{i}].key")
+            if key in md:
+                raise self.fail(f"metadata key {key!r}", kat, "duplicate key")
+            tat = self.pos
+            vt = self.u32(f"metadata[{key!r}].type")
+            md[key], mtypes[key] = self.value(vt, f"metadata[{key!r}]", tat, 0)
+
+        align = md.get("general.alignment", DEFAULT_ALIGNMENT)
+        if "general.alignment" in md:
+            if mtypes["general.alignment"] != "UINT32" or align <= 0 or align & (align - 1) or align > MAX_ALIGNMENT:
+                raise self.fail("general.alignment", 0, f"invalid alignment {align!r} (a power of two UINT32 is required)")
+        f.alignment = int(align)
+
+        infos = []
+        for i in range(n_tensors):
+            nat = self.pos
+            name = self.string(f"tensor[{i}].name")
+            dat = self.pos
+            n_dims = self.u32(f"tensor {name!r} n_dims")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise self.fail(f"tensor {name!r} n_dims", dat, f"{n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            self.need(8 * n_dims, f"tensor {name!r} dims")
+            ne = [int(v) for v in np.frombuffer(self.buf, "<u8", n_dims, self.pos)]
+            self.pos += 8 * n_dims
+            n_el = 1
+            for d in ne:
+                n_el *= d
+            if any(d >= 1 << 62 for d in ne) or n_el >= 1 << 62:
+                raise self.fail(f"tensor {name!r} dims", dat + 4, f"dimensions {ne} overflow")
+            tat = self.pos
+            tid = self.u32(f"tensor {name!r} type")
+            gt = GGML_TYPES.get(tid)
+            if gt is None:
+                raise self.fail(f"tensor {name!r} type", tat, f"unknown ggml type id {tid}")
+            if ne[0] % gt.block_size:
+                raise self.fail(f"tensor {name!r} dims", dat + 4,
+                                f"row length {ne[0]} is not a multiple of the {gt.name} block size {gt.block_size}")
+            oat = self.pos
+            off = self.u64(f"tensor {name!r} offset")
+            if off % f.alignment:
+                raise self.fail(f"tensor {name!r} offset", oat, f"offset {off} not aligned to {f.alignment}")
+            nbytes = n_el // gt.block_size * gt.type_size
+            infos.append((name, nat, gt, tuple(reversed(ne)), off, oat, nbytes))
+
+        data_start = -(-self.pos // f.alignment) * f.alignment
+        if n_tensors and data_start > self.size:
+            raise self.fail("tensor data", self.pos, "file ends before the aligned start of tensor data")
+        f.data_offset = data_start
+        avail = self.size - data_start
+        for name, nat, gt, shape, off, oat, nbytes in infos:
+            if name in f.tensors:
+                raise self.fail(f"tensor name {name!r}", nat, "duplicate tensor name")
+            if off > avail or nbytes > avail - off:
+                raise self.fail(f"tensor {name!r} data", oat,
+                                f"{nbytes} bytes at data offset {off} run past end of file ({avail} data bytes)")
+            f.tensors[name] = GGUFTensor(name, gt, shape, data_start + off, nbytes, f)
+        # Dims that disagree with the byte layout show up as one tensor running into the next.
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in f.tensors.values() if t.nbytes)
+        for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+            if e0 > s1:
+                raise self.fail(f"tensor {n0!r} data", s0,
+                                f"{e0 - s0} bytes implied by its shape overlap tensor {n1!r} at byte {s1}")
+
+    def value(self, vt: int, what: str, at: int, depth: int) -> tuple[Any, str]:
+        """Read one value of GGUF type ``vt``; returns (python value, type name)."""
+        st = _STRUCT.get(vt)
+        if st is not None:
+            self.need(st.size, what)
+            (v,) = st.unpack_from(self.buf, self.pos)
+            self.pos += st.size
+            if vt == _VT_BOOL:
+                v = bool(v)
+            return v, VALUE_TYPE_NAMES[vt]
+        if vt == _VT_STRING:
+            return self.string(what), "STRING"
+        if vt == _VT_ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise self.fail(what, at, f"arrays nested deeper than {MAX_ARRAY_DEPTH}")
+            eat = self.pos
+            et = self.u32(what + " element type")
+            cat = self.pos
+            n = self.u64(what + " count")
+            left = self.size - self.pos
+            dt = _SCALAR_DTYPES.get(et)
+            if dt is not None:
+                if n > left // dt.itemsize:
+                    raise self.fail(what + " count", cat, f"{n} {VALUE_TYPE_NAMES[et]} elements exceed the {left} bytes left")
+                arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos).copy()
+                self.pos += n * dt.itemsize
+                if et == _VT_BOOL:
+                    arr = arr.astype(bool)
+                return arr, f"ARRAY[{VALUE_TYPE_NAMES[et]}]"
+            if et == _VT_STRING:
+                if n > left // 8:
+                    raise self.fail(what + " count", cat, f"{n} strings exceed the {left} bytes left")
+                return self.string_array(n, what), "ARRAY[STRING]"
+            if et == _VT_ARRAY:
+                if n > left // 12:
+                    raise self.fail(what + " count", cat, f"{n} arrays exceed the {left} bytes left")
+                items, sub = [], "ARRAY[?]"
+                for i in range(n):
+                    # each element is itself an array value: (u32 element type, u64 count, elements)
+                    v, sub = self.value(_VT_ARRAY, f"{what}[{i}]", self.pos, depth + 1)
+                    items.append(v)
+                return items, f"ARRAY[{sub}]"
+            raise self.fail(what + " element type", eat, f"unknown value type {et}")
+        raise self.fail(what + " type", at, f"unknown value type {vt}")
+
+    def string_array(self, n: int, what: str) -> list[str]:
+        """``n`` length-prefixed strings; the hot loop of opening a vocabulary."""
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = _U64.unpack_from
+        out: list[str] = [""] * n
+        try:
+            for i in range(n):
+                (ln,) = unpack(buf, pos)
+                pos += 8
+                end = pos + ln
+                if end > size:
+                    raise self.fail(f"{what}[{i}]", pos - 8, f"string length {ln} runs past end of file")
+                out[i] = buf[pos:end].decode("utf-8", "surrogateescape")
+                pos = end
+        except struct.error:
+            raise self.fail(f"{what}[{i}]", pos, "truncated string length") from None
+        self.pos = pos
+        return out
+
+
+def open(path: str | os.PathLike[str]) -> GGUFFile:  # noqa: A001 - public name from the design contract
+    """Open and validate a GGUF file; raises :class:`minirt.GGUFError` if it is malformed."""
+    return GGUFFile(path)
+
+
+__all__ = ["open", "GGUFFile", "GGUFTensor", "GGUFError"]

