@@ -1,0 +1,79 @@
+"""Per-sequence KV cache (step 6 of the pipeline: only the new token is computed).
+
+One cache holds, for every layer, the keys and values of every position processed so far, in
+arrays preallocated for ``n_ctx`` positions. They are allocated zero-filled, which the OS
+provides lazily: memory becomes resident only as positions are written, so a large ``n_ctx``
+costs address space, not RAM, until it is used.
+
+Layout: ``k[layer]`` is ``(n_head_kv, n_ctx, head_dim_k)``, ``v[layer]`` is
+``(n_head_kv, n_ctx, head_dim_v)``, so one head's keys for positions ``0..n`` are contiguous
+for the attention matmul.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    """Keys and values of one sequence for every layer, plus the token ids they came from."""
+
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int, n_ctx: int,
+                 dtype: np.dtype | type = np.float32) -> None:
+        if n_ctx <= 0:
+            raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        self.n_ctx = n_ctx
+        self.n_layer = n_layer
+        self.k = np.zeros((n_layer, n_head_kv, n_ctx, head_dim_k), dtype=dtype)
+        self.v = np.zeros((n_layer, n_head_kv, n_ctx, head_dim_v), dtype=dtype)
+        self.n_past = 0
+        # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
+        # repetition penalties see the history
+        self.tokens = np.zeros(n_ctx, dtype=np.int32)
+
+    def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) arrays of layer ``i``."""
+        return self.k[i], self.v[i]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved (address space) for the whole context."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return (self.k.nbytes + self.v.nbytes) // self.n_ctx
+
+    @property
+    def n_free(self) -> int:
+        return self.n_ctx - self.n_past
+
+    def token_ids(self) -> np.ndarray:
+        """Ids of the cached positions (a view)."""
+        return self.tokens[: self.n_past]
+
+    def clear(self) -> None:
+        """Forget every position (memory stays reserved)."""
+        self.n_past = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` positions (e.g. to reuse a shared prompt prefix)."""
+        if not 0 <= n <= self.n_past:
+            raise ValueError(f"cannot truncate a cache of {self.n_past} positions to {n}")
+        self.n_past = n
+
+    def copy_prefix_from(self, other: "KVCache", n: int) -> None:
+        """Copy the first ``n`` positions of ``other`` (same model) into this cache."""
+        if n > self.n_ctx or n > other.n_past:
+            raise ValueError(f"cannot copy {n} positions (source has {other.n_past}, room {self.n_ctx})")
+        self.k[:, :, :n] = other.k[:, :, :n]
+        self.v[:, :, :n] = other.v[:, :, :n]
+        self.tokens[:n] = other.tokens[:n]
+        self.n_past = n
+
+    def release(self) -> None:
+        """Drop the arrays so their memory returns to the OS now rather than at garbage collection."""
+        empty = np.zeros((self.n_layer, 0, 0, 0), dtype=self.k.dtype)
+        self.k = self.v = empty
+        self.n_ctx = 0
+        self.n_past = 0

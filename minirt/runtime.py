@@ -1,0 +1,586 @@
+"""The :class:`Model` a caller holds: load a GGUF, then tokenize, generate, stream and chat.
+
+Step 1 of the pipeline for Python callers. A request goes: prompt (text, ids or chat messages)
+→ chat template (step 3) → tokenizer (step 2) → :class:`minirt.generate.Sequence` driven by the
+:class:`minirt.generate.Engine` through the forward pass (4), sampling (5), the KV cache (6), the
+stop rules (7) and the streaming detokenizer (8).
+
+Concurrency: weights are read-only and every request has its own KV cache, so requests from
+several threads are safe; the model's forward passes are serialized by a lock taken per step
+(or merged into batched steps by the scheduler), never interleaved inside one cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
+
+import numpy as np
+
+from . import gguf as gguf_mod
+from . import registry
+from .archs.base import Segment, build
+from .errors import BackendError, InvalidRequestError, ModelClosedError, TokenizerError
+from .generate import (Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop)
+from .kv_cache import KVCache
+from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+KV_MEMORY_FRACTION = 0.25  # default n_ctx: the KV cache of one full context fits in this share of RAM
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class CachePool:
+    """Idle KV caches kept after requests end, reused by the next request sharing their prefix.
+
+    Bounded by the bytes their used positions occupy (LRU eviction), so a chat's next turn
+    recomputes only the new messages.
+    """
+
+    def __init__(self, make: Callable[[], KVCache], max_bytes: int) -> None:
+        self._make = make
+        self.max_bytes = max_bytes
+        self._idle: list[KVCache] = []  # most recently released last
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def acquire(self, prompt_ids: np.ndarray) -> tuple[KVCache, int]:
+        """A cache for ``prompt_ids`` and how many of its leading positions are already valid."""
+        with self._lock:
+            best, best_n = None, 0
+            for c in self._idle:
+                n = min(c.n_past, len(prompt_ids) - 1)  # the last prompt token is always recomputed
+                if n <= best_n:
+                    continue
+                same = c.tokens[:n] == prompt_ids[:n]
+                n = int(n if same.all() else np.argmin(same))
+                if n > best_n:
+                    best, best_n = c, n
+            if best is not None:
+                self._idle.remove(best)
+                best.truncate(best_n)
+                self.hits += 1
+                self.reused_tokens += best_n
+                return best, best_n
+            if self._idle:  # recycle the least recently used cache rather than allocating
+                c = self._idle.pop(0)
+                c.clear()
+                return c, 0
+        return self._make(), 0
+
+    def release(self, cache: KVCache) -> None:
+        with self._lock:
+            self._idle.append(cache)
+            total = 0
+            keep: list[KVCache] = []
+            for c in reversed(self._idle):
+                total += c.n_past * c.bytes_per_token
+                if total <= self.max_bytes and len(keep) < 16:
+                    keep.append(c)
+                else:
+                    c.release()
+            self._idle = keep[::-1]
+
+    def clear(self) -> None:
+        with self._lock:
+            for c in self._idle:
+                c.release()
+            self._idle.clear()
+
+
+class GenerationHandle:
+    """A request running in the background (``Model.submit``): cancel it, wait for it, poll it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._cancel = threading.Event()
+        self._result: Completion | None = None
+        self._error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def cancel(self) -> None:
+        """Ask the generation to stop; it ends within one token or one prefill chunk."""
+        self._cancel.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def cancelled(self) -> bool:
+        return self._result is not None and self._result.finish_reason == "cancelled"
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """The Completion (partial text kept when cancelled); re-raises the request's error."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"generation not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class Model:
+    """A loaded model. Create with :func:`minirt.load`; close with :meth:`close` or ``with``."""
+
+    def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", n_ctx: int | None = None,
+                 threads: int | None = None, backend: str | None = None, n_batch: int = 512,
+                 chat_template: str | None = None, pull: bool = True,
+                 progress: Callable[[int, int], Any] | None = None) -> None:
+        from .chat import ChatTemplate
+        from .tokenizer import Tokenizer
+
+        self.path = registry.model_path(model, pull_missing=pull, progress=progress)
+        self.name = str(model)
+        self._closed = False
+        self.file = gguf_mod.open(self.path)
+        try:
+            self.metadata = self.file.metadata
+            self.tokenizer = Tokenizer.from_gguf(self.file)
+            self.chat_template = ChatTemplate.from_gguf(self.file, self.tokenizer, override=chat_template)
+            self.device, self.backend = self._pick_backend(device, backend, threads)
+            self.model = build(self.file, self.backend)
+            cfg = self.model.cfg
+            if self.tokenizer.n_vocab > cfg.n_vocab:
+                raise TokenizerError(f"the vocabulary has {self.tokenizer.n_vocab} tokens but the model only "
+                                     f"{cfg.n_vocab} embeddings")
+            self.n_vocab = cfg.n_vocab
+            self.n_ctx = self._pick_n_ctx(n_ctx)
+            if threads is not None and (not isinstance(threads, int) or threads <= 0):
+                raise InvalidRequestError(f"threads must be a positive integer, got {threads!r}")
+            self.engine = Engine(self.model, n_batch)
+            self._step_lock = threading.RLock()
+            self.cache_pool = CachePool(self._new_cache, max_bytes=min(_total_memory() // 8, 2 << 30))
+            self._workers: set[threading.Thread] = set()
+        except BaseException:
+            self.file.close()
+            raise
+
+    # -- setup -------------------------------------------------------------------------------------
+    def _pick_backend(self, device: str, backend: str | None, threads: int | None) -> tuple[str, Any]:
+        from .kernels import get_backend
+
+        if device not in ("auto", "cpu", "cuda"):
+            raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if device in ("cuda", "auto"):
+            try:
+                from .kernels import cuda
+
+                if cuda.available():
+                    b = cuda.CudaBackend(self.file)
+                    log.info("device: cuda (%s)", b.info().get("name", "GPU"))
+                    return "cuda", b
+                if device == "cuda":
+                    raise BackendError(f"device='cuda' requested but no usable GPU: {cuda.unavailable_reason()}")
+            except ImportError as e:
+                if device == "cuda":
+                    raise BackendError(f"device='cuda' requested but the CUDA backend cannot load: {e}") from e
+        b = get_backend(backend, threads)
+        log.info("device: cpu (%s backend)", b.name)
+        return "cpu", b
+
+    def _pick_n_ctx(self, n_ctx: int | None) -> int:
+        cfg = self.model.cfg
+        per_tok = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * 4
+        if n_ctx is None:
+            fit = int(_total_memory() * KV_MEMORY_FRACTION // per_tok)
+            return max(256, min(cfg.n_ctx_train, fit))
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0:
+            raise InvalidRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if n_ctx > cfg.n_ctx_train:
+            log.warning("n_ctx %d exceeds the %d positions the model was trained for", n_ctx, cfg.n_ctx_train)
+        return n_ctx
+
+    def _new_cache(self, n_ctx: int | None = None) -> KVCache:
+        c = self.model.cfg
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, n_ctx or self.n_ctx)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError("the model is closed")
+
+    # -- information -------------------------------------------------------------------------------
+    @property
+    def arch(self) -> str:
+        return self.model.cfg.arch
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self.tokenizer.eog_ids
+
+    def backend_info(self) -> dict[str, Any]:
+        return self.backend.info()
+
+    def __repr__(self) -> str:
+        return f"<minirt.Model {self.name} arch={self.arch} n_ctx={self.n_ctx} device={self.device}>"
+
+    # -- steps 2, 3 and 8 --------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text → ids with the GGUF's own vocabulary (BOS as the vocab asks when add_special)."""
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Seq[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render chat messages into the prompt text with the model's template (step 3)."""
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+
+    def _chat_ids(self, text: str) -> list[int]:
+        """Tokenize a rendered chat prompt: special tokens parsed, BOS added unless the template did."""
+        tk = self.tokenizer
+        ids = tk.encode(text, add_special=False, parse_special=True)
+        if tk.add_bos and tk.bos_id is not None and (not ids or ids[0] != tk.bos_id):
+            ids = [tk.bos_id] + ids
+        if tk.add_eos and tk.eos_id is not None:
+            ids = ids + [tk.eos_id]
+        return ids
+
+    # -- step 4 ------------------------------------------------------------------------------------
+    def logits(self, ids: Seq[int]) -> np.ndarray:
+        """Logits (len(ids), n_vocab) float32 for every position, in a fresh context (no side effects)."""
+        self._check_open()
+        ids = np.asarray(list(ids), dtype=np.int64)
+        check_prompt(ids, self.n_vocab, self.n_ctx + 1)
+        cache = self._new_cache(len(ids))
+        out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
+        try:
+            for s in range(0, len(ids), self.engine.n_batch):
+                chunk = ids[s:s + self.engine.n_batch]
+                with self._step_lock:
+                    out[s:s + len(chunk)] = self.model.forward(chunk, [Segment(cache, len(chunk), "all")])[0]
+        finally:
+            cache.release()
+        return out
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Seq[int], add_special: bool | None, trace: Trace | None) -> list[int]:
+        if isinstance(prompt, str):
+            t0 = time.perf_counter()
+            ids = self.tokenizer.encode(prompt, add_special=True if add_special is None else add_special,
+                                        parse_special=False)
+            if trace is not None:
+                trace.prompt = prompt
+                trace.add("tokenize", time.perf_counter() - t0, tokens=len(ids))
+            return ids
+        if isinstance(prompt, (bytes, bytearray)):
+            raise InvalidRequestError("prompt must be str or a list of token ids, not bytes (decode it first)")
+        try:
+            ids = [int(i) for i in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt must be a string or a list of integer token ids") from None
+        if any(isinstance(i, bool) for i in prompt):
+            raise InvalidRequestError("prompt token ids must be integers")
+        return ids
+
+    def _sequence(self, prompt_ids: list[int], *, max_tokens: int | None, stop: Any, ignore_eos: bool,
+                  on_token: Callable[[TokenEvent], Any] | None, cancel: threading.Event | None,
+                  progress: Callable[[int, int], Any] | None, trace: Trace | None,
+                  context_overflow: str, n_keep: int | None, sampling: dict[str, Any]) -> Sequence:
+        self._check_open()
+        check_prompt(prompt_ids, self.n_vocab, self.n_ctx)
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if cancel is not None and not hasattr(cancel, "is_set"):
+            raise InvalidRequestError("cancel must be a threading.Event (or have is_set())")
+        if on_token is not None and not callable(on_token):
+            raise InvalidRequestError("on_token must be callable")
+        if trace is not None and not sampling.get("top_logprobs"):
+            sampling = {**sampling, "top_logprobs": 5}  # the explanation shows the top candidates
+        params = SamplingParams.from_kwargs(**sampling)
+        sampler = Sampler(params, self.n_vocab)
+        stops = validate_stop(stop)
+        if n_keep is None:
+            n_keep = 1 if (self.tokenizer.add_bos and prompt_ids[0] == self.tokenizer.bos_id) else 0
+        if not isinstance(n_keep, int) or n_keep < 0:
+            raise InvalidRequestError(f"n_keep must be a non-negative integer, got {n_keep!r}")
+        ids = np.asarray(prompt_ids, dtype=np.int32)
+        cache, n_reused = self.cache_pool.acquire(ids)
+        if trace is not None:
+            trace.prompt_ids = list(prompt_ids)
+            trace.prompt_pieces = [self.tokenizer.token_to_piece(i).decode("utf-8", "replace") for i in prompt_ids]
+        return Sequence(ids, cache, sampler, self.tokenizer.stream_decoder(), self.tokenizer.eog_ids,
+                        max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
+                        context_overflow=context_overflow, n_keep=n_keep, cancel=cancel, sink=on_token,
+                        progress=progress, trace=trace, n_reused=n_reused)
+
+    def _run(self, seq: Sequence) -> Completion:
+        try:
+            while not seq.done and seq.error is None:
+                with self._step_lock:
+                    self._check_open()
+                    self.engine.step([seq])
+        except BaseException:
+            seq.finish("cancelled", notify=False)
+            raise
+        finally:
+            self._release(seq)
+        if seq.error is not None:
+            raise seq.error
+        return seq.completion()
+
+    def _release(self, seq: Sequence) -> None:
+        if not self._closed:
+            self.cache_pool.release(seq.cache)
+        else:
+            seq.cache.release()
+
+    def generate(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
+                 stop: str | list[str] | None = None, ignore_eos: bool = False,
+                 on_token: Callable[[TokenEvent], Any] | None = None, cancel: threading.Event | None = None,
+                 progress: Callable[[int, int], Any] | None = None, trace: bool = False,
+                 add_special: bool | None = None, context_overflow: str = "stop", n_keep: int | None = None,
+                 **sampling: Any) -> Completion:
+        """Complete ``prompt`` (text, or token ids used as given). Sampling keywords: temperature,
+        top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
+        penalty_last_n, logit_bias, seed, top_logprobs. ``on_token(ev)`` runs on this thread for each
+        :class:`TokenEvent`; returning False stops (finish_reason "cancelled")."""
+        tr = Trace() if trace else None
+        ids = self._prompt_ids(prompt, add_special, tr)
+        seq = self._sequence(ids, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, on_token=on_token,
+                             cancel=cancel, progress=progress, trace=tr, context_overflow=context_overflow,
+                             n_keep=n_keep, sampling=sampling)
+        return self._run(seq)
+
+    def stream(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, **kw: Any) -> Iterator[TokenEvent]:
+        """Like :meth:`generate`, as an iterator of :class:`TokenEvent`; breaking out cancels."""
+        if "on_token" in kw:
+            raise InvalidRequestError("stream() yields events; use generate(on_token=...) for callbacks")
+        add_special = kw.pop("add_special", None)
+        trace = Trace() if kw.pop("trace", False) else None
+        ids = self._prompt_ids(prompt, add_special, trace)
+        return self._stream_ids(ids, max_tokens, trace, kw)
+
+    def _stream_ids(self, ids: list[int], max_tokens: int | None, trace: Trace | None,
+                    kw: dict[str, Any]) -> Iterator[TokenEvent]:
+        events: list[TokenEvent] = []
+        opts = {k: kw.pop(k) for k in ("stop", "ignore_eos", "cancel", "progress", "context_overflow", "n_keep")
+                if k in kw}
+        seq = self._sequence(ids, max_tokens=max_tokens, stop=opts.get("stop"),
+                             ignore_eos=opts.get("ignore_eos", False), on_token=events.append,
+                             cancel=opts.get("cancel"), progress=opts.get("progress"), trace=trace,
+                             context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
+                             sampling=kw)
+        return self._stream_seq(seq, events)
+
+    def _stream_seq(self, seq: Sequence, events: list[TokenEvent]) -> Iterator[TokenEvent]:
+        try:
+            while True:
+                while events:
+                    yield events.pop(0)
+                if seq.done:
+                    break
+                with self._step_lock:
+                    self._check_open()
+                    self.engine.step([seq])
+        finally:
+            if not seq.done:  # the consumer broke out or the step raised
+                seq.finish("cancelled", notify=False)
+            self._release(seq)
+
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
+             tools: list[dict[str, Any]] | None = None, trace: bool = False, **kw: Any) -> Completion:
+        """Answer a conversation: the chat template renders ``messages``, then :meth:`generate`."""
+        tr = Trace() if trace else None
+        ids = self._chat_prompt(messages, tools, tr)
+        seq_kw = {k: kw.pop(k) for k in ("stop", "ignore_eos", "on_token", "cancel", "progress",
+                                         "context_overflow", "n_keep") if k in kw}
+        seq = self._sequence(ids, max_tokens=max_tokens, stop=seq_kw.get("stop"),
+                             ignore_eos=seq_kw.get("ignore_eos", False), on_token=seq_kw.get("on_token"),
+                             cancel=seq_kw.get("cancel"), progress=seq_kw.get("progress"), trace=tr,
+                             context_overflow=seq_kw.get("context_overflow", "stop"), n_keep=seq_kw.get("n_keep"),
+                             sampling=kw)
+        return self._run(seq)
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None) -> list[int]:
+        t0 = time.perf_counter()
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        t1 = time.perf_counter()
+        ids = self._chat_ids(text)
+        if trace is not None:
+            trace.messages = [dict(m) for m in messages]
+            trace.rendered = text
+            trace.add("template", t1 - t0, chars=len(text))
+            trace.add("tokenize", time.perf_counter() - t1, tokens=len(ids))
+        return ids
+
+    def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
+                    tools: list[dict[str, Any]] | None = None, **kw: Any) -> Iterator[TokenEvent]:
+        """:meth:`chat` as an iterator of :class:`TokenEvent`."""
+        trace = Trace() if kw.pop("trace", False) else None
+        ids = self._chat_prompt(messages, tools, trace)
+        return self._stream_ids(ids, max_tokens, trace, kw)
+
+    # -- background and async ----------------------------------------------------------------------
+    def submit(self, prompt: str | Seq[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
+               on_token: Callable[[TokenEvent], Any] | None = None, **kw: Any) -> GenerationHandle:
+        """Start a generation on a worker thread; returns a handle (cancel / result / done).
+
+        ``on_token`` runs on the worker thread. Pass ``messages=`` instead of a prompt to chat.
+        """
+        self._check_open()
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("submit() takes either a prompt or messages=")
+        h = GenerationHandle()
+        user_cancel = kw.pop("cancel", None)
+        if user_cancel is not None:
+            # either the handle or the caller's event can cancel
+            h._cancel = _AnyEvent(h._cancel, user_cancel)  # type: ignore[assignment]
+
+        # build the sequence now so bad arguments raise here, on the caller's thread
+        if messages is not None:
+            trace = Trace() if kw.pop("trace", False) else None
+            ids = self._chat_prompt(messages, kw.pop("tools", None), trace)
+        else:
+            trace = Trace() if kw.pop("trace", False) else None
+            ids = self._prompt_ids(prompt, kw.pop("add_special", None), trace)  # type: ignore[arg-type]
+        max_tokens = kw.pop("max_tokens", DEFAULT_MAX_TOKENS)
+        opts = {k: kw.pop(k) for k in ("stop", "ignore_eos", "progress", "context_overflow", "n_keep") if k in kw}
+        seq = self._sequence(ids, max_tokens=max_tokens, stop=opts.get("stop"),
+                             ignore_eos=opts.get("ignore_eos", False), on_token=on_token, cancel=h._cancel,
+                             progress=opts.get("progress"), trace=trace,
+                             context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
+                             sampling=kw)
+
+        def work() -> None:
+            try:
+                h._result = self._run(seq)
+            except BaseException as e:  # delivered by result()
+                h._error = e
+            finally:
+                h._event.set()
+                self._workers.discard(threading.current_thread())
+
+        t = threading.Thread(target=work, name="minirt-generate", daemon=True)
+        h.thread = t
+        self._workers.add(t)
+        t.start()
+        return h
+
+    async def astream(self, prompt: str | Seq[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
+                      **kw: Any) -> AsyncIterator[TokenEvent]:
+        """Async iterator of :class:`TokenEvent`; generation runs on a worker thread so the event
+        loop never blocks. Leaving the loop early cancels the generation."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+
+        def on_token(ev: TokenEvent) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        h = self.submit(prompt, messages=messages, on_token=on_token, **kw)
+
+        def waiter() -> None:
+            try:
+                h.result()
+                loop.call_soon_threadsafe(q.put_nowait, None)
+            except BaseException as e:
+                loop.call_soon_threadsafe(q.put_nowait, e)
+
+        threading.Thread(target=waiter, daemon=True).start()
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    break
+        finally:
+            if not h.done():
+                h.cancel()
+
+    # -- OpenAI / llama-cpp-python shaped API ------------------------------------------------------
+    def create_completion(self, prompt: str | Seq[int], max_tokens: int | None = 16, *, stream: bool = False,
+                          logprobs: int | None = None, echo: bool = False, **kw: Any) -> Any:
+        """llama-cpp-python's ``create_completion``: a ``text_completion`` dict, or chunks when ``stream``."""
+        from . import openai_format as fmt
+
+        if logprobs is not None:
+            kw["top_logprobs"] = int(logprobs)
+        cid, created = f"cmpl-{uuid.uuid4()}", int(time.time())
+        if stream:
+            ids = self._prompt_ids(prompt, kw.pop("add_special", None), None)
+            events = self._stream_ids(ids, max_tokens, None, kw)
+            return fmt.completion_chunks(self, events, cid, created, prompt if echo and isinstance(prompt, str) else "")
+        c = self.generate(prompt, max_tokens, **kw)
+        return fmt.completion_dict(self, c, cid, created, logprobs is not None,
+                                   prompt if echo and isinstance(prompt, str) else "")
+
+    def create_chat_completion(self, messages: list[dict[str, Any]], max_tokens: int | None = None, *,
+                               stream: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
+                               tools: list[dict[str, Any]] | None = None, **kw: Any) -> Any:
+        """llama-cpp-python's ``create_chat_completion``: a ``chat.completion`` dict, or chunk dicts
+        when ``stream`` (first delta carries the role, the last the finish_reason)."""
+        from . import openai_format as fmt
+
+        if logprobs:
+            kw["top_logprobs"] = int(top_logprobs or 0) or 1
+        cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
+        if stream:
+            return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created, logprobs)
+        c = self.chat(messages, max_tokens, tools=tools, **kw)
+        return fmt.chat_dict(self, c, cid, created, logprobs)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the KV caches, backend buffers and the file mapping. Idempotent."""
+        if self._closed:
+            return
+        with self._step_lock:
+            self._closed = True
+            self.cache_pool.clear()
+            close = getattr(self.backend, "close", None)
+            if close is not None:
+                close()
+            self.model = None  # type: ignore[assignment]  # drops every view of the mapping
+            self.engine = None  # type: ignore[assignment]
+            self.file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+
+class _AnyEvent:
+    """``is_set()`` true when either of two events is set; ``set()`` sets the first."""
+
+    def __init__(self, a: threading.Event, b: threading.Event) -> None:
+        self.a, self.b = a, b
+
+    def is_set(self) -> bool:
+        return self.a.is_set() or self.b.is_set()
+
+    def set(self) -> None:
+        self.a.set()
