@@ -129,7 +129,7 @@ ProgressFn = Callable[[int, int], Any]
 class Sequence:
     """One request in flight."""
 
-    def __init__(self, prompt_ids: Seq[int], cache: KVCache, sampler: Sampler, detok: Any,
+    def __init__(self, prompt_ids: Seq[int], cache: KVCache | None, sampler: Sampler, detok: Any,
                  eog_ids: frozenset[int], *, max_tokens: int, stop: Seq[str] = (),
                  ignore_eos: bool = False, context_overflow: str = "stop", n_keep: int = 0,
                  cancel: threading.Event | None = None, sink: EventSink | None = None,
@@ -148,6 +148,7 @@ class Sequence:
         self.context_overflow = context_overflow
         self.n_keep = n_keep
         self.cancel = cancel
+        self._stop = threading.Event()  # set by the consumer (callback returned False, stream closed)
         self.sink = sink
         self.progress = progress
         self.trace = trace
@@ -175,7 +176,16 @@ class Sequence:
         return self.n_prefilled < len(self.prompt_ids)
 
     def cancelled(self) -> bool:
-        return self.cancel is not None and self.cancel.is_set()
+        return self._stop.is_set() or (self.cancel is not None and self.cancel.is_set())
+
+    def request_stop(self) -> None:
+        """Ask the sequence to end with "cancelled" at the next step (thread-safe)."""
+        self._stop.set()
+
+    def attach_cache(self, cache: KVCache, n_reused: int) -> None:
+        """Give the sequence its KV cache, whose first ``n_reused`` positions hold the prompt's prefix."""
+        self.cache = cache
+        self.n_prefilled = self.n_reused = n_reused
 
     # -- output ----------------------------------------------------------------------------------
     def _emit(self, ev: TokenEvent) -> None:
@@ -284,7 +294,7 @@ class Engine:
         self.model = model
         self.n_batch = n_batch
 
-    def step(self, seqs: Iterable[Sequence]) -> None:
+    def step(self, seqs: Iterable[Sequence], prefill_budget: int | None = None) -> None:
         """One forward pass over every unfinished sequence in ``seqs``.
 
         Decoding sequences contribute their pending token; sequences in prefill share what is left
@@ -295,6 +305,7 @@ class Engine:
         tokens: list[np.ndarray] = []
         budget = self.n_batch
         live = [s for s in seqs if not s.done]
+        prefill_left = min(budget, prefill_budget) if prefill_budget else budget
         for s in live:
             if s.cancelled():
                 s.finish("cancelled")
@@ -307,15 +318,16 @@ class Engine:
             tokens.append(np.array([s.pending_token], dtype=np.int32))
             batch.append((s, Segment(s.cache, 1, "last"), True))
             budget -= 1
+        prefill_left = min(prefill_left, budget)
         for s in live:
-            if not s.in_prefill or budget <= 0:
+            if not s.in_prefill or prefill_left <= 0:
                 continue
-            n = min(len(s.prompt_ids) - s.n_prefilled, budget)
+            n = min(len(s.prompt_ids) - s.n_prefilled, prefill_left)
             chunk = s.prompt_ids[s.n_prefilled:s.n_prefilled + n]
             last = s.n_prefilled + n == len(s.prompt_ids)
             tokens.append(chunk)
             batch.append((s, Segment(s.cache, n, "last" if last else "none"), last))
-            budget -= n
+            prefill_left -= n
         if not batch:
             return
         ids = np.concatenate(tokens)
@@ -342,8 +354,12 @@ class Engine:
                 s.finish("cancelled")
                 continue
             t1 = time.perf_counter()
-            sampled = s.sampler.sample(lg, s.cache.token_ids())
-            s.accept(sampled, time.perf_counter() - t1)
+            try:
+                sampled = s.sampler.sample(lg, s.cache.token_ids())
+                s.accept(sampled, time.perf_counter() - t1)
+            except Exception as e:  # one request's failure (e.g. every token banned) ends only that request
+                s.error = e
+                s.finish("cancelled", notify=False)
 
     def _make_room(self, s: Sequence, n: int) -> bool:
         """Ensure ``n`` free positions: shift the context or finish with "length"."""

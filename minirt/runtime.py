@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from .errors import BackendError, InvalidRequestError, ModelClosedError, Tokeniz
 from .generate import (Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop)
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .scheduler import EventStream, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,21 @@ class CachePool:
                 return c, 0
         return self._make(), 0
 
+    def tokens(self) -> int:
+        """Positions held by idle caches (they count against the KV budget)."""
+        with self._lock:
+            return sum(c.n_past for c in self._idle)
+
+    def evict_tokens(self, n: int) -> bool:
+        """Drop least recently used idle caches until ``n`` positions are freed; False if impossible."""
+        with self._lock:
+            freed = 0
+            while self._idle and freed < n:
+                c = self._idle.pop(0)
+                freed += c.n_past
+                c.release()
+            return freed >= n
+
     def release(self, cache: KVCache) -> None:
         with self._lock:
             self._idle.append(cache)
@@ -110,7 +128,27 @@ class GenerationHandle:
         self._cancel = threading.Event()
         self._result: Completion | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[["GenerationHandle"], Any]] = []
+        self._cb_lock = threading.Lock()
         self.thread: threading.Thread | None = None
+
+    def add_done_callback(self, fn: Callable[["GenerationHandle"], Any]) -> None:
+        """Call ``fn(handle)`` when the generation ends (at once if it already has)."""
+        with self._cb_lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _set_done(self) -> None:
+        with self._cb_lock:
+            self._event.set()
+            cbs, self._callbacks = self._callbacks, []
+        for fn in cbs:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("done callback failed")
 
     def cancel(self) -> None:
         """Ask the generation to stop; it ends within one token or one prefill chunk."""
@@ -164,6 +202,9 @@ class Model:
             self._step_lock = threading.RLock()
             self.cache_pool = CachePool(self._new_cache, max_bytes=min(_total_memory() // 8, 2 << 30))
             self._workers: set[threading.Thread] = set()
+            self._scheduler: Any = None
+            self._sched_lock = threading.Lock()
+            self._sched_opts: dict[str, Any] = {}
         except BaseException:
             self.file.close()
             raise
@@ -279,11 +320,12 @@ class Model:
         if isinstance(prompt, (bytes, bytearray)):
             raise InvalidRequestError("prompt must be str or a list of token ids, not bytes (decode it first)")
         try:
-            ids = [int(i) for i in prompt]
-        except (TypeError, ValueError):
+            items = list(prompt)
+        except TypeError:
             raise InvalidRequestError("prompt must be a string or a list of integer token ids") from None
-        if any(isinstance(i, bool) for i in prompt):
-            raise InvalidRequestError("prompt token ids must be integers")
+        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
+            raise InvalidRequestError("prompt must be a string or a list of integer token ids")
+        ids = [int(i) for i in items]
         return ids
 
     def _sequence(self, prompt_ids: list[int], *, max_tokens: int | None, stop: Any, ignore_eos: bool,
@@ -310,35 +352,107 @@ class Model:
         if not isinstance(n_keep, int) or n_keep < 0:
             raise InvalidRequestError(f"n_keep must be a non-negative integer, got {n_keep!r}")
         ids = np.asarray(prompt_ids, dtype=np.int32)
-        cache, n_reused = self.cache_pool.acquire(ids)
         if trace is not None:
             trace.prompt_ids = list(prompt_ids)
             trace.prompt_pieces = [self.tokenizer.token_to_piece(i).decode("utf-8", "replace") for i in prompt_ids]
-        return Sequence(ids, cache, sampler, self.tokenizer.stream_decoder(), self.tokenizer.eog_ids,
-                        max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
-                        context_overflow=context_overflow, n_keep=n_keep, cancel=cancel, sink=on_token,
-                        progress=progress, trace=trace, n_reused=n_reused)
+        seq = Sequence(ids, None, sampler, self.tokenizer.stream_decoder(), self.tokenizer.eog_ids,
+                       max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
+                       context_overflow=context_overflow, n_keep=n_keep, cancel=cancel, sink=None,
+                       progress=progress, trace=trace)
+        seq.user_sink = on_token  # type: ignore[attr-defined]
+        return seq
+
+    # -- the scheduler ---------------------------------------------------------------------------
+    @property
+    def scheduler(self) -> "Scheduler":
+        """The batching scheduler (started on first use)."""
+        from .scheduler import Scheduler
+
+        with self._sched_lock:
+            self._check_open()
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self, **self._sched_opts)
+            return self._scheduler
+
+    def configure_scheduler(self, **opts: Any) -> None:
+        """Set scheduler options (n_parallel, kv_budget_tokens, max_queue, prefill_chunk) before first use."""
+        with self._sched_lock:
+            if self._scheduler is not None:
+                raise InvalidRequestError("the scheduler is already running; configure it before the first request")
+            self._sched_opts.update(opts)
+
+    def default_kv_budget(self) -> int:
+        """KV positions shared by all requests by default: what fits in a quarter of RAM."""
+        return max(self.n_ctx, int(_total_memory() * KV_MEMORY_FRACTION // self.kv_bytes_per_token))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.model.cfg
+        return c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v) * 4
+
+    def attach_cache(self, seq: Sequence) -> None:
+        """Give a sequence a KV cache, reusing the longest cached prefix of its prompt."""
+        cache, n_reused = self.cache_pool.acquire(seq.prompt_ids)
+        seq.attach_cache(cache, n_reused)
+
+    def release_cache(self, seq: Sequence) -> None:
+        """Return a finished sequence's cache to the prefix cache (or free it once closed)."""
+        cache, seq.cache = seq.cache, None
+        if cache is None:
+            return
+        if self._closed:
+            cache.release()
+        else:
+            self.cache_pool.release(cache)
+
+    def _submit(self, seq: Sequence) -> "EventStream":
+        from .scheduler import EventStream
+
+        stream = EventStream()
+        seq.sink = stream.sink
+        stream.req = self.scheduler.submit(seq, stream.sink)
+        return stream
 
     def _run(self, seq: Sequence) -> Completion:
-        try:
-            while not seq.done and seq.error is None:
-                with self._step_lock:
-                    self._check_open()
-                    self.engine.step([seq])
-        except BaseException:
-            seq.finish("cancelled", notify=False)
-            raise
-        finally:
-            self._release(seq)
-        if seq.error is not None:
-            raise seq.error
-        return seq.completion()
+        """Run a sequence through the scheduler, delivering events to its callback on this thread."""
+        return self._consume(seq, self._submit(seq))
 
-    def _release(self, seq: Sequence) -> None:
-        if not self._closed:
-            self.cache_pool.release(seq.cache)
-        else:
-            seq.cache.release()
+    def _consume(self, seq: Sequence, stream: "EventStream") -> Completion:
+        """Deliver a submitted sequence's events to its callback on this thread; build the Completion."""
+        on_token = getattr(seq, "user_sink", None)
+        delivered: list[TokenEvent] = []
+        stopped = False
+        error: BaseException | None = None
+        try:
+            for ev in stream:
+                if stopped:
+                    continue  # produced after the caller said stop: never delivered
+                delivered.append(ev)
+                if on_token is None:
+                    continue
+                try:
+                    keep = on_token(ev)
+                except BaseException as e:  # a failing callback ends this request only
+                    error, stopped = e, True
+                    seq.request_stop()
+                    continue
+                if keep is False and ev.finish_reason is None:
+                    stopped = True
+                    seq.request_stop()
+        except BaseException:
+            seq.request_stop()
+            raise
+        if error is not None:
+            raise error
+        c = seq.completion()
+        if stopped:  # report exactly what the caller saw
+            n = sum(1 for e in delivered if e.token_id is not None)
+            c.token_ids, c.logprobs = c.token_ids[:n], c.logprobs[:n]
+            c.top_logprobs = c.top_logprobs[:n]
+            c.text = "".join(e.text for e in delivered)
+            c.finish_reason = "cancelled"
+            c.usage.update(completion_tokens=n, total_tokens=c.usage["prompt_tokens"] + n)
+        return c
 
     def generate(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
                  stop: str | list[str] | None = None, ignore_eos: bool = False,
@@ -368,30 +482,22 @@ class Model:
 
     def _stream_ids(self, ids: list[int], max_tokens: int | None, trace: Trace | None,
                     kw: dict[str, Any]) -> Iterator[TokenEvent]:
-        events: list[TokenEvent] = []
         opts = {k: kw.pop(k) for k in ("stop", "ignore_eos", "cancel", "progress", "context_overflow", "n_keep")
                 if k in kw}
         seq = self._sequence(ids, max_tokens=max_tokens, stop=opts.get("stop"),
-                             ignore_eos=opts.get("ignore_eos", False), on_token=events.append,
+                             ignore_eos=opts.get("ignore_eos", False), on_token=None,
                              cancel=opts.get("cancel"), progress=opts.get("progress"), trace=trace,
                              context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
                              sampling=kw)
-        return self._stream_seq(seq, events)
+        return self._stream_seq(seq)
 
-    def _stream_seq(self, seq: Sequence, events: list[TokenEvent]) -> Iterator[TokenEvent]:
+    def _stream_seq(self, seq: Sequence) -> Iterator[TokenEvent]:
+        stream = self._submit(seq)
         try:
-            while True:
-                while events:
-                    yield events.pop(0)
-                if seq.done:
-                    break
-                with self._step_lock:
-                    self._check_open()
-                    self.engine.step([seq])
+            yield from stream
         finally:
-            if not seq.done:  # the consumer broke out or the step raised
-                seq.finish("cancelled", notify=False)
-            self._release(seq)
+            if not seq.done:  # the consumer broke out: cancel at the next step
+                seq.request_stop()
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
              tools: list[dict[str, Any]] | None = None, trace: bool = False, **kw: Any) -> Completion:
@@ -457,14 +563,16 @@ class Model:
                              context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
                              sampling=kw)
 
+        stream = self._submit(seq)  # a full queue raises CapacityError here, on the caller's thread
+
         def work() -> None:
             try:
-                h._result = self._run(seq)
+                h._result = self._consume(seq, stream)
             except BaseException as e:  # delivered by result()
                 h._error = e
             finally:
-                h._event.set()
                 self._workers.discard(threading.current_thread())
+                h._set_done()
 
         t = threading.Thread(target=work, name="minirt-generate", daemon=True)
         h.thread = t
@@ -474,36 +582,28 @@ class Model:
 
     async def astream(self, prompt: str | Seq[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                       **kw: Any) -> AsyncIterator[TokenEvent]:
-        """Async iterator of :class:`TokenEvent`; generation runs on a worker thread so the event
-        loop never blocks. Leaving the loop early cancels the generation."""
+        """Async iterator of :class:`TokenEvent`; generation runs off the event loop, which never
+        blocks. Leaving the loop early cancels the generation."""
         import asyncio
 
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+        q: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
 
-        def on_token(ev: TokenEvent) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-
-        h = self.submit(prompt, messages=messages, on_token=on_token, **kw)
-
-        def waiter() -> None:
+        def post(item: TokenEvent | None) -> None:
             try:
-                h.result()
-                loop.call_soon_threadsafe(q.put_nowait, None)
-            except BaseException as e:
-                loop.call_soon_threadsafe(q.put_nowait, e)
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody listens any more
+                pass
 
-        threading.Thread(target=waiter, daemon=True).start()
+        h = self.submit(prompt, messages=messages, on_token=post, **kw)
+        h.add_done_callback(lambda _h: post(None))
         try:
             while True:
                 item = await q.get()
                 if item is None:
                     break
-                if isinstance(item, BaseException):
-                    raise item
                 yield item
-                if item.finish_reason is not None:
-                    break
+            h.result(0)  # re-raise the request's error, if any
         finally:
             if not h.done():
                 h.cancel()
@@ -545,6 +645,9 @@ class Model:
         """Release the KV caches, backend buffers and the file mapping. Idempotent."""
         if self._closed:
             return
+        sched = self._scheduler
+        if sched is not None:
+            sched.close()
         with self._step_lock:
             self._closed = True
             self.cache_pool.clear()
