@@ -107,7 +107,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, temp: float) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     llm = _load(args)
     with llm:
-        use_chat = not args.raw and llm.chat_template.available
+        use_chat = not args.raw  # every model has a template: its own or a built-in one
         cancel = threading.Event()
         out = sys.stdout
 
