@@ -12,6 +12,7 @@ several threads are safe; the model's forward passes are serialized by a lock ta
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -36,7 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-KV_MEMORY_FRACTION = 0.25  # default n_ctx: the KV cache of one full context fits in this share of RAM
+KV_MEMORY_FRACTION = 0.25
+STATE_FORMAT = "minirt-kv-state-1"  # default n_ctx: the KV cache of one full context fits in this share of RAM
 
 
 def _total_memory() -> int:
@@ -84,6 +86,11 @@ class CachePool:
                 c.clear()
                 return c, 0
         return self._make(), 0
+
+    def most_recent(self) -> KVCache | None:
+        """The idle cache released last (the latest finished conversation), if any."""
+        with self._lock:
+            return self._idle[-1] if self._idle else None
 
     def tokens(self) -> int:
         """Positions held by idle caches (they count against the KV budget)."""
@@ -205,6 +212,7 @@ class Model:
             self._scheduler: Any = None
             self._sched_lock = threading.Lock()
             self._sched_opts: dict[str, Any] = {}
+            self._fingerprint: str | None = None
         except BaseException:
             self.file.close()
             raise
@@ -639,6 +647,86 @@ class Model:
             return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created, logprobs)
         c = self.chat(messages, max_tokens, tools=tools, **kw)
         return fmt.chat_dict(self, c, cid, created, logprobs)
+
+    # -- state save / load -----------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """Identity of the model file: sha256 of its header (metadata + tensor table), its size and
+        17 slices of the tensor data spread over the file (cheap, yet differs between fine-tunes)."""
+        if self._fingerprint is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            size = os.path.getsize(self.path)
+            h.update(str(size).encode())
+            with open(self.path, "rb") as fh:
+                h.update(fh.read(self.file.data_offset))
+                span = max(size - self.file.data_offset, 1)
+                for i in range(17):
+                    fh.seek(self.file.data_offset + span * i // 17)
+                    h.update(fh.read(1 << 16))
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def save_state(self, path: str | os.PathLike[str]) -> list[int]:
+        """Save the KV cache of the most recent conversation so a later process can resume it
+        without recomputing; returns the token ids it covers. Written atomically (temp + rename)."""
+        from . import __version__
+        from .errors import StateError
+
+        self._check_open()
+        cache = self.cache_pool.most_recent()
+        if cache is None or cache.n_past == 0:
+            raise StateError("nothing to save: no finished request has left a KV cache")
+        n = cache.n_past
+        header = {"format": STATE_FORMAT, "minirt": __version__, "model": self.fingerprint(),
+                  "arch": self.arch, "n_tokens": n, "kv_dtype": str(cache.k.dtype)}
+        path = os.fspath(path)
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as fh:
+                np.savez(fh, header=np.array(json.dumps(header)), tokens=cache.tokens[:n].copy(),
+                         k=cache.k[:, :, :n], v=cache.v[:, :, :n])
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return cache.tokens[:n].tolist()
+
+    def load_state(self, path: str | os.PathLike[str]) -> list[int]:
+        """Load a state saved by :meth:`save_state` into the prefix cache: the next request whose
+        prompt starts with the saved tokens skips recomputing them. Returns those token ids."""
+        from . import __version__
+        from .errors import StateError
+
+        self._check_open()
+        try:
+            with np.load(os.fspath(path), allow_pickle=False) as z:
+                header = json.loads(str(z["header"]))
+                tokens, k, v = z["tokens"], z["k"], z["v"]
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+            raise StateError(f"{path}: not a minirt state file ({e})") from None
+        if not isinstance(header, dict) or header.get("format") != STATE_FORMAT:
+            raise StateError(f"{path}: unsupported state format {header.get('format') if isinstance(header, dict) else header!r}")
+        if header.get("model") != self.fingerprint():
+            raise StateError(f"{path}: saved from another model (fingerprint {str(header.get('model'))[:12]}…, "
+                             f"this model {self.fingerprint()[:12]}…)")
+        if header.get("minirt") != __version__:
+            raise StateError(f"{path}: saved by minirt {header.get('minirt')}, this is {__version__}")
+        cache = self._new_cache()
+        n = int(header.get("n_tokens", -1))
+        want = (cache.k.shape[0], cache.k.shape[1], n, cache.k.shape[3])
+        if not 0 < n <= cache.n_ctx or k.shape != want or v.shape[:3] != want[:3] or tokens.shape != (n,):
+            cache.release()
+            raise StateError(f"{path}: state of {n} tokens does not fit this model's cache (n_ctx {self.n_ctx})")
+        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+            cache.release()
+            raise StateError(f"{path}: token ids out of range")
+        cache.k[:, :, :n] = k
+        cache.v[:, :, :n] = v
+        cache.tokens[:n] = tokens
+        cache.n_past = n
+        self.cache_pool.release(cache)
+        return tokens.tolist()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
