@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -38,7 +39,6 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
-MAX_ALIGNMENT = 1 << 16
 MAX_ARRAY_DEPTH = 4  # arrays of arrays are legal; a bound keeps recursion finite
 
 # GGUF value types: id -> (name, numpy dtype or None for string/array)
@@ -57,13 +57,23 @@ _SCALAR_DTYPES: dict[int, np.dtype] = {
     _VT_INT64: np.dtype("<i8"),
     _VT_FLOAT64: np.dtype("<f8"),
 }
-_STRUCT = {vt: struct.Struct("<" + dt.char) for vt, dt in _SCALAR_DTYPES.items()}
+# Explicit struct codes: numpy's dtype.char for 64-bit ints is the platform "l"/"L", which
+# struct's standard ("<") sizes read as 4 bytes.
+_STRUCT = {vt: struct.Struct("<" + c) for vt, c in {
+    _VT_UINT8: "B", _VT_INT8: "b", _VT_UINT16: "H", _VT_INT16: "h", _VT_UINT32: "I", _VT_INT32: "i",
+    _VT_FLOAT32: "f", _VT_BOOL: "B", _VT_UINT64: "Q", _VT_INT64: "q", _VT_FLOAT64: "d"}.items()}
+assert all(_STRUCT[vt].size == dt.itemsize for vt, dt in _SCALAR_DTYPES.items())
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 VALUE_TYPE_NAMES = {
     0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32",
     7: "BOOL", 8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64",
 }
+
+
+def _q(s: str, limit: int = 64) -> str:
+    """``repr`` of a key or tensor name for messages, cut short: a hostile name can be file-sized."""
+    return repr(s) if len(s) <= limit else f"{s[:limit]!r}...({len(s)} chars)"
 
 
 @dataclass(eq=False)
@@ -122,6 +132,9 @@ class GGUFFile:
         self.data_offset = 0
         self._mm: mmap.mmap | None = None
         try:
+            # A FIFO or device would block or never end: only regular files are mapped.
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                raise GGUFError(f"{self.path}: not a regular file")
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         except OSError as e:
             raise GGUFError(f"cannot open GGUF file {self.path!r}: {e.strerror}") from e
@@ -243,59 +256,74 @@ class _Parser:
             hint = " (looks big-endian)" if (version & 0xFFFF) == 0 and version else ""
             raise self.fail("version", 4, f"unsupported GGUF version {version}{hint}; supported: 2, 3")
         f.version = version
-        at = self.pos
         n_tensors = self.u64("tensor_count")
-        if n_tensors > (self.size - self.pos) // 24:  # each tensor info takes >= 24 bytes
-            raise self.fail("tensor_count", at, f"absurd count {n_tensors} for a {self.size}-byte file")
-        at = self.pos
         n_kv = self.u64("metadata_kv_count")
-        if n_kv > (self.size - self.pos) // 13:  # key length (8) + type (4) + >= 1 byte of value
-            raise self.fail("metadata_kv_count", at, f"absurd count {n_kv} for a {self.size}-byte file")
+        # Counts are checked against the bytes that follow before any loop runs, so a corrupt
+        # count fails here naming the count (a tensor info takes >= 32 bytes: name length 8,
+        # n_dims 4, one dim 8, type 4, offset 8; a key/value >= 13: key length 8, type 4, 1 byte).
+        left = self.size - self.pos
+        if n_tensors * 32 > left:
+            raise self.fail("tensor_count", 8, f"{n_tensors} tensor infos need at least {n_tensors * 32} bytes, "
+                            f"only {left} follow the header (corrupt count or truncated file)")
+        if n_kv * 13 > left:
+            raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values need at least {n_kv * 13} bytes, "
+                            f"only {left} follow the header (corrupt count or truncated file)")
 
         md, mtypes = f.metadata, f.metadata_types
+        value_at: dict[str, int] = {}  # key -> byte offset of its value, for later error messages
         for i in range(n_kv):
             kat = self.pos
             key = self.string(f"metadata[{i}].key")
             if key in md:
-                raise self.fail(f"metadata key {key!r}", kat, "duplicate key")
+                raise self.fail(f"metadata key {_q(key)}", kat, "duplicate key")
+            label = f"metadata[{_q(key)}]"
             tat = self.pos
-            vt = self.u32(f"metadata[{key!r}].type")
-            md[key], mtypes[key] = self.value(vt, f"metadata[{key!r}]", tat, 0)
+            vt = self.u32(label + ".type")
+            value_at[key] = self.pos
+            md[key], mtypes[key] = self.value(vt, label, tat, 0)
 
         align = md.get("general.alignment", DEFAULT_ALIGNMENT)
         if "general.alignment" in md:
-            if mtypes["general.alignment"] != "UINT32" or align <= 0 or align & (align - 1) or align > MAX_ALIGNMENT:
-                raise self.fail("general.alignment", 0, f"invalid alignment {align!r} (a power of two UINT32 is required)")
+            # Same rule as ggml: a non-zero power of two stored as UINT32.
+            if mtypes["general.alignment"] != "UINT32" or align <= 0 or align & (align - 1):
+                raise self.fail("metadata['general.alignment']", value_at["general.alignment"],
+                                f"invalid alignment {repr(align)[:64]} of type {mtypes['general.alignment']} "
+                                "(a non-zero power of two UINT32 is required)")
         f.alignment = int(align)
 
         infos = []
+        names: set[str] = set()
         for i in range(n_tensors):
             nat = self.pos
             name = self.string(f"tensor[{i}].name")
+            if name in names:
+                raise self.fail(f"tensor name {_q(name)}", nat, "duplicate tensor name")
+            names.add(name)
+            tn = f"tensor {_q(name)}"
             dat = self.pos
-            n_dims = self.u32(f"tensor {name!r} n_dims")
+            n_dims = self.u32(tn + " n_dims")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise self.fail(f"tensor {name!r} n_dims", dat, f"{n_dims} dimensions (1..{MAX_DIMS} allowed)")
-            self.need(8 * n_dims, f"tensor {name!r} dims")
+                raise self.fail(tn + " n_dims", dat, f"{n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            self.need(8 * n_dims, tn + " dims")
             ne = [int(v) for v in np.frombuffer(self.buf, "<u8", n_dims, self.pos)]
             self.pos += 8 * n_dims
             n_el = 1
             for d in ne:
                 n_el *= d
             if any(d >= 1 << 62 for d in ne) or n_el >= 1 << 62:
-                raise self.fail(f"tensor {name!r} dims", dat + 4, f"dimensions {ne} overflow")
+                raise self.fail(tn + " dims", dat + 4, f"dimensions {ne} overflow")
             tat = self.pos
-            tid = self.u32(f"tensor {name!r} type")
+            tid = self.u32(tn + " type")
             gt = GGML_TYPES.get(tid)
             if gt is None:
-                raise self.fail(f"tensor {name!r} type", tat, f"unknown ggml type id {tid}")
+                raise self.fail(tn + " type", tat, f"unknown ggml type id {tid}")
             if ne[0] % gt.block_size:
-                raise self.fail(f"tensor {name!r} dims", dat + 4,
+                raise self.fail(tn + " dims", dat + 4,
                                 f"row length {ne[0]} is not a multiple of the {gt.name} block size {gt.block_size}")
             oat = self.pos
-            off = self.u64(f"tensor {name!r} offset")
+            off = self.u64(tn + " offset")
             if off % f.alignment:
-                raise self.fail(f"tensor {name!r} offset", oat, f"offset {off} not aligned to {f.alignment}")
+                raise self.fail(tn + " offset", oat, f"offset {off} not aligned to {f.alignment}")
             nbytes = n_el // gt.block_size * gt.type_size
             infos.append((name, nat, gt, tuple(reversed(ne)), off, oat, nbytes))
 
@@ -304,19 +332,29 @@ class _Parser:
             raise self.fail("tensor data", self.pos, "file ends before the aligned start of tensor data")
         f.data_offset = data_start
         avail = self.size - data_start
-        for name, nat, gt, shape, off, oat, nbytes in infos:
-            if name in f.tensors:
-                raise self.fail(f"tensor name {name!r}", nat, "duplicate tensor name")
+        for name, _nat, gt, shape, off, oat, nbytes in infos:
             if off > avail or nbytes > avail - off:
-                raise self.fail(f"tensor {name!r} data", oat,
-                                f"{nbytes} bytes at data offset {off} run past end of file ({avail} data bytes)")
+                raise self.fail(f"tensor {_q(name)} data", oat,
+                                f"{nbytes} bytes ({gt.name} {list(shape)}) at file offset {data_start + off} "
+                                f"run past the end of the {self.size}-byte file")
             f.tensors[name] = GGUFTensor(name, gt, shape, data_start + off, nbytes, f)
-        # Dims that disagree with the byte layout show up as one tensor running into the next.
+        # The format allows any aligned, non-overlapping layout, so dims that claim more bytes
+        # than a tensor's slot show up as it running into the next tensor.
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in f.tensors.values() if t.nbytes)
         for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
             if e0 > s1:
-                raise self.fail(f"tensor {n0!r} data", s0,
-                                f"{e0 - s0} bytes implied by its shape overlap tensor {n1!r} at byte {s1}")
+                raise self.fail(f"tensor {_q(n0)} data", s0,
+                                f"{e0 - s0} bytes implied by its shape overlap tensor {_q(n1)} at byte {s1}")
+        # ggml itself (llama.cpp) also requires the tensors back to back in table order, each
+        # padded to the alignment; a file with gaps opens here but would not load there.
+        expect = 0
+        for t in f.tensors.values():
+            if t.offset - data_start != expect:
+                log.warning("%s: tensor %s starts at data offset %d, ggml expects %d (gaps or reordering "
+                            "between tensors; llama.cpp would refuse this file)", f.path, _q(t.name),
+                            t.offset - data_start, expect)
+                break
+            expect += -(-t.nbytes // f.alignment) * f.alignment
 
     def value(self, vt: int, what: str, at: int, depth: int) -> tuple[Any, str]:
         """Read one value of GGUF type ``vt``; returns (python value, type name)."""
@@ -364,21 +402,49 @@ class _Parser:
         raise self.fail(what + " type", at, f"unknown value type {vt}")
 
     def string_array(self, n: int, what: str) -> list[str]:
-        """``n`` length-prefixed strings; the hot loop of opening a vocabulary."""
-        buf, pos, size = self.buf, self.pos, self.size
+        """``n`` length-prefixed strings: the hot loop of opening a vocabulary (150k-262k entries).
+
+        The fast path trusts each length and checks the end position once after the loop:
+        positions only grow, so an overrun anywhere either leaves the end past the file or makes
+        a later length read fail; mmap slices past the end are merely short, and each overrun
+        slice is bounded by the file. Any doubt (an overrun, invalid UTF-8) re-reads the array
+        with :meth:`_string_array_checked`, which names the offending element and its offset.
+        """
+        buf, pos = self.buf, self.pos
         unpack = _U64.unpack_from
-        out: list[str] = [""] * n
+        out: list[str] = [""] * n  # n <= bytes left // 8: never more slots than the file holds
         try:
             for i in range(n):
                 (ln,) = unpack(buf, pos)
                 pos += 8
                 end = pos + ln
-                if end > size:
-                    raise self.fail(f"{what}[{i}]", pos - 8, f"string length {ln} runs past end of file")
-                out[i] = buf[pos:end].decode("utf-8", "surrogateescape")
+                out[i] = buf[pos:end].decode()  # strict UTF-8, the fastest decode call
                 pos = end
-        except struct.error:
-            raise self.fail(f"{what}[{i}]", pos, "truncated string length") from None
+        except (struct.error, OverflowError, UnicodeDecodeError):
+            pos = -1
+        if 0 <= pos <= self.size:
+            self.pos = pos
+            return out
+        del out
+        return self._string_array_checked(n, what)
+
+    def _string_array_checked(self, n: int, what: str) -> list[str]:
+        """Slow path of :meth:`string_array`: bound check per element, invalid UTF-8 kept."""
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = _U64.unpack_from
+        out: list[str] = [""] * n
+        for i in range(n):
+            if pos + 8 > size:
+                raise self.fail(f"{what}[{i}] length", pos, f"truncated: needs 8 bytes, file has {size - pos} left")
+            (ln,) = unpack(buf, pos)
+            pos += 8
+            end = pos + ln
+            if end > size:
+                raise self.fail(f"{what}[{i}]", pos - 8,
+                                f"string length {ln} exceeds the {size - pos} bytes left")
+            # surrogateescape keeps invalid UTF-8 (raw-byte tokens) round-trippable.
+            out[i] = buf[pos:end].decode("utf-8", "surrogateescape")
+            pos = end
         self.pos = pos
         return out
 

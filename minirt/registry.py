@@ -122,9 +122,10 @@ def status(name: str) -> str:
 def verify(name: str, progress: ProgressFn | None = None) -> bool:
     """Hash the cached file; on success record a stamp (size + mtime) so later loads skip the hash."""
     e, p = entry(name), cached_path(name)
-    if not p.is_file() or p.stat().st_size != e.size:
-        return False
-    if _sha256_file(p, progress) != e.sha256:
+    if not p.is_file() or p.stat().st_size != e.size or _sha256_file(p, progress) != e.sha256:
+        # A stale stamp (the file changed behind an unchanged size and mtime) must not keep
+        # vouching for it.
+        _stamp_path(p).unlink(missing_ok=True)
         return False
     st = p.stat()
     _stamp_path(p).write_text(f"{e.sha256} {st.st_size} {st.st_mtime_ns}\n")
@@ -223,10 +224,13 @@ def copy_into_cache(name: str, src: Path) -> Path:
     e, dest = entry(name), cached_path(name)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + f".partial-{os.getpid()}")
-    shutil.copyfile(src, tmp)
-    if _sha256_file(tmp) != e.sha256:
-        tmp.unlink()
-        raise RegistryError(f"{src} is not {name!r} (sha256 mismatch)")
-    os.replace(tmp, dest)
-    verify(name)
+    try:
+        shutil.copyfile(src, tmp)
+        if _sha256_file(tmp) != e.sha256:
+            raise RegistryError(f"{src} is not {name!r} (sha256 mismatch)")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already after a successful rename
+    st = dest.stat()  # hashed above: stamp it without hashing again
+    _stamp_path(dest).write_text(f"{e.sha256} {st.st_size} {st.st_mtime_ns}\n")
     return dest
