@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("--no-peer", action="store_true", help="do not run llama.cpp")
     p.add_argument("--json", help="also write results to this file")
+    from .bench import add_arguments as _bench_args
+
+    _bench_args(p, model_args=False)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="describe a GGUF file or registry model")

@@ -83,7 +83,7 @@ class NativeBackend:
     def __init__(self, threads: int | None = None) -> None:
         from . import native
 
-        native.load()  # raises BackendError with the reason when unavailable
+        native._load()  # raises BackendError with the reason when the kernels cannot be built or loaded
         self._mod = native
         self.threads = threads
 
