@@ -8,7 +8,8 @@ across tokens. The text it emits, concatenated with :meth:`StreamDecoder.finish`
 ``tokenizer.decode(all ids)``:
 
 * the leading space of the first piece is dropped when the vocabulary has ``add_space_prefix``
-  (llama.cpp's detokenizer does the same, so ``"▁Hello"`` streams as ``"Hello"``);
+  (llama.cpp's detokenizer does the same, so ``"▁Hello"`` streams as ``"Hello"``) — except for
+  generated text, which continues a prompt (``continuation=True``) and keeps it;
 * where llama.cpp cleans spaces before punctuation (``clean_spaces``, some BPE pre-tokenizers) the
   same cleaning is applied, holding back only the few characters a later token could still change;
 * bytes that can never form a character become U+FFFD, exactly where the one-shot decode puts them.
@@ -52,10 +53,11 @@ class StreamDecoder:
     ``reset()`` starts a new sequence. ``"".join(pushes) + finish() == tokenizer.decode(ids)``.
     """
 
-    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False) -> None:
+    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False, continuation: bool = False) -> None:
         self._tok = tokenizer
         self._skip = skip_special
-        self._strip_first = tokenizer.add_space_prefix
+        # text that continues a prompt keeps its leading space (" Paris" after "... is")
+        self._strip_first = tokenizer.add_space_prefix and not continuation
         self._clean = tokenizer.clean_spaces
         self.reset()
 

@@ -41,7 +41,15 @@ class ContextOverflowError(MinirtError, ValueError):
 
 
 class CapacityError(MinirtError, RuntimeError):
-    """The KV-cache budget and the waiting queue are full: the request is refused, retry later."""
+    """The KV-cache budget and the waiting queue are full: the request is refused.
+
+    ``retryable`` is True when waiting may help (busy) and False when the request can never fit
+    the budget (lower max_tokens or raise the budget).
+    """
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class ModelClosedError(MinirtError, RuntimeError):

@@ -363,7 +363,7 @@ class Model:
         if trace is not None:
             trace.prompt_ids = list(prompt_ids)
             trace.prompt_pieces = [self.tokenizer.token_to_piece(i).decode("utf-8", "replace") for i in prompt_ids]
-        seq = Sequence(ids, None, sampler, self.tokenizer.stream_decoder(), self.tokenizer.eog_ids,
+        seq = Sequence(ids, None, sampler, self.tokenizer.stream_decoder(continuation=True), self.tokenizer.eog_ids,
                        max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
                        context_overflow=context_overflow, n_keep=n_keep, cancel=cancel, sink=None,
                        progress=progress, trace=trace)

@@ -65,7 +65,7 @@ class Scheduler:
         reserve = min(len(seq.prompt_ids) + seq.max_tokens, self.model.n_ctx)
         if reserve > self.kv_budget_tokens:
             raise CapacityError(f"request needs {reserve} KV positions but the whole budget is "
-                                f"{self.kv_budget_tokens}; lower max_tokens or raise the budget")
+                                f"{self.kv_budget_tokens}; lower max_tokens or raise the budget", retryable=False)
         req = Request(seq, reserve, sink)
         with self._cv:
             if self._stop:

@@ -840,11 +840,12 @@ class Tokenizer:
         """True when ``token_id`` ends generation (member of :attr:`eog_ids`)."""
         return token_id in self.eog_ids
 
-    def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
-        """An incremental decoder: ``push(id) -> str`` deltas that add up to :meth:`decode`."""
+    def stream_decoder(self, skip_special: bool = False, continuation: bool = False) -> "StreamDecoder":
+        """An incremental decoder: ``push(id) -> str`` deltas that add up to :meth:`decode`
+        (``continuation=True`` for text that follows a prompt: its leading space is kept)."""
         from .detokenizer import StreamDecoder
 
-        return StreamDecoder(self, skip_special=skip_special)
+        return StreamDecoder(self, skip_special=skip_special, continuation=continuation)
 
     def __len__(self) -> int:
         return self.n_vocab

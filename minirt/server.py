@@ -1,0 +1,914 @@
+"""OpenAI-compatible HTTP server: step 1 of the pipeline for HTTP clients (``minirt serve``).
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with ``stream``: SSE
+``data: {...}`` chunks ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``
+and ``GET /health``. Responses have the shapes the official ``openai`` client parses.
+
+Every request goes through the model's continuous-batching scheduler (``Model.submit``); the
+event loop never runs a forward pass, never tokenizes (that happens on a worker thread) and only
+relays :class:`minirt.generate.TokenEvent` objects as they arrive. A client that disconnects
+cancels its generation at the next scheduler step, streaming or not.
+
+Failure mapping (OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}``):
+bad request → 400, missing/wrong API key → 401, unknown model or route → 404, body over the size
+limit → 413, KV budget and queue full → 503 with ``Retry-After``, anything unexpected → 500 for
+that request only; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
+
+from . import __version__
+from . import openai_format as fmt
+from .errors import (CapacityError, ContextOverflowError, InvalidRequestError, MinirtError, ModelClosedError,
+                     TemplateError, TokenizerError)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .generate import Completion, TokenEvent
+    from .runtime import GenerationHandle, Model
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20  # request bodies larger than this get 413
+RETRY_AFTER_S = 1  # Retry-After on 503 when the scheduler is full
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOP_LOGPROBS = 20
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _require_server_deps() -> None:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise MinirtError(f"the HTTP server needs starlette and uvicorn ({e}); "
+                          f"install them with: pip install 'minirt[server]'") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------
+class HTTPError(Exception):
+    """An error answered with an OpenAI-shaped JSON body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_for(exc: BaseException) -> HTTPError:
+    """The HTTP answer for an exception raised while handling a request."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, CapacityError):
+        return HTTPError(503, str(exc), type="server_error", code="server_busy",
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, ModelClosedError):
+        return HTTPError(503, str(exc), type="server_error", code="model_closed")
+    if isinstance(exc, ContextOverflowError):
+        return HTTPError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, (InvalidRequestError, TemplateError, TokenizerError)):
+        return HTTPError(400, str(exc), code="invalid_value")
+    return HTTPError(500, f"internal server error ({type(exc).__name__}); the request was not completed",
+                     type="server_error", code="internal_error")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _error_response(err: HTTPError) -> Any:
+    from starlette.responses import Response
+
+    return Response(_json_bytes(err.body()), status_code=err.status, media_type="application/json",
+                    headers=err.headers)
+
+
+def _finite(x: float) -> float:
+    # JSON has no -Infinity: a token with probability 0 gets a very negative finite logprob
+    return x if math.isfinite(x) else -9999.0
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return _finite(obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# request parsing
+# ----------------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt_int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" in [{lo if lo is not None else '-∞'}, {hi if hi is not None else '∞'}]"
+        raise HTTPError(400, f"'{name}' must be an integer{rng}, got {v!r}", param=name, code="invalid_value")
+    return v
+
+
+def _opt_num(body: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise HTTPError(400, f"'{name}' must be a number in [{lo}, {hi}], got {v!r}", param=name, code="invalid_value")
+    return float(v)
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise HTTPError(400, f"'{name}' must be a boolean, got {v!r}", param=name, code="invalid_type")
+    return v
+
+
+@dataclass
+class ParsedRequest:
+    """A validated chat or completion request, ready for :meth:`Model.submit`."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    echo: bool = False
+    want_logprobs: bool = False
+    max_tokens: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # stop, ignore_eos and sampling keywords
+
+
+def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
+    req = ParsedRequest(kind=kind, model=model)
+    stream = _opt_bool(body, "stream")
+    req.stream = bool(stream)
+    so = body.get("stream_options")
+    if so is not None:
+        if not req.stream:
+            raise HTTPError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if not isinstance(so, dict):
+            raise HTTPError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+        req.include_usage = bool(_opt_bool(so, "include_usage"))
+    n = _opt_int(body, "n", 1)
+    if n is not None and n != 1:
+        raise HTTPError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_value")
+    best_of = _opt_int(body, "best_of", 1)
+    if best_of is not None and best_of != 1:
+        raise HTTPError(400, f"only best_of=1 is supported, got {best_of}", param="best_of", code="unsupported_value")
+    mt = _opt_int(body, "max_completion_tokens", 1)
+    if mt is None:
+        mt = _opt_int(body, "max_tokens", 1)
+    req.max_tokens = mt
+    o = req.options
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
+                         ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0), ("typical_p", 0.0, 1.0),
+                         ("repeat_penalty", 0.0, 100.0)):
+        v = _opt_num(body, name, lo, hi)
+        if v is not None:
+            o[name] = v
+    top_k = _opt_int(body, "top_k", 0)
+    if top_k is not None:
+        o["top_k"] = top_k
+    seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
+    if seed is not None:
+        o["seed"] = seed
+    ignore_eos = _opt_bool(body, "ignore_eos")
+    if ignore_eos:
+        o["ignore_eos"] = True
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise HTTPError(400, "'stop' must be a string or a list of at most 16 strings", param="stop",
+                            code="invalid_value")
+        o["stop"] = [s for s in stop if s]
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise HTTPError(400, "'logit_bias' must be an object mapping token ids to numbers", param="logit_bias",
+                            code="invalid_type")
+        clean: dict[int, float] = {}
+        for k, v in bias.items():
+            try:
+                tid = int(k)
+            except (TypeError, ValueError):
+                raise HTTPError(400, f"logit_bias key {k!r} is not a token id", param="logit_bias",
+                                code="invalid_value") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise HTTPError(400, f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}",
+                                param="logit_bias", code="invalid_value")
+            clean[tid] = float(v)
+        if clean:
+            o["logit_bias"] = clean
+    tools = body.get("tools") or body.get("functions")
+    if tools:
+        raise HTTPError(400, "tool and function calling are not supported by this server", param="tools",
+                        code="unsupported_value")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise HTTPError(400, "only response_format {'type': 'text'} is supported", param="response_format",
+                        code="unsupported_value")
+    return req
+
+
+def _message_content(i: int, content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise HTTPError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
+                                param=f"messages[{i}].content", code="unsupported_value")
+        return "".join(parts)
+    raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
+                    param=f"messages[{i}].content", code="invalid_type")
+
+
+def parse_chat(body: dict[str, Any], model: str) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body (raises :class:`HTTPError` naming the bad field)."""
+    req = _parse_common(body, "chat", model)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise HTTPError(400, "'messages' must be a non-empty list of messages", param="messages",
+                        code="invalid_value" if isinstance(msgs, list) else "missing_required_parameter")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise HTTPError(400, f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise HTTPError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}",
+                            param=f"messages[{i}].role", code="invalid_value")
+        msg = {"role": "system" if role == "developer" else role, "content": _message_content(i, m.get("content"))}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    req.messages = out
+    lp = _opt_bool(body, "logprobs")
+    top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not lp:
+        raise HTTPError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    req.want_logprobs = bool(lp)
+    if req.want_logprobs:
+        req.options["top_logprobs"] = top or 0
+    return req
+
+
+def parse_completion(body: dict[str, Any], model: str) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body (raises :class:`HTTPError` naming the bad field)."""
+    req = _parse_common(body, "completion", model)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one prompt
+    if isinstance(p, str):
+        if not p:
+            raise HTTPError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        pass
+    elif p is None:
+        raise HTTPError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    else:
+        raise HTTPError(400, "'prompt' must be a string, a list of token ids, or a list holding one of those "
+                             "(several prompts per request are not supported)", param="prompt", code="invalid_value")
+    req.prompt = p
+    lp = _opt_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    if lp is not None:
+        req.want_logprobs = True
+        req.options["top_logprobs"] = lp
+    req.echo = bool(_opt_bool(body, "echo"))
+    if req.echo and req.want_logprobs:
+        raise HTTPError(400, "'echo' together with 'logprobs' is not supported", param="echo",
+                        code="unsupported_value")
+    if body.get("suffix"):
+        raise HTTPError(400, "'suffix' is not supported", param="suffix", code="unsupported_value")
+    if req.max_tokens is None:
+        req.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    return req
+
+
+# ----------------------------------------------------------------------------------------------
+# response formatting (on top of minirt.openai_format)
+# ----------------------------------------------------------------------------------------------
+def _usage(c: "Completion") -> dict[str, Any]:
+    u: dict[str, Any] = {k: c.usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    u["prompt_tokens_details"] = {"cached_tokens": int(c.usage.get("cached_tokens", 0))}
+    return u
+
+
+class _ChunkMaker:
+    """Turns one request's TokenEvents into OpenAI stream chunk dicts."""
+
+    def __init__(self, llm: "Model", req: ParsedRequest, cid: str, created: int) -> None:
+        self.llm, self.req, self.cid, self.created = llm, req, cid, created
+        self.offset = 0
+        self.started = False
+
+    def _base(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        d: dict[str, Any] = {"id": self.cid, "object": obj, "created": self.created, "model": self.req.model,
+                             "system_fingerprint": f"minirt-{__version__}"}
+        if self.req.include_usage:
+            d["usage"] = None
+        return d
+
+    def _chat(self, delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
+        d = self._base()
+        d["choices"] = [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+        return d
+
+    def _text(self, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
+        d = self._base()
+        d["choices"] = [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]
+        return d
+
+    def first(self, echo: str = "") -> list[dict[str, Any]]:
+        """Chunks sent before any token: the assistant role (chat) or the echoed prompt."""
+        if self.req.kind == "chat":
+            return [self._chat({"role": "assistant", "content": ""}, None)]
+        if echo:
+            self.offset += len(echo)
+            return [self._text(echo, None)]
+        return []
+
+    def event(self, ev: "TokenEvent") -> list[dict[str, Any]]:
+        llm, want = self.llm, self.req.want_logprobs
+        has_lp = want and ev.token_id is not None and ev.logprob is not None
+        if self.req.kind == "chat":
+            if ev.finish_reason is not None:
+                out = [self._chat({"content": ev.text}, None)] if ev.text else []
+                return out + [self._chat({}, ev.finish_reason)]
+            if not ev.text and not has_lp:
+                return []
+            lp = None
+            if has_lp:
+                lp = _clean({"content": fmt.chat_logprobs_content(llm, [ev.token_id], [ev.logprob],
+                                                                  [ev.top_logprobs or []])})
+            return [self._chat({"content": ev.text}, None, lp)]
+        lp = None
+        if has_lp:
+            piece = fmt._piece(llm, ev.token_id)
+            top = ([{fmt._piece(llm, i): l for i, l in ev.top_logprobs}]
+                   if self.req.options.get("top_logprobs") and ev.top_logprobs is not None else None)
+            lp = _clean({"tokens": [piece], "token_logprobs": [ev.logprob], "top_logprobs": top,
+                         "text_offset": [self.offset]})
+        if not ev.text and lp is None and ev.finish_reason is None:
+            return []
+        self.offset += len(ev.text)
+        return [self._text(ev.text, ev.finish_reason, lp)]
+
+    def usage(self, c: "Completion") -> dict[str, Any]:
+        d = self._base()
+        d["choices"] = []
+        d["usage"] = _usage(c)
+        return d
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _json_bytes(obj) + b"\n\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# the app
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ServerState:
+    """What the app knows about its requests (read by tests, /health and the load benchmark)."""
+
+    llm: "Model"
+    model_id: str
+    aliases: frozenset[str]
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    default_max_tokens: int | None = None
+    active: dict[str, "GenerationHandle"] = field(default_factory=dict)
+    requests: int = 0
+    disconnects: int = 0
+    errors: int = 0
+    refused: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def track(self, rid: str, h: "GenerationHandle") -> None:
+        with self.lock:
+            self.active[rid] = h
+
+        def done(_h: Any) -> None:
+            with self.lock:
+                self.active.pop(rid, None)
+
+        h.add_done_callback(done)
+
+
+def model_id_for(llm: "Model") -> str:
+    """The id clients use for the loaded model: its registry name, else its file name."""
+    from . import registry
+
+    return llm.name if llm.name in registry.MODELS else Path(llm.path).name
+
+
+def _aliases(llm: "Model", model_id: str) -> frozenset[str]:
+    from . import registry
+
+    p = Path(llm.path)
+    names = {model_id, llm.name, p.name, p.stem, str(p)}
+    for name in registry.MODELS:
+        try:
+            if registry.cached_path(name).resolve() == p.resolve():
+                names.add(name)
+        except (OSError, MinirtError):
+            pass
+    return frozenset(names)
+
+
+def build_app(llm: "Model", api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
+              default_max_tokens: int | None = None, model_id: str | None = None) -> Any:
+    """The ASGI app serving ``llm``.
+
+    ``api_key``: when set, every ``/v1`` route requires ``Authorization: Bearer <api_key>``
+    (``/health`` stays open). ``default_max_tokens``: chat requests without ``max_tokens`` generate
+    at most this many tokens (None: until end-of-generation or the context / KV budget is full).
+    ``app.state.minirt`` is the :class:`ServerState`.
+    """
+    _require_server_deps()
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    mid = model_id or model_id_for(llm)
+    state = ServerState(llm=llm, model_id=mid, aliases=_aliases(llm, mid), api_key=api_key or None,
+                        max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
+
+    def endpoint(fn: Callable[[Request], Awaitable[Any]], auth: bool = True) -> Callable[[Request], Awaitable[Any]]:
+        async def wrapped(request: Request) -> Any:
+            try:
+                if auth and state.api_key is not None:
+                    _check_auth(request, state.api_key)
+                return await fn(request)
+            except Exception as e:  # one request's failure never takes the server down
+                err = error_for(e)
+                if err.status >= 500 and err.status != 503:
+                    state.errors += 1
+                    log.exception("request to %s failed", request.url.path)
+                elif err.status == 503:
+                    state.refused += 1
+                return _error_response(err)
+        return wrapped
+
+    async def health(request: Request) -> Any:
+        if llm.closed:
+            return JSONResponse({"status": "error", "error": "the model is closed"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": mid, "scheduler": llm.scheduler.stats(),
+                             "requests": state.requests, "active": len(state.active),
+                             "disconnects": state.disconnects, "refused": state.refused, "errors": state.errors})
+
+    def model_card() -> dict[str, Any]:
+        try:
+            created = int(os.path.getmtime(llm.path))
+        except OSError:
+            created = 0
+        return {"id": mid, "object": "model", "created": created, "owned_by": "minirt",
+                "meta": {"arch": llm.arch, "n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab, "device": llm.device}}
+
+    async def models(request: Request) -> Any:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model_get(request: Request) -> Any:
+        name = request.path_params["model"]
+        if name not in state.aliases:
+            raise _unknown_model(name, mid)
+        return JSONResponse(model_card())
+
+    async def chat_completions(request: Request) -> Any:
+        body = await _read_json(request, state.max_body_bytes)
+        return await _generate(request, state, parse_chat(body, _check_model(body, state)))
+
+    async def completions(request: Request) -> Any:
+        body = await _read_json(request, state.max_body_bytes)
+        return await _generate(request, state, parse_completion(body, _check_model(body, state)))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+               else str(exc.detail))
+        return _error_response(HTTPError(exc.status_code, msg, code=code))
+
+    routes = [
+        Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint(model_get), methods=["GET"]),
+        Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        # the same routes without the /v1 prefix, as llama-server and llama-cpp-python serve them
+        Route("/models", endpoint(models), methods=["GET"]),
+        Route("/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/completions", endpoint(completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={StarletteHTTPException: http_error})
+    app.state.minirt = state
+    return app
+
+
+def _check_auth(request: Any, api_key: str) -> None:
+    got = request.headers.get("authorization", "")
+    scheme, _, token = got.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise HTTPError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _unknown_model(name: str, mid: str) -> HTTPError:
+    return HTTPError(404, f"the model {name!r} does not exist on this server; it serves {mid!r}",
+                     param="model", code="model_not_found")
+
+
+def _check_model(body: dict[str, Any], state: ServerState) -> str:
+    name = body.get("model")
+    if name is None or name == "":
+        return state.model_id
+    if not isinstance(name, str):
+        raise HTTPError(400, f"'model' must be a string, got {name!r}", param="model", code="invalid_type")
+    if name not in state.aliases:
+        raise _unknown_model(name, state.model_id)
+    return name
+
+
+async def _read_json(request: Any, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, refusing bodies over ``limit`` bytes before reading them."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            n = int(cl)
+        except ValueError:
+            raise HTTPError(400, "invalid Content-Length header") from None
+        if n > limit:
+            raise HTTPError(413, f"request body of {n} bytes exceeds the {limit}-byte limit",
+                            code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # chunked bodies have no Content-Length: count as they arrive
+            raise HTTPError(413, f"request body exceeds the {limit}-byte limit", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
+                        on_token: Callable[["TokenEvent"], Any] | None) -> tuple["GenerationHandle", str]:
+    """Tokenize, pick max_tokens, submit (runs on a worker thread: tokenizing a long prompt must
+    not stall the event loop). Returns the handle and the echo prefix."""
+    echo = ""
+    if req.kind == "chat":
+        ids = llm._chat_prompt(req.messages or [], None, None)
+    elif isinstance(req.prompt, str):
+        ids = llm.tokenize(req.prompt)
+        echo = req.prompt if req.echo else ""
+    else:
+        ids = list(req.prompt or [])
+        if req.echo:
+            echo = llm.detokenize(ids)
+    if len(ids) >= llm.n_ctx:
+        raise HTTPError(400, f"the prompt has {len(ids)} tokens but the context holds {llm.n_ctx} (one position "
+                             f"must stay free to generate); shorten it", code="context_length_exceeded",
+                        param="messages" if req.kind == "chat" else "prompt")
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        # until end-of-generation, the end of the context, or what the KV budget can ever hold
+        room = min(llm.n_ctx, llm.scheduler.kv_budget_tokens) - len(ids)
+        max_tokens = max(1, room)
+        if state.default_max_tokens:
+            max_tokens = min(max_tokens, state.default_max_tokens)
+    need, budget = min(len(ids) + max_tokens, llm.n_ctx), llm.scheduler.kv_budget_tokens
+    if len(ids) < llm.n_ctx and need > budget:  # could never run: retrying would not help, so not a 503
+        raise HTTPError(400, f"the request needs {need} KV-cache positions ({len(ids)} prompt + {max_tokens} "
+                             f"max_tokens) but the server's whole KV budget is {budget}; lower max_tokens",
+                        param="max_tokens", code="kv_budget_exceeded")
+    try:
+        h = llm.submit(ids, on_token=on_token, max_tokens=max_tokens, **req.options)
+    except ContextOverflowError as e:
+        raise HTTPError(400, str(e), param="messages" if req.kind == "chat" else "prompt",
+                        code="context_length_exceeded") from e
+    return h, echo
+
+
+async def _start(loop: asyncio.AbstractEventLoop, llm: "Model", state: ServerState, req: ParsedRequest,
+                 on_token: Callable[["TokenEvent"], Any] | None) -> tuple["GenerationHandle", str]:
+    """Run :func:`_prepare_and_submit` off the loop; if this task is cancelled meanwhile, the
+    generation it started is cancelled too rather than left running for nobody."""
+    fut = loop.run_in_executor(None, _prepare_and_submit, llm, state, req, on_token)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        def cleanup(f: "asyncio.Future[Any]") -> None:
+            if not f.cancelled() and f.exception() is None:
+                f.result()[0].cancel()
+        fut.add_done_callback(cleanup)
+        raise
+
+
+async def _generate(request: Any, state: ServerState, req: ParsedRequest) -> Any:
+    from starlette.responses import Response
+
+    llm = state.llm
+    loop = asyncio.get_running_loop()
+    rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    state.requests += 1
+
+    if req.stream:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+
+        def post(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody listens any more
+                pass
+
+        h, echo = await _start(loop, llm, state, req, post)
+        state.track(rid, h)
+        h.add_done_callback(lambda _h: post(_END))
+        return _SSEResponse(state, h, q, _ChunkMaker(llm, req, rid, created), echo)
+
+    h, echo = await _start(loop, llm, state, req, None)
+    state.track(rid, h)
+    done = loop.create_future()
+
+    def finished(_h: Any) -> None:
+        def set_done() -> None:
+            if not done.done():
+                done.set_result(None)
+        try:
+            loop.call_soon_threadsafe(set_done)
+        except RuntimeError:
+            pass
+
+    h.add_done_callback(finished)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not h.done():
+            h.cancel()  # the client went away (or this task was cancelled): stop at the next step
+        watcher.cancel()
+    if not done.done():
+        state.disconnects += 1
+        log.info("client disconnected; request %s cancelled", rid)
+        return Response(status_code=499)  # nobody reads it
+    c = h.result(0)  # re-raises the request's own error (→ 400 / 500 for this request only)
+    if req.kind == "chat":
+        d = fmt.chat_dict(llm, c, rid, created, req.want_logprobs)
+    else:
+        d = fmt.completion_dict(llm, c, rid, created, req.want_logprobs, echo)
+    d["model"] = req.model
+    d["system_fingerprint"] = f"minirt-{__version__}"
+    d["usage"] = _usage(c)
+    if req.want_logprobs:
+        d = _clean(d)
+    return Response(_json_bytes(d), media_type="application/json")
+
+
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Returns when the client disconnects (the request body has been read already)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+_END = object()
+
+
+class _SSEResponse:
+    """An ASGI response streaming one generation as server-sent events.
+
+    A task listens for ``http.disconnect`` while chunks go out; a disconnect (or a failed send)
+    cancels the generation, which the scheduler then drops at its next step.
+    """
+
+    def __init__(self, state: ServerState, handle: "GenerationHandle", q: "asyncio.Queue[Any]",
+                 maker: _ChunkMaker, echo: str) -> None:
+        self.state, self.h, self.q, self.maker, self.echo = state, handle, q, maker, echo
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
+                       send: Callable[..., Awaitable[Any]]) -> None:
+        h, state = self.h, self.state
+        gone = asyncio.Event()
+
+        async def listen() -> None:
+            await _wait_disconnect(receive)
+            gone.set()
+            h.cancel()
+            await self.q.put(_END)  # wake the sender
+
+        listener = asyncio.ensure_future(listen())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"), (b"x-request-id", self.maker.cid.encode())]})
+            for ch in self.maker.first(self.echo):
+                await send({"type": "http.response.body", "body": _sse(ch), "more_body": True})
+            while True:
+                item = await self.q.get()
+                if item is _END:
+                    if gone.is_set() or not h.done():
+                        break
+                    # the generation ended: usage, or the request's own error, then [DONE]
+                    tail = b""
+                    try:
+                        c = h.result(0)
+                        if self.maker.req.include_usage:
+                            tail = _sse(self.maker.usage(c))
+                        tail += b"data: [DONE]\n\n"
+                    except Exception as e:
+                        err = error_for(e)
+                        if err.status >= 500:
+                            state.errors += 1
+                            log.error("streamed request %s failed: %r", self.maker.cid, e)
+                        tail = _sse(err.body())
+                    await send({"type": "http.response.body", "body": tail, "more_body": True})
+                    break
+                try:
+                    chunks = self.maker.event(item)
+                    data = b"".join(_sse(ch) for ch in chunks)
+                except Exception as e:  # a formatting bug ends this stream only
+                    state.errors += 1
+                    log.exception("formatting a streamed chunk failed")
+                    h.cancel()
+                    await send({"type": "http.response.body", "body": _sse(error_for(e).body()),
+                                "more_body": True})
+                    break
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the send failed: the client is gone
+            gone.set()
+        finally:
+            listener.cancel()
+            if not h.done():
+                h.cancel()
+            if gone.is_set():
+                state.disconnects += 1
+                log.info("client disconnected; streamed request %s cancelled", self.maker.cid)
+
+
+# ----------------------------------------------------------------------------------------------
+# running it
+# ----------------------------------------------------------------------------------------------
+class BackgroundServer:
+    """Serve an ASGI app with uvicorn on a background thread (tests, notebooks, embedding).
+
+    ``with BackgroundServer(build_app(llm)) as srv: httpx.get(srv.url + "/health")``. Port 0 picks
+    a free port.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None, log_level: str = "warning") -> None:
+        _require_server_deps()
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.scheme = "https" if ssl_certfile else "http"
+        config = uvicorn.Config(app, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, log_level=log_level,
+                                access_log=False, timeout_graceful_shutdown=2, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="minirt-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        t_end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > t_end:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGINT / SIGTERM end it cleanly instead of being re-raised
+        after shutdown (which would skip closing the model and exit with a signal status)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def serve(args: Any) -> int:
+    """``minirt serve``: load the model, configure the scheduler, serve until interrupted."""
+    _require_server_deps()
+    import uvicorn
+
+    from .cli import _load
+
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise InvalidRequestError("--ssl-keyfile needs --ssl-certfile")
+    for f in (args.ssl_certfile, args.ssl_keyfile):
+        if f and not os.path.isfile(f):
+            raise InvalidRequestError(f"no such file: {f}")
+    api_key = args.api_key or os.environ.get("MINIRT_API_KEY") or None
+    if args.host not in _LOOPBACK and not api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
+                    args.host)
+    llm = _load(args)
+    with llm:
+        llm.configure_scheduler(n_parallel=args.parallel, kv_budget_tokens=args.kv_budget_tokens,
+                                max_queue=args.queue)
+        app = build_app(llm, api_key=api_key)
+        verbose = logging.getLogger("minirt").getEffectiveLevel() <= logging.INFO
+        config = uvicorn.Config(app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
+                                ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=verbose,
+                                timeout_graceful_shutdown=5, lifespan="off")
+        server = _server_class()(config)
+        log.info("serving %s (%s, n_ctx %d) at %s://%s:%d/v1", app.state.minirt.model_id, llm.arch, llm.n_ctx,
+                 "https" if args.ssl_certfile else "http", args.host, args.port)
+        server.run()
+        if not server.started:
+            return 1  # e.g. the port was taken; uvicorn logged why
+    return 0
+
+
+__all__ = ["build_app", "serve", "BackgroundServer", "ServerState", "HTTPError", "error_for", "parse_chat",
+           "parse_completion", "model_id_for", "MAX_BODY_BYTES"]
