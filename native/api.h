@@ -1,0 +1,76 @@
+/* Public C API of the minirt native kernels (also the cffi cdef: keep it free of preprocessor lines).
+ *
+ * Conventions: row-major float32 arrays; strides are in elements; every pointer is owned by the caller.
+ * Weights are ggml blocks, `rows` rows of `row_bytes` bytes each. Return codes: 0 = ok, < 0 = error
+ * (MR_E_* below); the Python wrapper validates everything first, so errors here are a second line. */
+
+enum {
+    MR_ISA_SCALAR = 0, MR_ISA_AVX2 = 1, MR_ISA_AVX512 = 2, MR_ISA_NEON = 3, MR_ISA_NEON_DOT = 4,
+    MR_N_ISA = 5
+};
+
+enum {
+    MR_OK = 0, MR_E_QTYPE = -1, MR_E_SHAPE = -2, MR_E_ISA = -3, MR_E_NOMEM = -4, MR_E_THREADS = -5
+};
+
+/* ISA: what this CPU supports (bitmask of 1 << MR_ISA_*), the selected one, and a forced one. */
+int mr_isa_mask(void);
+int mr_isa_selected(void);
+int mr_set_isa(int isa);              /* -1: best supported; returns MR_E_ISA when not supported */
+
+/* Threads: the persistent pool. */
+int mr_physical_cores(void);
+int mr_get_threads(void);
+int mr_set_threads(int n);            /* default number of threads for calls that pass threads <= 0 */
+
+/* Y[t, r] = sum_c X[t, c] * W[r, c]  for t < n_tokens, r < rows.
+ * qtype: ggml type id. isa: -1 = the selected one. threads: <= 0 = the default.
+ * Returns < 0 on error, else the number of row chunks the caller recomputed because a worker was
+ * descheduled: when > 0, that worker may still read w and x for a while, so keep them alive until
+ * mr_pool_quiescent(mr_pool_generation()) returns 1. */
+int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
+              const float *x, long long n_tokens, long long x_stride,
+              float *y, long long y_stride, int threads, int isa);
+
+/* Latest job generation of the pool; 1 when no worker is still inside a job of generation <= gen. */
+unsigned long long mr_pool_generation(void);
+int mr_pool_quiescent(unsigned long long gen);
+
+/* Which code path mr_matmul takes for (qtype, n_tokens, isa): 1 = integer (int16 activations),
+ * 2 = float row dots, 3 = float register tile, 4 = float transposed-panel outer products;
+ * < 0 = error (unsupported qtype or ISA). */
+int mr_matmul_path(int qtype, long long n_tokens, int isa);
+
+/* dst[i] = dequantized W row data (n elements, n a multiple of the block size). */
+int mr_dequantize(int qtype, const unsigned char *src, long long n, float *dst);
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight  (weight may be NULL: no scaling). */
+int mr_rmsnorm(const float *x, const float *weight, float eps, long long rows, long long n,
+               float *out, int isa);
+
+/* In-place rotary embedding of x (n_tokens, n_heads, head_dim), the first n_rot dims rotated.
+ * neox != 0: pairs (i, i + n_rot/2); else pairs (2i, 2i+1). Angle = pos[t] * freqs[i] (freqs: n_rot/2). */
+int mr_rope(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
+            const int *pos, const float *freqs, int neox, int isa);
+
+/* Rotary embedding from precomputed cos/sin tables (n_tokens, n_rot/2), in place. */
+int mr_rope_cs(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
+               const float *cos_t, const float *sin_t, int neox, int isa);
+
+/* In-place softmax of each row of x (rows, n). */
+int mr_softmax(float *x, long long rows, long long n, int isa);
+
+/* Grouped-query attention for one query position over a KV cache.
+ * q (n_head, head_dim); k, v: (n_kv, n_ctx, head_dim) float32 (kv_f16 = 0) or float16 bits (kv_f16 = 1);
+ * positions [start, n_past) attended, start = max(0, n_past - window) when window > 0;
+ * softcap > 0: scores = softcap * tanh(scores / softcap). out (n_head, head_dim). */
+int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16,
+                        long long n_head, long long n_kv, long long n_ctx, long long head_dim,
+                        long long n_past, float scale, long long window, float softcap,
+                        float *out, int threads, int isa);
+
+/* Benchmark helper: runs mr_matmul `reps` times and returns the fastest run in nanoseconds
+ * (the minimum filters out interference from other processes on a shared machine); returns only
+ * once no worker can still read w or x. */
+double mr_bench_matmul(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
+                       const float *x, long long n_tokens, float *y, int threads, int isa, int reps);

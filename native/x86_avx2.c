@@ -1,0 +1,383 @@
+/* AVX2 + FMA + F16C kernels (any x86-64 since Haswell / Zen), under a target pragma.
+ *
+ * Integer path: int16 weights x int16 activations with vpmaddwd (pairs summed into int32), one
+ * float scale per 32-block applied after converting the int32 partial sums, as on AVX-512. */
+#include "common.h"
+
+#ifdef MR_X86
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#define MR_SFX(name) name##_avx2
+#include "generic_impl.h"
+
+mr_kernels mr_kernels_avx2;
+
+MR_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(mr_rd16(p)); }
+
+MR_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+MR_INLINE __m256i nib32(const uint8_t *p) {
+    const __m128i r = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
+}
+
+/* bit i of the 32-bit word at p -> byte i = 0xff (ggml bytes_from_bits_32) */
+MR_INLINE __m256i bits32(const uint8_t *p) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)mr_rd32(p)), shuf);
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+
+/* 32 int8 weights (ymm) . 32 int16 activations -> 8 int32 lanes */
+MR_INLINE __m256i dp32s(__m256i w8, const int16_t *x) {
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w8));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w8, 1));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+/* same with unsigned bytes */
+MR_INLINE __m256i dp32u(__m256i w8, const int16_t *x) {
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w8));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w8, 1));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* unpack 32-blocks to 32 int8 weights (signed, or unsigned for the min types) */
+MR_INLINE __m256i up_q4_0(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    return _mm256_sub_epi8(nib32(b + 2), _mm256_set1_epi8(8));
+}
+MR_INLINE __m256i up_q4_1(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = f16s(b + 2);
+    return nib32(b + 4);
+}
+MR_INLINE __m256i up_q5_0(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    return _mm256_sub_epi8(nib32(b + 6), _mm256_andnot_si256(bits32(b + 2), _mm256_set1_epi8(16)));
+}
+MR_INLINE __m256i up_q5_1(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = f16s(b + 2);
+    return _mm256_or_si256(nib32(b + 8), _mm256_and_si256(bits32(b + 4), _mm256_set1_epi8(16)));
+}
+MR_INLINE __m256i up_q8_0(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    return _mm256_loadu_si256((const __m256i *)(b + 2));
+}
+MR_INLINE __m256i up_iq4_nl(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_iq4nl);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib32(b + 2));
+}
+
+#define NACC(NT) ((NT) == 1 ? 4 : ((NT) == 2 ? 2 : 1))
+
+#define DEF_VINT32(NAME, BYTES, UNPACK, DP, HAS_MIN)                                                         \
+    MR_INLINE void NAME##_nt(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd,                 \
+                             const float *xs, int64_t xqs, int64_t xbs, const int NT, float *out) {           \
+        __m256 acc[MR_NT_INT][4];                                                                              \
+        float msum[MR_NT_INT];                                                                                 \
+        for (int t = 0; t < NT; t++) {                                                                         \
+            msum[t] = 0.0f;                                                                                    \
+            for (int a = 0; a < NACC(NT); a++) acc[t][a] = _mm256_setzero_ps();                                \
+        }                                                                                                      \
+        int64_t b = 0;                                                                                         \
+        for (; b + NACC(NT) <= nb; b += NACC(NT)) {                                                            \
+            for (int a = 0; a < NACC(NT); a++) {                                                               \
+                float d, m;                                                                                    \
+                const __m256i wv = UNPACK(w + (b + a) * BYTES, &d, &m);                                        \
+                for (int t = 0; t < NT; t++) {                                                                 \
+                    const __m256i p = DP(wv, xq + t * xqs + 32 * (b + a));                                     \
+                    acc[t][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[t * xbs + b + a]), \
+                                                acc[t][a]);                                                    \
+                    if (HAS_MIN) msum[t] += m * xs[t * xbs + b + a];                                           \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (; b < nb; b++) {                                                                                  \
+            float d, m;                                                                                        \
+            const __m256i wv = UNPACK(w + b * BYTES, &d, &m);                                                  \
+            for (int t = 0; t < NT; t++) {                                                                     \
+                const __m256i p = DP(wv, xq + t * xqs + 32 * b);                                               \
+                acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[t * xbs + b]), acc[t][0]); \
+                if (HAS_MIN) msum[t] += m * xs[t * xbs + b];                                                   \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int t = 0; t < NT; t++) {                                                                         \
+            __m256 s = acc[t][0];                                                                              \
+            for (int a = 1; a < NACC(NT); a++) s = _mm256_add_ps(s, acc[t][a]);                                \
+            out[t] = hsum256(s) + msum[t];                                                                     \
+        }                                                                                                      \
+    }                                                                                                          \
+    static void NAME(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,        \
+                     int64_t xqs, int64_t xbs, int nt, float *out) {                                           \
+        switch (nt) {                                                                                          \
+        case 1: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 1, out); break;                                         \
+        case 2: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 2, out); break;                                         \
+        case 3: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 3, out); break;                                         \
+        default: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 4, out); break;                                        \
+        }                                                                                                      \
+    }
+
+DEF_VINT32(vint_q4_0, 18, up_q4_0, dp32s, 0)
+DEF_VINT32(vint_q4_1, 20, up_q4_1, dp32u, 1)
+DEF_VINT32(vint_q5_0, 22, up_q5_0, dp32s, 0)
+DEF_VINT32(vint_q5_1, 24, up_q5_1, dp32u, 1)
+DEF_VINT32(vint_q8_0, 34, up_q8_0, dp32s, 0)
+DEF_VINT32(vint_iq4_nl, 18, up_iq4_nl, dp32s, 0)
+
+/* ---------------- Q4_K and Q6_K ---------------- */
+
+MR_INLINE void scales_q4k(const uint8_t *b, float *s, float *m) {
+    const float d = f16s(b), dmin = f16s(b + 2);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, mn;
+        mr_scale_min_k4(j, b + 4, &sc, &mn);
+        s[j] = d * sc;
+        m[j] = -dmin * mn;
+    }
+}
+
+MR_INLINE void vint_q4_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
+                            int64_t xqs, int64_t xbs, const int NT, float *out) {
+    __m256 acc[MR_NT_INT][2];
+    float msum[MR_NT_INT];
+    for (int t = 0; t < NT; t++) { acc[t][0] = acc[t][1] = _mm256_setzero_ps(); msum[t] = 0.0f; }
+    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
+        const uint8_t *b = w + 144 * ib;
+        float s[8], m[8];
+        scales_q4k(b, s, m);
+        for (int t = 0; t < NT; t++)
+            for (int j = 0; j < 8; j++) msum[t] += m[j] * xs[t * xbs + 8 * ib + j];
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));
+            for (int t = 0; t < NT; t++) {
+                const int16_t *xt = xq + t * xqs + 256 * ib + 64 * c;
+                const float *dt = xd + t * xbs + 8 * ib + 2 * c;
+                acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp32u(lo, xt)), _mm256_set1_ps(s[2 * c] * dt[0]), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp32u(hi, xt + 32)), _mm256_set1_ps(s[2 * c + 1] * dt[1]),
+                                            acc[t][1]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1])) + msum[t];
+}
+
+/* Q6_K: weights (q - 32) in int8, widened to int16 and multiplied by their per-16 int8 scale */
+MR_INLINE void vint_q6_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
+                            int64_t xqs, int64_t xbs, const int NT, float *out) {
+    (void)xs;
+    __m256 acc[MR_NT_INT][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
+        const uint8_t *b = w + 210 * ib;
+        const float d = f16s(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int h = 0; h < 2; h++) {
+            const __m256i A = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i B = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i Q = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(Q, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(Q, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(Q, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(Q, 2), m30));
+            for (int i = 0; i < 4; i++) {
+                const int j = 4 * h + i;
+                const __m256i v = _mm256_sub_epi8(q[i], c32);
+                const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                                                      _mm256_set1_epi16(sc[2 * j]));
+                const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
+                                                      _mm256_set1_epi16(sc[2 * j + 1]));
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xq + t * xqs + 256 * ib + 32 * j;
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xt)),
+                                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xt + 16))));
+                    acc[t][j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[t * xbs + 8 * ib + j]),
+                                                    acc[t][j & 1]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+#define DEF_SWITCH(NAME)                                                                                     \
+    static void NAME(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,        \
+                     int64_t xqs, int64_t xbs, int nt, float *out) {                                           \
+        switch (nt) {                                                                                          \
+        case 1: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 1, out); break;                                         \
+        case 2: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 2, out); break;                                         \
+        case 3: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 3, out); break;                                         \
+        default: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 4, out); break;                                        \
+        }                                                                                                      \
+    }
+DEF_SWITCH(vint_q4_k)
+DEF_SWITCH(vint_q6_k)
+
+/* ---------------- float kernels ---------------- */
+
+static void hv_dq_f16(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+    for (; i < n; i++) dst[i] = _cvtsh_ss(mr_rd16(src + 2 * i));
+}
+
+#define DEF_DQ32(NAME, BYTES, UNPACK, CVT)                                                                   \
+    static void NAME(const uint8_t *b, float *y, int64_t nb) {                                                 \
+        for (int64_t i = 0; i < nb; i++) {                                                                     \
+            float d, m;                                                                                        \
+            const __m256i w = UNPACK(b + i * BYTES, &d, &m);                                                   \
+            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);                                       \
+            for (int k = 0; k < 4; k++) {                                                                      \
+                const __m128i part = k < 2 ? _mm256_castsi256_si128(w) : _mm256_extracti128_si256(w, 1);       \
+                const __m128i p8 = (k & 1) ? _mm_srli_si128(part, 8) : part;                                   \
+                const __m256 f = _mm256_cvtepi32_ps(CVT(p8));                                                  \
+                _mm256_storeu_ps(y + 32 * i + 8 * k, _mm256_fmadd_ps(f, dv, mv));                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+DEF_DQ32(dqv_q4_0, 18, up_q4_0, _mm256_cvtepi8_epi32)
+DEF_DQ32(dqv_q4_1, 20, up_q4_1, _mm256_cvtepu8_epi32)
+DEF_DQ32(dqv_q5_0, 22, up_q5_0, _mm256_cvtepi8_epi32)
+DEF_DQ32(dqv_q5_1, 24, up_q5_1, _mm256_cvtepu8_epi32)
+DEF_DQ32(dqv_q8_0, 34, up_q8_0, _mm256_cvtepi8_epi32)
+DEF_DQ32(dqv_iq4_nl, 18, up_iq4_nl, _mm256_cvtepi8_epi32)
+
+static void hv_dot_f32(const float *w, const float *x, int64_t xs, int64_t n, int nt, float *out) {
+    __m256 a0[MR_NT_INT], a1[MR_NT_INT];
+    for (int t = 0; t < MR_NT_INT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+        for (int t = 0; t < nt; t++) {
+            a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * xs + i), a0[t]);
+            a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * xs + i + 8), a1[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        float s = hsum256(_mm256_add_ps(a0[t], a1[t]));
+        for (int64_t k = i; k < n; k++) s += w[k] * x[t * xs + k];
+        out[t] = s;
+    }
+}
+
+/* 4 rows x 3 tokens register tile (12 ymm accumulators of the 16) */
+MR_INLINE void micro_4x3(const float *wt, const float *x, int64_t xs, int64_t n, float *y, int64_t ys, int acc) {
+    __m256 c[4][3];
+    for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = c[r][2] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 v0 = _mm256_loadu_ps(x + k), v1 = _mm256_loadu_ps(x + xs + k), v2 = _mm256_loadu_ps(x + 2 * xs + k);
+        for (int r = 0; r < 4; r++) {
+            const __m256 wr = _mm256_loadu_ps(wt + r * n + k);
+            c[r][0] = _mm256_fmadd_ps(wr, v0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(wr, v1, c[r][1]);
+            c[r][2] = _mm256_fmadd_ps(wr, v2, c[r][2]);
+        }
+    }
+    for (int t = 0; t < 3; t++)
+        for (int r = 0; r < 4; r++) {
+            float s = hsum256(c[r][t]);
+            for (int64_t kk = k; kk < n; kk++) s += wt[r * n + kk] * x[t * xs + kk];
+            y[t * ys + r] = acc ? y[t * ys + r] + s : s;
+        }
+}
+
+static void hv_tile(const float *wt, int nr, const float *x, int64_t xs, int ntk, int64_t n, float *y,
+                      int64_t ys, int acc) {
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) {
+        int t = 0;
+        for (; t + 3 <= ntk; t += 3) micro_4x3(wt + (int64_t)r * n, x + t * xs, xs, n, y + t * ys + r, ys, acc);
+        for (; t < ntk; t++)
+            for (int i = 0; i < 4; i++) {
+                float o;
+                hv_dot_f32(wt + (int64_t)(r + i) * n, x + t * xs, xs, n, 1, &o);
+                y[t * ys + r + i] = acc ? y[t * ys + r + i] + o : o;
+            }
+    }
+    for (; r < nr; r++)
+        for (int t = 0; t < ntk; t++) {
+            float o;
+            hv_dot_f32(wt + (int64_t)r * n, x + t * xs, xs, n, 1, &o);
+            y[t * ys + r] = acc ? y[t * ys + r] + o : o;
+        }
+}
+
+static void hv_quant_x(const float *x, int64_t n, int16_t *q, float *d, float *s) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        __m256 v[4], mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            mx = _mm256_max_ps(mx, _mm256_and_ps(v[k], absmask));
+            sm = _mm256_add_ps(sm, v[k]);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const __m256 iv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        __m256i qi[4];
+        for (int k = 0; k < 4; k++) qi[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], iv));
+        /* packs interleaves 128-bit lanes: fix the order with a permute */
+        const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xd8);
+        const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), p01);
+        _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), p23);
+        d[b] = amax / 32767.0f;
+        s[b] = hsum256(sm);
+    }
+}
+
+static void hv_f16_to_f32(const uint16_t *src, float *dst, int64_t n) { hv_dq_f16((const uint8_t *)src, dst, n); }
+
+void mr_init_avx2(mr_kernels *k) {
+    mr_fill_generic_avx2(k);
+    k->dq[GT_F16] = hv_dq_f16;
+    k->dq[GT_Q4_0] = dqv_q4_0;
+    k->dq[GT_Q4_1] = dqv_q4_1;
+    k->dq[GT_Q5_0] = dqv_q5_0;
+    k->dq[GT_Q5_1] = dqv_q5_1;
+    k->dq[GT_Q8_0] = dqv_q8_0;
+    k->dq[GT_IQ4_NL] = dqv_iq4_nl;
+    k->vint[GT_Q4_0] = vint_q4_0;
+    k->vint[GT_Q4_1] = vint_q4_1;
+    k->vint[GT_Q5_0] = vint_q5_0;
+    k->vint[GT_Q5_1] = vint_q5_1;
+    k->vint[GT_Q8_0] = vint_q8_0;
+    k->vint[GT_IQ4_NL] = vint_iq4_nl;
+    k->vint[GT_Q4_K] = vint_q4_k;
+    k->vint[GT_Q6_K] = vint_q6_k;
+    k->quant_x = hv_quant_x;
+    k->dot_f32 = hv_dot_f32;
+    k->tile = hv_tile;
+    k->f16_to_f32 = hv_f16_to_f32;
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif /* MR_X86 */

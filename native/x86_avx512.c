@@ -1,0 +1,665 @@
+/* AVX-512 (F/BW/VL/DQ + VNNI) kernels, compiled under a target pragma so the library still loads on
+ * CPUs without them (dispatch.c only calls these after checking CPUID).
+ *
+ * Integer path: weights are unpacked to int16 (32 per zmm) and dotted with int16 activations
+ * (one scale per 32 elements) by vpdpwssd; each 32-block's int32 partial sums are converted to float
+ * and scaled there, so no integer sum ever spans two scales and nothing can overflow:
+ * |w| <= 4096 after folding Q6_K's int8 scale, |x| <= 32767, two products per lane < 2^31. */
+#include "common.h"
+
+#ifdef MR_X86
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+
+#define MR_SFX(name) name##_avx512
+#include "generic_impl.h"
+
+mr_kernels mr_kernels_avx512;
+
+MR_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(mr_rd16(p)); }
+
+MR_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 16 bytes of packed nibbles -> 32 bytes [low nibbles (elements 0..15), high nibbles (16..31)] */
+MR_INLINE __m256i nib32(const uint8_t *p) {
+    const __m128i r = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
+}
+
+MR_INLINE __m256i iq4_lut(__m256i nib) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_iq4nl);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
+}
+
+/* dot of one 32-block of int16 weights with int16 activations, as 16 int32 lanes */
+MR_INLINE __m512i dp32(__m512i w, const int16_t *x) {
+    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)x));
+}
+
+/* ---------------- 32-element block types ----------------
+ * unpack: int16 weights w (32), scale d, offset m (value = d*w + m; m = 0 for symmetric types). */
+
+MR_INLINE __m512i up_q4_0(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    return _mm512_cvtepi8_epi16(_mm256_sub_epi8(nib32(b + 2), _mm256_set1_epi8(8)));
+}
+MR_INLINE __m512i up_q4_1(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = f16s(b + 2);
+    return _mm512_cvtepu8_epi16(nib32(b + 4));
+}
+MR_INLINE __m512i up_q5_0(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    const __m256i v = nib32(b + 6);
+    const __mmask32 hb = (__mmask32)mr_rd32(b + 2);
+    /* (nib | hbit << 4) - 16 == nib - 16 where the bit is clear, nib where it is set */
+    return _mm512_cvtepi8_epi16(_mm256_mask_sub_epi8(v, (__mmask32)~hb, v, _mm256_set1_epi8(16)));
+}
+MR_INLINE __m512i up_q5_1(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = f16s(b + 2);
+    const __m256i v = nib32(b + 8);
+    const __mmask32 hb = (__mmask32)mr_rd32(b + 4);
+    return _mm512_cvtepu8_epi16(_mm256_mask_add_epi8(v, hb, v, _mm256_set1_epi8(16)));
+}
+MR_INLINE __m512i up_q8_0(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
+}
+MR_INLINE __m512i up_iq4_nl(const uint8_t *b, float *d, float *m) {
+    *d = f16s(b); *m = 0.0f;
+    return _mm512_cvtepi8_epi16(iq4_lut(nib32(b + 2)));
+}
+
+/* Blocks per segment whose combined scales (weight d x activation d) are computed up front: the
+ * weight scales of 16 blocks are gathered and converted in one go, so the inner loop takes its scale
+ * with a memory-operand broadcast instead of a per-block f16 conversion on the shuffle port. */
+#define SEG 256
+
+/* f16 fields at byte `off` of n consecutive blocks of `bytes` bytes -> float */
+MR_INLINE void load_f16_field(const uint8_t *w, int bytes, int off, int64_t n, float *d) {
+    /* plain 16-bit copies use only the load/store ports (a gather, or per-block conversions, would
+     * compete with the dot products for the two vector ports), then one conversion per 16 blocks */
+    uint16_t h[SEG + 16];
+    for (int64_t b = 0; b < n; b++) h[b] = mr_rd16(w + b * bytes + off);
+    for (int64_t b = 0; b < n; b += 16)
+        _mm512_storeu_ps(d + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + b))));
+}
+
+/* sc[t][b] = d[b] * xd_t[b]; returns sum_b m[b] * xs_t[b] per token in msum (when m != NULL) */
+MR_INLINE void combine_scales(const float *d, const float *m, int64_t n, const float *xd, const float *xs,
+                              int64_t xbs, const int NT, float sc[][SEG], float *msum) {
+    for (int t = 0; t < NT; t++) {
+        __m512 ms = _mm512_setzero_ps();
+        for (int64_t b = 0; b < n; b += 16) {
+            const __mmask16 k = n - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - b)) - 1);
+            _mm512_mask_storeu_ps(sc[t] + b, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, d + b),
+                                                             _mm512_maskz_loadu_ps(k, xd + t * xbs + b)));
+            if (m) ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + b), _mm512_maskz_loadu_ps(k, xs + t * xbs + b), ms);
+        }
+        if (m) msum[t] += _mm512_reduce_add_ps(ms);
+    }
+}
+
+/* Pair unpackers for the nibble types: blocks a, b -> lo = [a 0..15, b 0..15], hi = [a 16..31, b 16..31]
+ * as int16 (the activations are interleaved the same way, see xpair). */
+MR_INLINE void pair_nib(const uint8_t *qa, const uint8_t *qb, __m512i *lo, __m512i *hi) {
+    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
+                                                _mm_loadu_si128((const __m128i *)qb), 1);
+    const __m512i w16 = _mm512_cvtepu8_epi16(raw);
+    *lo = _mm512_and_si512(w16, _mm512_set1_epi16(15));
+    *hi = _mm512_srli_epi16(w16, 4);
+}
+/* the 5th bits of a pair, split like the nibbles: bits 0..15 of each -> lo mask, 16..31 -> hi mask */
+MR_INLINE void pair_hbits(const uint8_t *ha, const uint8_t *hb, __mmask32 *klo, __mmask32 *khi) {
+    const uint32_t a = mr_rd32(ha), b = mr_rd32(hb);
+    *klo = (__mmask32)((a & 0xffffu) | (b << 16));
+    *khi = (__mmask32)((a >> 16) | (b & 0xffff0000u));
+}
+MR_INLINE void pr_q4_0(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
+    pair_nib(a + 2, b + 2, lo, hi);
+    *lo = _mm512_sub_epi16(*lo, _mm512_set1_epi16(8));
+    *hi = _mm512_sub_epi16(*hi, _mm512_set1_epi16(8));
+}
+MR_INLINE void pr_q4_1(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) { pair_nib(a + 4, b + 4, lo, hi); }
+MR_INLINE void pr_q5_0(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
+    __mmask32 kl, kh;
+    pair_nib(a + 6, b + 6, lo, hi);
+    pair_hbits(a + 2, b + 2, &kl, &kh);
+    const __m512i c16 = _mm512_set1_epi16(16);
+    *lo = _mm512_mask_sub_epi16(*lo, (__mmask32)~kl, *lo, c16);   /* (q | h << 4) - 16 */
+    *hi = _mm512_mask_sub_epi16(*hi, (__mmask32)~kh, *hi, c16);
+}
+MR_INLINE void pr_q5_1(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
+    __mmask32 kl, kh;
+    pair_nib(a + 8, b + 8, lo, hi);
+    pair_hbits(a + 4, b + 4, &kl, &kh);
+    const __m512i c16 = _mm512_set1_epi16(16);
+    *lo = _mm512_mask_add_epi16(*lo, kl, *lo, c16);
+    *hi = _mm512_mask_add_epi16(*hi, kh, *hi, c16);
+}
+MR_INLINE void pr_iq4_nl(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
+    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 2))),
+                                                _mm_loadu_si128((const __m128i *)(b + 2)), 1);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    *lo = _mm512_cvtepi8_epi16(iq4_lut(_mm256_and_si256(raw, m4)));
+    *hi = _mm512_cvtepi8_epi16(iq4_lut(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)));
+}
+
+#define NT_SWITCH(NAME)                                                                                      \
+    static void NAME(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,        \
+                     int64_t xqs, int64_t xbs, int nt, float *out) {                                           \
+        switch (nt) {                                                                                          \
+        case 1: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 1, out); break;                                         \
+        case 2: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 2, out); break;                                         \
+        case 3: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 3, out); break;                                         \
+        default: NAME##_nt(w, nb, xq, xd, xs, xqs, xbs, 4, out); break;                                        \
+        }                                                                                                      \
+    }
+
+/* nibble types: pairs of blocks per step (int32 lanes 0..7 belong to block a, 8..15 to block b) */
+#define DEF_VPAIR(NAME, BYTES, PAIR, SINGLE, HAS_MIN)                                                        \
+    MR_INLINE void NAME##_nt(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd,                 \
+                             const float *xs, int64_t xqs, int64_t xbs, const int NT, float *out) {           \
+        __m512 acc[MR_NT_INT];                                                                                 \
+        float msum[MR_NT_INT], dsc[SEG + 16], mns[SEG + 16], sc[MR_NT_INT][SEG];                                         \
+        for (int t = 0; t < NT; t++) { acc[t] = _mm512_setzero_ps(); msum[t] = 0.0f; }                         \
+        const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);               \
+        for (int64_t s0 = 0; s0 < nb; s0 += SEG) {                                                             \
+            const int64_t n = nb - s0 < SEG ? nb - s0 : SEG;                                                   \
+            const uint8_t *ws = w + s0 * BYTES;                                                                \
+            load_f16_field(ws, BYTES, 0, n, dsc);                                                              \
+            if (HAS_MIN) load_f16_field(ws, BYTES, 2, n, mns);                                                 \
+            combine_scales(dsc, HAS_MIN ? mns : NULL, n, xd + s0, xs + s0, xbs, NT, sc, msum);                 \
+            int64_t b = 0;                                                                                     \
+            for (; b + 2 <= n; b += 2) {                                                                       \
+                __m512i lo, hi;                                                                                \
+                PAIR(ws + b * BYTES, ws + (b + 1) * BYTES, &lo, &hi);                                          \
+                for (int t = 0; t < NT; t++) {                                                                 \
+                    const int16_t *xt = xq + t * xqs + 32 * (s0 + b);                                          \
+                    __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xt)); \
+                    p = _mm512_dpwssd_epi32(p, hi, _mm512_loadu_si512((const void *)(xt + 32)));               \
+                    double s2d;                                                                                \
+                    memcpy(&s2d, sc[t] + b, 8);                                                                \
+                    const __m512 s2 = _mm512_castpd_ps(_mm512_set1_pd(s2d));                                   \
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(half, s2), acc[t]);  \
+                }                                                                                              \
+            }                                                                                                  \
+            if (b < n) { /* an odd last block: natural layout */                                               \
+                float d, m;                                                                                    \
+                const __m512i wv = SINGLE(ws + b * BYTES, &d, &m);                                             \
+                for (int t = 0; t < NT; t++) {                                                                 \
+                    const __m512i p = dp32(wv, xq + t * xqs + 32 * (s0 + b));                                  \
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(sc[t][b]), acc[t]);         \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + msum[t];                          \
+    }                                                                                                          \
+    NT_SWITCH(NAME)
+
+DEF_VPAIR(vint_q4_0, 18, pr_q4_0, up_q4_0, 0)
+DEF_VPAIR(vint_q4_1, 20, pr_q4_1, up_q4_1, 1)
+DEF_VPAIR(vint_q5_0, 22, pr_q5_0, up_q5_0, 0)
+DEF_VPAIR(vint_q5_1, 24, pr_q5_1, up_q5_1, 1)
+DEF_VPAIR(vint_iq4_nl, 18, pr_iq4_nl, up_iq4_nl, 0)
+
+/* Q8_0: one block per step; two accumulators per token hide the FMA latency */
+MR_INLINE void vint_q8_0_nt(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,
+                            int64_t xqs, int64_t xbs, const int NT, float *out) {
+    __m512 acc[MR_NT_INT][2];
+    float msum[MR_NT_INT], dsc[SEG + 16], sc[MR_NT_INT][SEG];
+    for (int t = 0; t < NT; t++) { acc[t][0] = acc[t][1] = _mm512_setzero_ps(); msum[t] = 0.0f; }
+    for (int64_t s0 = 0; s0 < nb; s0 += SEG) {
+        const int64_t n = nb - s0 < SEG ? nb - s0 : SEG;
+        const uint8_t *ws = w + s0 * 34;
+        load_f16_field(ws, 34, 0, n, dsc);
+        combine_scales(dsc, NULL, n, xd + s0, xs + s0, xbs, NT, sc, msum);
+        /* two blocks per step with constant accumulator indices (keeps them in registers) */
+        for (int64_t b = 0; b < n; b += 2) {
+            const int two = b + 1 < n;
+            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ws + b * 34 + 2)));
+            const __m512i w1 = two ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ws + b * 34 + 36)))
+                                   : _mm512_setzero_si512();
+            for (int t = 0; t < NT; t++) {
+                const int16_t *xt = xq + t * xqs + 32 * (s0 + b);
+                acc[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp32(w0, xt)), _mm512_set1_ps(sc[t][b]), acc[t][0]);
+                if (two)
+                    acc[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp32(w1, xt + 32)), _mm512_set1_ps(sc[t][b + 1]),
+                                                acc[t][1]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+}
+NT_SWITCH(vint_q8_0)
+
+/* ---------------- 256-element super-block types ----------------
+ * unpack: 8 zmm of int16 weights (sub-block j = elements 32j..32j+31), per-sub float scales sc (value
+ * = sc[j] * w, after any per-16 int scale was folded into w) and per-sub offsets mn (value += mn[j]). */
+
+MR_INLINE void sb_q4_k(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn) {
+    const float d = f16s(b), dmin = f16s(b + 2);
+    /* 8 x 6-bit scales and mins (ggml get_scale_min_k4, vectorized over j via 32-bit words) */
+    uint32_t u[3], s[2], m2[2];
+    memcpy(u, b + 4, 12);
+    s[0] = u[0] & 0x3f3f3f3fu;
+    s[1] = (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u);
+    m2[0] = u[1] & 0x3f3f3f3fu;
+    m2[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u);
+    const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
+    const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m2)));
+    *sc = _mm256_mul_ps(sv, _mm256_set1_ps(d));
+    *mn = _mm256_mul_ps(mv, _mm256_set1_ps(-dmin));
+    const uint8_t *q = b + 16;
+    for (int c = 0; c < 4; c++) {
+        const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+        wv[2 * c] = _mm512_and_si512(w16, _mm512_set1_epi16(15));
+        wv[2 * c + 1] = _mm512_srli_epi16(w16, 4);
+    }
+}
+
+MR_INLINE void sb_q5_k(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn) {
+    const float d = f16s(b), dmin = f16s(b + 2);
+    uint32_t u[3], s[2], m2[2];
+    memcpy(u, b + 4, 12);
+    s[0] = u[0] & 0x3f3f3f3fu;
+    s[1] = (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u);
+    m2[0] = u[1] & 0x3f3f3f3fu;
+    m2[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u);
+    const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
+    const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m2)));
+    *sc = _mm256_mul_ps(sv, _mm256_set1_ps(d));
+    *mn = _mm256_mul_ps(mv, _mm256_set1_ps(-dmin));
+    const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)));
+    const uint8_t *q = b + 48;
+    const __m512i c16 = _mm512_set1_epi16(16);
+    for (int c = 0; c < 4; c++) {
+        const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+        const __m512i lo = _mm512_and_si512(w16, _mm512_set1_epi16(15));
+        const __m512i hi = _mm512_srli_epi16(w16, 4);
+        const __mmask32 k0 = _mm512_test_epi16_mask(qh, _mm512_set1_epi16((short)(1 << (2 * c))));
+        const __mmask32 k1 = _mm512_test_epi16_mask(qh, _mm512_set1_epi16((short)(1 << (2 * c + 1))));
+        wv[2 * c] = _mm512_mask_add_epi16(lo, k0, lo, c16);
+        wv[2 * c + 1] = _mm512_mask_add_epi16(hi, k1, hi, c16);
+    }
+}
+
+/* Q6_K: per-16 int8 scales are folded into the int16 weights ((q - 32) * scale, |.| <= 4096). */
+MR_INLINE void sb_q6_k(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn) {
+    const float d = f16s(b + 208);
+    *sc = _mm256_set1_ps(d);
+    *mn = _mm256_setzero_ps();
+    const __m512i scl = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
+    const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), c32 = _mm512_set1_epi16(32);
+    for (int h = 0; h < 2; h++) {
+        const __m512i A = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h)));
+        const __m512i B = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)));
+        const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        __m512i q[4];
+        q[0] = _mm512_or_si512(_mm512_and_si512(A, m4), _mm512_and_si512(_mm512_slli_epi16(Q, 4), m30));
+        q[1] = _mm512_or_si512(_mm512_and_si512(B, m4), _mm512_and_si512(_mm512_slli_epi16(Q, 2), m30));
+        q[2] = _mm512_or_si512(_mm512_srli_epi16(A, 4), _mm512_and_si512(Q, m30));
+        q[3] = _mm512_or_si512(_mm512_srli_epi16(B, 4), _mm512_and_si512(_mm512_srli_epi16(Q, 2), m30));
+        for (int i = 0; i < 4; i++) {
+            const int j = 4 * h + i; /* sub-block: elements 32j..32j+31, scales 2j (first 16), 2j+1 */
+            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
+                                                   _mm256_set1_epi16((short)(2 * j + 1)), 1);
+            const __m512i s = _mm512_permutexvar_epi16(idx, scl);
+            wv[j] = _mm512_mullo_epi16(_mm512_sub_epi16(q[i], c32), s);
+        }
+    }
+}
+
+MR_INLINE void sb_iq4_xs(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn) {
+    const float d = f16s(b);
+    const uint16_t sh = mr_rd16(b + 2);
+    float ls[8];
+    for (int j = 0; j < 8; j++)
+        ls[j] = (float)((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+    *sc = _mm256_mul_ps(_mm256_loadu_ps(ls), _mm256_set1_ps(d));
+    *mn = _mm256_setzero_ps();
+    for (int j = 0; j < 8; j++) wv[j] = _mm512_cvtepi8_epi16(iq4_lut(nib32(b + 8 + 16 * j)));
+}
+
+#define DEF_VINT256(NAME, BYTES, UNPACK, HAS_MIN)                                                            \
+    MR_INLINE void NAME##_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd,               \
+                             const float *xs, int64_t xqs, int64_t xbs, const int NT, float *out) {           \
+        __m512 acc[MR_NT_INT][2];                                                                              \
+        __m256 accm[MR_NT_INT];                                                                                \
+        for (int t = 0; t < NT; t++) {                                                                         \
+            acc[t][0] = acc[t][1] = _mm512_setzero_ps();                                                       \
+            accm[t] = _mm256_setzero_ps();                                                                     \
+        }                                                                                                      \
+        const int64_t nsb = nb32 / 8;                                                                          \
+        for (int64_t ib = 0; ib < nsb; ib++) {                                                                 \
+            __m512i wv[8];                                                                                     \
+            __m256 sc, mn;                                                                                     \
+            UNPACK(w + ib * BYTES, wv, &sc, &mn);                                                              \
+            for (int t = 0; t < NT; t++) {                                                                     \
+                const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(xd + t * xbs + 8 * ib))); \
+                if (HAS_MIN) accm[t] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + t * xbs + 8 * ib), accm[t]);   \
+                const int16_t *xt = xq + t * xqs + 256 * ib;                                                   \
+                for (int j = 0; j < 8; j++) {                                                                  \
+                    const __m512i p = dp32(wv[j], xt + 32 * j);                                                \
+                    acc[t][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                     \
+                                                    _mm512_permutexvar_ps(_mm512_set1_epi32(j), s), acc[t][j & 1]); \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int t = 0; t < NT; t++)                                                                           \
+            out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) + (HAS_MIN ? hsum256(accm[t]) : 0.0f); \
+    }                                                                                                          \
+    NT_SWITCH(NAME)
+
+DEF_VINT256(vint_q4_k, 144, sb_q4_k, 1)
+DEF_VINT256(vint_q5_k, 176, sb_q5_k, 1)
+DEF_VINT256(vint_q6_k, 210, sb_q6_k, 0)
+DEF_VINT256(vint_iq4_xs, 136, sb_iq4_xs, 0)
+
+/* ---------------- float kernels ---------------- */
+
+static void hv_dq_f16(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
+    for (; i < n; i++) dst[i] = _cvtsh_ss(mr_rd16(src + 2 * i));
+}
+
+static void hv_dq_bf16(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 2 * i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+    for (; i < n; i++) dst[i] = mr_bf16_to_f32(mr_rd16(src + 2 * i));
+}
+
+/* 32-block types: dequantize through the integer unpackers (one zmm of int16 per block). */
+#define DEF_DQ32(NAME, BYTES, UNPACK)                                                                        \
+    static void NAME(const uint8_t *b, float *y, int64_t nb) {                                                 \
+        for (int64_t i = 0; i < nb; i++) {                                                                     \
+            float d, m;                                                                                        \
+            const __m512i w = UNPACK(b + i * BYTES, &d, &m);                                                   \
+            const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);                                       \
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));           \
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));     \
+            _mm512_storeu_ps(y + 32 * i, _mm512_fmadd_ps(lo, dv, mv));                                         \
+            _mm512_storeu_ps(y + 32 * i + 16, _mm512_fmadd_ps(hi, dv, mv));                                    \
+        }                                                                                                      \
+    }
+DEF_DQ32(dqv_q4_0, 18, up_q4_0)
+DEF_DQ32(dqv_q4_1, 20, up_q4_1)
+DEF_DQ32(dqv_q5_0, 22, up_q5_0)
+DEF_DQ32(dqv_q5_1, 24, up_q5_1)
+DEF_DQ32(dqv_q8_0, 34, up_q8_0)
+DEF_DQ32(dqv_iq4_nl, 18, up_iq4_nl)
+
+#define DEF_DQ256(NAME, BYTES, UNPACK)                                                                       \
+    static void NAME(const uint8_t *b, float *y, int64_t nb) {                                                 \
+        for (int64_t i = 0; i < nb; i++) {                                                                     \
+            __m512i wv[8];                                                                                     \
+            __m256 sc, mn;                                                                                     \
+            UNPACK(b + i * BYTES, wv, &sc, &mn);                                                               \
+            float s[8], m[8];                                                                                  \
+            _mm256_storeu_ps(s, sc);                                                                           \
+            _mm256_storeu_ps(m, mn);                                                                           \
+            for (int j = 0; j < 8; j++) {                                                                      \
+                const __m512 dv = _mm512_set1_ps(s[j]), mv = _mm512_set1_ps(m[j]);                             \
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(wv[j])));   \
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(wv[j], 1))); \
+                _mm512_storeu_ps(y + 256 * i + 32 * j, _mm512_fmadd_ps(lo, dv, mv));                           \
+                _mm512_storeu_ps(y + 256 * i + 32 * j + 16, _mm512_fmadd_ps(hi, dv, mv));                      \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+DEF_DQ256(dqv_q4_k, 144, sb_q4_k)
+DEF_DQ256(dqv_q5_k, 176, sb_q5_k)
+DEF_DQ256(dqv_q6_k, 210, sb_q6_k)
+DEF_DQ256(dqv_iq4_xs, 136, sb_iq4_xs)
+
+/* out[t] = dot(w, x_t) for t < nt <= 4; two accumulators per token */
+static void hv_dot_f32(const float *w, const float *x, int64_t xs, int64_t n, int nt, float *out) {
+    __m512 a0[MR_NT_INT], a1[MR_NT_INT];
+    for (int t = 0; t < MR_NT_INT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+    int64_t i = 0;
+    if (nt == 1) {
+        for (; i + 32 <= n; i += 32) {
+            a0[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0[0]);
+            a1[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1[0]);
+        }
+    } else {
+        for (; i + 32 <= n; i += 32) {
+            const __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
+            for (int t = 0; t < nt; t++) {
+                a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * xs + i), a0[t]);
+                a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * xs + i + 16), a1[t]);
+            }
+        }
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 w0 = _mm512_maskz_loadu_ps(k, w + i);
+        for (int t = 0; t < nt; t++) a0[t] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(k, x + t * xs + i), a0[t]);
+    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+}
+
+/* 8 zmm accumulators -> 8 sums */
+MR_INLINE __m256 reduce8(const __m512 *a) {
+    __m256 h[8];
+    for (int r = 0; r < 8; r++) h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1));
+    const __m256 h01 = _mm256_hadd_ps(h[0], h[1]), h23 = _mm256_hadd_ps(h[2], h[3]);
+    const __m256 h45 = _mm256_hadd_ps(h[4], h[5]), h67 = _mm256_hadd_ps(h[6], h[7]);
+    const __m256 l = _mm256_hadd_ps(h01, h23), u = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(l, u, 0x20), _mm256_permute2f128_ps(l, u, 0x31));
+}
+
+/* 8 rows x 3 tokens register tile over n elements; wt rows have stride n */
+MR_INLINE void micro_8x3(const float *wt, const float *x, int64_t xs, int64_t n, float *y, int64_t ys, int acc) {
+    __m512 c0[8], c1[8], c2[8];
+    for (int r = 0; r < 8; r++) c0[r] = c1[r] = c2[r] = _mm512_setzero_ps();
+    const float *x0 = x, *x1 = x + xs, *x2 = x + 2 * xs;
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m512 v0 = _mm512_loadu_ps(x0 + k), v1 = _mm512_loadu_ps(x1 + k), v2 = _mm512_loadu_ps(x2 + k);
+        for (int r = 0; r < 8; r++) {
+            const __m512 wr = _mm512_loadu_ps(wt + r * n + k);
+            c0[r] = _mm512_fmadd_ps(wr, v0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(wr, v1, c1[r]);
+            c2[r] = _mm512_fmadd_ps(wr, v2, c2[r]);
+        }
+    }
+    if (k < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - k)) - 1);
+        const __m512 v0 = _mm512_maskz_loadu_ps(m, x0 + k), v1 = _mm512_maskz_loadu_ps(m, x1 + k),
+                     v2 = _mm512_maskz_loadu_ps(m, x2 + k);
+        for (int r = 0; r < 8; r++) {
+            const __m512 wr = _mm512_maskz_loadu_ps(m, wt + r * n + k);
+            c0[r] = _mm512_fmadd_ps(wr, v0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(wr, v1, c1[r]);
+            c2[r] = _mm512_fmadd_ps(wr, v2, c2[r]);
+        }
+    }
+    __m256 s0 = reduce8(c0), s1 = reduce8(c1), s2 = reduce8(c2);
+    if (acc) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(y));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(y + ys));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(y + 2 * ys));
+    }
+    _mm256_storeu_ps(y, s0);
+    _mm256_storeu_ps(y + ys, s1);
+    _mm256_storeu_ps(y + 2 * ys, s2);
+}
+
+static void hv_tile(const float *wt, int nr, const float *x, int64_t xs, int ntk, int64_t n, float *y,
+                        int64_t ys, int acc) {
+    int t = 0;
+    if (nr == 8)
+        for (; t + 3 <= ntk; t += 3) micro_8x3(wt, x + t * xs, xs, n, y + t * ys, ys, acc);
+    for (; t < ntk; t += MR_NT_INT) {
+        const int nt = ntk - t < MR_NT_INT ? ntk - t : MR_NT_INT;
+        for (int r = 0; r < nr; r++) {
+            float o[MR_NT_INT];
+            hv_dot_f32(wt + (int64_t)r * n, x + t * xs, xs, n, nt, o);
+            for (int i = 0; i < nt; i++) y[(t + i) * ys + r] = acc ? y[(t + i) * ys + r] + o[i] : o[i];
+        }
+    }
+}
+
+/* ---------------- panel path (many tokens): outer products over a transposed weight panel ---------------- */
+
+/* 16 x 16 transpose in registers (three shuffle stages) */
+MR_INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
+    }
+    /* r[4i + j] holds, in 128-bit lane L, column 4L + j of rows 4i..4i+3: transpose the lanes */
+    for (int j = 0; j < 4; j++) {
+        const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44), u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+        t[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+        t[8 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+static void hv_pack(const float *a, int nr, int64_t n, float *P) {
+    for (int rg = 0; rg < MR_PR; rg += 16) {
+        for (int64_t k = 0; k < n; k += 16) {
+            const __mmask16 m = n - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - k)) - 1);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = rg + i < nr ? _mm512_maskz_loadu_ps(m, a + (int64_t)(rg + i) * n + k) : _mm512_setzero_ps();
+            transpose16(r);
+            const int kk = n - k >= 16 ? 16 : (int)(n - k);
+            for (int i = 0; i < kk; i++) _mm512_storeu_ps(P + (k + i) * MR_PR + rg, r[i]);
+        }
+    }
+}
+
+/* T tokens x 32 rows of accumulators (2T zmm, T <= 12) */
+MR_INLINE void panel_t(const float *P, const float *x, int64_t xs, int64_t n, float *y, int64_t ys, int acc,
+                       __mmask16 m0, __mmask16 m1, const int T) {
+    __m512 c0[12], c1[12];
+    for (int t = 0; t < T; t++) c0[t] = c1[t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k++) {
+        const __m512 w0 = _mm512_loadu_ps(P + k * MR_PR), w1 = _mm512_loadu_ps(P + k * MR_PR + 16);
+        for (int t = 0; t < T; t++) {
+            const __m512 xb = _mm512_set1_ps(x[t * xs + k]);
+            c0[t] = _mm512_fmadd_ps(w0, xb, c0[t]);
+            c1[t] = _mm512_fmadd_ps(w1, xb, c1[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        float *yt = y + t * ys;
+        if (acc) {
+            c0[t] = _mm512_add_ps(c0[t], _mm512_maskz_loadu_ps(m0, yt));
+            c1[t] = _mm512_add_ps(c1[t], _mm512_maskz_loadu_ps(m1, yt + 16));
+        }
+        _mm512_mask_storeu_ps(yt, m0, c0[t]);
+        _mm512_mask_storeu_ps(yt + 16, m1, c1[t]);
+    }
+}
+
+static void hv_panel(const float *P, int nr, const float *x, int64_t xs, int ntk, int64_t n, float *y, int64_t ys,
+                     int acc) {
+    const __mmask16 m0 = nr >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
+    const __mmask16 m1 = nr >= 32 ? (__mmask16)0xffff : (nr <= 16 ? (__mmask16)0 : (__mmask16)((1u << (nr - 16)) - 1));
+    int t = 0;
+    for (; t + 12 <= ntk; t += 12) panel_t(P, x + t * xs, xs, n, y + t * ys, ys, acc, m0, m1, 12);
+    const int rest = ntk - t;
+    const float *xr = x + t * xs;
+    float *yr = y + t * ys;
+    switch (rest) {
+    case 1: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 1); break;
+    case 2: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 2); break;
+    case 3: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 3); break;
+    case 4: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 4); break;
+    case 5: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 5); break;
+    case 6: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 6); break;
+    case 7: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 7); break;
+    case 8: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 8); break;
+    case 9: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 9); break;
+    case 10: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 10); break;
+    case 11: panel_t(P, xr, xs, n, yr, ys, acc, m0, m1, 11); break;
+    default: break;
+    }
+}
+
+static void hv_quant_x(const float *x, int64_t n, int16_t *q, float *d, float *s) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < n / 32; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+        const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        const __m512 iv = _mm512_set1_ps(id);
+        /* |v * id| <= 32767 up to rounding; the saturating pack clamps the rest */
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm512_cvtsepi32_epi16(q0));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), _mm512_cvtsepi32_epi16(q1));
+        d[b] = amax / 32767.0f;
+        s[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+}
+
+static void hv_f16_to_f32(const uint16_t *src, float *dst, int64_t n) { hv_dq_f16((const uint8_t *)src, dst, n); }
+
+void mr_init_avx512(mr_kernels *k) {
+    mr_fill_generic_avx512(k);
+    k->dq[GT_F16] = hv_dq_f16;
+    k->dq[GT_BF16] = hv_dq_bf16;
+    k->dq[GT_Q4_0] = dqv_q4_0;
+    k->dq[GT_Q4_1] = dqv_q4_1;
+    k->dq[GT_Q5_0] = dqv_q5_0;
+    k->dq[GT_Q5_1] = dqv_q5_1;
+    k->dq[GT_Q8_0] = dqv_q8_0;
+    k->dq[GT_IQ4_NL] = dqv_iq4_nl;
+    k->dq[GT_Q4_K] = dqv_q4_k;
+    k->dq[GT_Q5_K] = dqv_q5_k;
+    k->dq[GT_Q6_K] = dqv_q6_k;
+    k->dq[GT_IQ4_XS] = dqv_iq4_xs;
+    k->vint[GT_Q4_0] = vint_q4_0;
+    k->vint[GT_Q4_1] = vint_q4_1;
+    k->vint[GT_Q5_0] = vint_q5_0;
+    k->vint[GT_Q5_1] = vint_q5_1;
+    k->vint[GT_Q8_0] = vint_q8_0;
+    k->vint[GT_IQ4_NL] = vint_iq4_nl;
+    k->vint[GT_Q4_K] = vint_q4_k;
+    k->vint[GT_Q5_K] = vint_q5_k;
+    k->vint[GT_Q6_K] = vint_q6_k;
+    k->vint[GT_IQ4_XS] = vint_iq4_xs;
+    k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] = 1;
+    k->quant_x = hv_quant_x;
+    k->dot_f32 = hv_dot_f32;
+    k->tile = hv_tile;
+    k->pack = hv_pack;
+    k->panel = hv_panel;
+    k->f16_to_f32 = hv_f16_to_f32;
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif /* MR_X86 */
