@@ -299,6 +299,10 @@ class Transformer:
             raise GGUFError(f"{f.path}: {self.output.name} has shape {self.output.out_features, self.output.in_features}")
         self.blocks = [self.load_block(i) for i in range(c.n_layer)]
         self.scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim_k)
+        # small ops: the backend's versions when it has them (native), numpy otherwise
+        self.norm = getattr(backend, "rms_norm", rms_norm)
+        self.rope = getattr(backend, "rope", apply_rope)
+        self._attn_decode = getattr(backend, "attention_decode", None)
 
     # -- hooks ---------------------------------------------------------------------------------
     def configure(self, cfg: Config) -> None:
@@ -367,8 +371,8 @@ class Transformer:
         c = self.cfg
         swa = c.swa_layers[i]
         cos, sin = ctx.rope_tables(swa)
-        apply_rope(q, cos, sin, c.rope_neox, c.rope_dim)
-        apply_rope(k, cos, sin, c.rope_neox, c.rope_dim)
+        self.rope(q, cos, sin, c.rope_neox, c.rope_dim)
+        self.rope(k, cos, sin, c.rope_neox, c.rope_dim)
         out = np.empty((q.shape[0], c.n_head * c.head_dim_v), dtype=np.float32)
         window = c.sliding_window if swa else 0
         for seg, s0, p0 in ctx.spans:
@@ -376,6 +380,11 @@ class Transformer:
             kc, vc = seg.cache.layer(i)
             kc[:, p0:p0 + n] = k[s0:s0 + n].transpose(1, 0, 2)
             vc[:, p0:p0 + n] = v[s0:s0 + n].transpose(1, 0, 2)
+            if n == 1 and self._attn_decode is not None:
+                o = self._attn_decode(q[s0], kc, vc, p0 + 1, self.scale, window, c.attn_softcap)
+                if o is not None:
+                    out[s0] = o.reshape(-1)
+                    continue
             lo = max(0, p0 - window + 1) if window else 0  # keys older than the window are never read
             out[s0:s0 + n] = attention(q[s0:s0 + n], kc[:, lo:p0 + n], vc[:, lo:p0 + n], p0 - lo,
                                        self.scale, window, c.attn_softcap)
@@ -402,7 +411,7 @@ class Transformer:
                 rows.append(s0 + seg.n_tokens - 1)
         res: list[np.ndarray | None] = []
         if rows:
-            h = rms_norm(x[rows], self.output_norm, self.cfg.rms_eps)
+            h = self.norm(x[rows], self.output_norm, self.cfg.rms_eps)
             logits = self.mm(self.output, h)
             if self.cfg.final_softcap:
                 sc = np.float32(self.cfg.final_softcap)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import (ForwardContext, Transformer, gelu_tanh, linear, register, rms_norm, vector)
+from .base import ForwardContext, Transformer, gelu_tanh, linear, register, vector
 
 SWA_PATTERN_DEFAULT = 6
 ROPE_BASE_LOCAL = 10000.0
@@ -66,12 +66,12 @@ class Gemma3(Transformer):
     def block(self, i: int, x: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         b, c = self.blocks[i], self.cfg
         eps, T = c.rms_eps, x.shape[0]
-        h = rms_norm(x, b["attn_norm"], eps)
-        q = rms_norm(self.mm(b["wq"], h).reshape(T, c.n_head, c.head_dim_k), b["q_norm"], eps)
-        k = rms_norm(self.mm(b["wk"], h).reshape(T, c.n_head_kv, c.head_dim_k), b["k_norm"], eps)
+        h = self.norm(x, b["attn_norm"], eps)
+        q = self.norm(self.mm(b["wq"], h).reshape(T, c.n_head, c.head_dim_k), b["q_norm"], eps)
+        k = self.norm(self.mm(b["wk"], h).reshape(T, c.n_head_kv, c.head_dim_k), b["k_norm"], eps)
         v = self.mm(b["wv"], h).reshape(T, c.n_head_kv, c.head_dim_v)
         a = self.mm(b["wo"], self.attend(i, q, k, v, ctx))
-        x = x + rms_norm(a, b["post_attn_norm"], eps)
-        h = rms_norm(x, b["ffn_norm"], eps)
+        x = x + self.norm(a, b["post_attn_norm"], eps)
+        h = self.norm(x, b["ffn_norm"], eps)
         m = self.mm(b["down"], gelu_tanh(self.mm(b["gate"], h)) * self.mm(b["up"], h))
-        return x + rms_norm(m, b["post_ffn_norm"], eps)
+        return x + self.norm(m, b["post_ffn_norm"], eps)

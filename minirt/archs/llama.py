@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import ForwardContext, Transformer, linear, register, rms_norm, silu, vector
+from .base import ForwardContext, Transformer, linear, register, silu, vector
 
 
 @register
@@ -51,6 +51,6 @@ class Llama(Transformer):
 
     def block(self, i: int, x: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         b, eps = self.blocks[i], self.cfg.rms_eps
-        q, k, v = self.qkv(b, rms_norm(x, b["attn_norm"], eps))
+        q, k, v = self.qkv(b, self.norm(x, b["attn_norm"], eps))
         x = x + self.mm(b["wo"], self.attend(i, q, k, v, ctx))
-        return x + self.mlp(b, rms_norm(x, b["ffn_norm"], eps))
+        return x + self.mlp(b, self.norm(x, b["ffn_norm"], eps))

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import register, rms_norm, vector
+from .base import register, vector
 from .llama import Llama
 
 
@@ -38,4 +38,4 @@ class Qwen3(Llama):
     def qkv(self, b: dict[str, Any], h: np.ndarray):
         q, k, v = super().qkv(b, h)
         eps = self.cfg.rms_eps
-        return rms_norm(q, b["q_norm"], eps), rms_norm(k, b["k_norm"], eps), v
+        return self.norm(q, b["q_norm"], eps), self.norm(k, b["k_norm"], eps), v

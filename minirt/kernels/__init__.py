@@ -90,6 +90,29 @@ class NativeBackend:
     def matmul(self, x: np.ndarray, lin: Any) -> np.ndarray:
         return self._mod.matmul(x, lin.w, lin.qtype, threads=self.threads)
 
+    # the small per-layer ops: native versions avoid numpy temporaries on the decode hot path
+    def rms_norm(self, x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+        """RMSNorm over the last axis of x (..., n)."""
+        x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+        return self._mod.rmsnorm(x2, w, eps).reshape(x.shape)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool, rope_dim: int) -> None:
+        """Rotate x (T, heads, head_dim) in place with cos/sin tables (T, rope_dim/2)."""
+        if not x.flags.c_contiguous:
+            from ..archs.base import apply_rope
+
+            apply_rope(x, cos, sin, neox, rope_dim)
+            return
+        self._mod.rope(x, neox=neox, n_rot=rope_dim, cos=cos, sin=sin)
+
+    def attention_decode(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, n_past: int, scale: float,
+                         window: int, softcap: float) -> np.ndarray | None:
+        """One query (H, D) over the first n_past cached positions; None when this shape is not handled."""
+        if kc.shape != vc.shape or q.shape[-1] != kc.shape[-1]:
+            return None
+        return self._mod.attention_decode(q, kc, vc, n_past, scale, window=window, softcap=softcap,
+                                          threads=self.threads)
+
     def info(self) -> dict[str, Any]:
         d = dict(self._mod.info())
         d["backend"] = self.name
