@@ -233,9 +233,12 @@ class Model:
                     return "cuda", b
                 if device == "cuda":
                     raise BackendError(f"device='cuda' requested but no usable GPU: {cuda.unavailable_reason()}")
-            except ImportError as e:
+            except (ImportError, BackendError) as e:
                 if device == "cuda":
+                    if isinstance(e, BackendError):
+                        raise
                     raise BackendError(f"device='cuda' requested but the CUDA backend cannot load: {e}") from e
+                log.warning("CUDA unavailable (%s); using the CPU", e)
         b = get_backend(backend, threads)
         log.info("device: cpu (%s backend)", b.name)
         return "cpu", b

@@ -303,6 +303,7 @@ class Transformer:
         self.norm = getattr(backend, "rms_norm", rms_norm)
         self.rope = getattr(backend, "rope", apply_rope)
         self._attn_decode = getattr(backend, "attention_decode", None)
+        self._backend_forward = getattr(backend, "forward", None)
 
     # -- hooks ---------------------------------------------------------------------------------
     def configure(self, cfg: Config) -> None:
@@ -396,6 +397,11 @@ class Transformer:
         Each segment's cache grows by its token count. Returns per segment the logits it asked for:
         (n_vocab,) for "last", (n_tokens, n_vocab) for "all", None for "none".
         """
+        fwd = self._backend_forward
+        if fwd is not None:  # a device backend runs the whole pass where activations live (GPU)
+            out = fwd(self, tokens, segments)
+            if out is not None:
+                return out
         ctx = ForwardContext(self, segments)
         x = self.embed(tokens)
         for i in range(self.cfg.n_layer):

@@ -1,0 +1,882 @@
+"""The CUDA backend: quantized weights in VRAM, kernels from :mod:`.kernels`, whole forward on
+the device.
+
+Two ways in:
+
+- :meth:`CudaBackend.matmul` ``(x, lin)`` — the per-op contract every backend has: host float32
+  in, host float32 out, weight already in VRAM. Used for architectures without a device forward.
+- :meth:`CudaBackend.forward` ``(model, tokens, segments)`` — the whole decoder on the device for
+  the llama / qwen2 / qwen3 / gemma3 blocks: embeddings, every layer, final norm and output
+  projection run as kernels over device buffers; per call one host→device copy of the token ids
+  and positions, and device→host copies of the requested logits and of the new keys/values.
+  Returns ``None`` for a model it does not handle, so the caller can use the host path.
+
+KV cache: the :class:`~minirt.kv_cache.KVCache` a sequence owns stays the source of truth (the
+scheduler, prefix reuse, context shift and state save/load all work on it). The device keeps a
+float16 *mirror* of each cache it has seen; every forward appends the new positions to the mirror
+and copies them (float16-rounded) back into the host cache. Before use a mirror is checked against
+its cache (token ids and the newest key row of layer 0); after a context shift, a prefix copy or
+a state load that changed the cache it is re-uploaded once. Mirrors grow by doubling and are
+evicted least-recently-used beyond a VRAM budget.
+
+Launch overhead: a single-sequence decode step (one token, the case that dominates generation)
+is captured once per mirror into a CUDA graph through CuPy and replayed, since its kernels read
+positions from device memory. Prefill (many tokens) runs eagerly: its kernels are few and large.
+Prefill matmuls dequantize a tile of weight rows into a scratch buffer and call cuBLAS SGEMM
+through CuPy (accumulating into the residual stream in place); without CuPy a tiled quantized
+GEMM kernel does the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from numba import cuda
+
+from ...errors import BackendError, ContextOverflowError
+from . import simulator_active
+from .kernels import LaunchConfig, get_kernels
+from .quant import SUPPORTED_TYPES, TYPE_SIZES
+
+log = logging.getLogger(__name__)
+
+UPLOAD_CHUNK = 32 << 20  # bytes per host→device copy through the pinned staging buffer
+WTMP_BYTES = 8 << 20  # dequantized weight tile for the cuBLAS path
+LOGITS_BYTES = 32 << 20  # output-projection rows computed per chunk (Model.logits asks for all)
+MIN_KV_CAP = 256  # first capacity of a KV mirror (positions); grows by doubling
+
+
+@dataclass
+class DeviceWeight:
+    """One 2-D weight in VRAM: the raw blocks and their float16/float32 views (see quant.py)."""
+
+    name: str
+    qtype: str
+    rows: int
+    cols: int
+    w8: Any
+    w16: Any
+    w32: Any
+
+    @property
+    def args(self) -> tuple[Any, Any, Any]:
+        return self.w8, self.w16, self.w32
+
+
+@dataclass
+class _Buffers:
+    """Activations for up to ``tcap`` tokens (one set for decode, one grown for batches)."""
+
+    tcap: int
+    x: Any  # (tcap, d) residual stream
+    h: Any  # (tcap, d) normed input of a sublayer
+    a: Any  # (tcap, d) sublayer output before a post-norm (gemma3)
+    qkv: Any  # (tcap, H*Dk + Hkv*Dk + Hkv*Dv)
+    attn: Any  # (tcap, H*Dv)
+    gu: Any  # (tcap, 2F) gate | up
+    ff: Any  # (tcap, F) view of gu[:, :F]: the gated activation is written over the gate half
+    ip_dev: Any  # int32 (3*tcap): ids | positions | rows whose logits are wanted
+    ip_host: np.ndarray
+    ids: Any
+    pos: Any
+    lrows: Any
+    stage: Any  # float16 (tcap, n_layer, Hkv*(Dk+Dv)) new keys/values, copied back to the host caches
+    stage_host: np.ndarray
+    rchunk: int  # most logits rows per output-projection chunk
+    hrows: Any = None  # (rows, d), rows <= rchunk, grown on demand
+    logits: Any = None  # (rows, V)
+    logits_host: Any = None
+    nbytes: int = 0
+
+
+@dataclass
+class _Mirror:
+    """Device copy (float16) of one KVCache plus what is needed to check it is still current."""
+
+    cap: int
+    k: list  # per layer (Hkv, cap, Dk) float16
+    v: list
+    n_valid: int = 0
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    shadow: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # layer-0 keys as written
+    nbytes: int = 0
+    last_used: int = 0
+    graph: Any = None  # captured decode step
+    decode_steps: int = 0
+
+
+@dataclass
+class _Plan:
+    """How one model runs on the device: block kind, per-layer weights and norms, constants."""
+
+    kind: str  # "llama" | "gemma3"
+    layers: list
+    tok_embd: DeviceWeight
+    output: DeviceWeight
+    output_norm: Any
+    inv_global: Any
+    inv_swa: Any
+    qk_norm: bool
+    act: int  # 0 SiLU, 1 GELU-tanh
+    d: int
+    H: int
+    Hkv: int
+    Dk: int
+    Dv: int
+    F: int
+    V: int
+    n_layer: int
+    eps: np.float32
+    scale: np.float32
+    softcap: np.float32
+    final_softcap: np.float32
+    embed_scale: np.float32
+    rope_dim: int
+    neox: int
+    window: int
+    swa: tuple
+    qkvw: int
+    kvw: int
+
+
+class CudaBackend:
+    """Quantized weights in VRAM, fused dequantizing kernels, whole forward on the device."""
+
+    name = "cuda"
+
+    def __init__(self, gguf_file: Any, *, progress: Callable[[int, int], Any] | None = None,
+                 launch: LaunchConfig | None = None, use_cupy: bool | None = None,
+                 use_graphs: bool | None = None, kv_vram_bytes: int | None = None,
+                 allow_simulator: bool = False, blas: Callable[..., None] | None = None) -> None:
+        """Upload every 2-D weight of ``gguf_file`` (a :class:`minirt.gguf.GGUFFile`) to the GPU.
+
+        progress(done_bytes, total_bytes) is called after each tensor. ``launch`` overrides the
+        block/grid configuration; ``use_cupy`` / ``use_graphs`` force CuPy (cuBLAS prefill, CUDA
+        graphs) on or off; ``kv_vram_bytes`` bounds the KV mirrors; ``allow_simulator`` lets tests
+        run under numba's CUDA simulator; ``blas`` replaces the cuBLAS call (tests).
+        """
+        self.sim = simulator_active()
+        if self.sim and not allow_simulator:
+            raise BackendError("numba's CUDA simulator is active; the CUDA backend needs a GPU")
+        self._lock = threading.RLock()
+        self.file = gguf_file
+        self.lc = launch or (LaunchConfig.simulator() if self.sim else LaunchConfig.from_env())
+        self.k = get_kernels(self.lc)
+        self._closed = False
+        self._bytes = {"weights": 0, "scratch": 0}  # KV mirrors are counted from the live mirrors
+        self._cp = None
+        if use_cupy is None:
+            use_cupy = not self.sim
+        self.cp_stream = None
+        if use_cupy:
+            try:
+                import cupy
+
+                # one stream shared by CuPy (cuBLAS, graph capture) and numba's launches
+                self.cp_stream = cupy.cuda.Stream(non_blocking=True)
+                self.stream = cuda.external_stream(self.cp_stream.ptr)
+                self._cp = cupy
+            except Exception as e:  # ImportError, or a CuPy built for another CUDA
+                log.warning("CuPy unusable (%s): prefill uses the numba GEMM, decode runs without CUDA graphs", e)
+                self.cp_stream = None
+        if not self.sim:
+            import numba
+
+            numba.config.CUDA_LOW_OCCUPANCY_WARNINGS = 0  # small decode grids are intended
+        if self._cp is None:
+            self.cp_stream = None
+            self.stream = 0 if self.sim else cuda.stream()
+        self.use_graphs = bool(self._cp is not None and not self.sim) if use_graphs is None else use_graphs
+        self._blas = blas
+        if blas is None and self._cp is not None:
+            self._blas = self._cublas_sgemm
+            self._alpha = np.ones(1, np.float32)
+            self._betas = (np.zeros(1, np.float32), np.ones(1, np.float32))
+        self._dummy32 = cuda.to_device(np.zeros((1, 1), np.float32))
+        self._dummy_bias = cuda.to_device(np.zeros(1, np.float32))
+        self.weights: dict[str, DeviceWeight] = {}
+        self._vectors: dict[int, tuple[np.ndarray, Any]] = {}  # id(host array) → (array, device copy)
+        self._plans: "weakref.WeakKeyDictionary[Any, _Plan | None]" = weakref.WeakKeyDictionary()
+        self._bufs: dict[str, _Buffers] = {}
+        self._mirrors: "weakref.WeakKeyDictionary[Any, _Mirror]" = weakref.WeakKeyDictionary()
+        self._clock = 0
+        self._wtmp = None
+        self._arange = None
+        self._views: dict[tuple, Any] = {}
+        self.skipped: dict[str, str] = {}
+        self._staging = None
+        self._upload(progress)
+        if kv_vram_bytes is None:
+            kv_vram_bytes = 8 << 30
+            if not self.sim:  # at most half of what is free once the weights are in
+                free, _total = cuda.current_context().get_memory_info()
+                kv_vram_bytes = int(min(kv_vram_bytes, 0.5 * free))
+        self.kv_vram_bytes = kv_vram_bytes
+
+    # -- memory ----------------------------------------------------------------------------------
+    def _alloc(self, shape: Any, dtype: Any, kind: str = "scratch") -> Any:
+        a = cuda.device_array(shape, dtype=dtype)
+        if kind in self._bytes:
+            self._bytes[kind] += a.nbytes
+        return a
+
+    def _upload(self, progress: Callable[[int, int], Any] | None) -> None:
+        """Copy each supported 2-D weight from the mapped file to VRAM, one tensor at a time.
+
+        Rows travel through one pinned staging buffer of UPLOAD_CHUNK bytes, so host memory holds
+        at most one chunk beyond the mapping, never the whole file.
+        """
+        if self.file is None:
+            return
+        todo = []
+        for name, t in self.file.tensors.items():
+            if len(t.shape) != 2:
+                continue
+            why = self.unsupported_reason(t.qtype, t.shape[1])
+            if why:
+                self.skipped[name] = why
+                continue
+            todo.append((name, t))
+        total = sum(t.data.nbytes for _, t in todo)
+        done = 0
+        for name, t in todo:
+            self.add_weight(name, t.qtype, t.data.reshape(t.shape[0], -1))
+            done += t.data.nbytes
+            if progress is not None:
+                progress(done, total)
+        self._staging = None
+        if self.skipped:
+            log.info("CUDA backend: %d tensors stay on the host: %s", len(self.skipped),
+                     "; ".join(f"{k}: {v}" for k, v in list(self.skipped.items())[:5]))
+
+    @staticmethod
+    def unsupported_reason(qtype: str, cols: int) -> str:
+        """Why a weight of this type and row length cannot live on the device ('' if it can)."""
+        if qtype not in SUPPORTED_TYPES:
+            return f"type {qtype} has no CUDA kernel"
+        if cols % 32:
+            return f"{cols} columns is not a multiple of 32"
+        return ""
+
+    def add_weight(self, name: str, qtype: str, raw: np.ndarray) -> DeviceWeight:
+        """Upload one weight: raw uint8 (rows, row_bytes) ggml blocks of ``qtype`` (e.g. a mapped view)."""
+        tsize, qk = TYPE_SIZES[qtype]
+        rows, row_bytes = raw.shape
+        cols = row_bytes // tsize * qk
+        why = self.unsupported_reason(qtype, cols)
+        if why or row_bytes % tsize:
+            raise BackendError(f"tensor {name!r}: {why or 'row size is not a whole number of blocks'}")
+        dev = self._alloc(raw.shape, np.uint8, "weights")
+        if self.sim:
+            dev.copy_to_device(np.ascontiguousarray(raw))
+        else:
+            if self._staging is None:
+                self._staging = cuda.pinned_array(UPLOAD_CHUNK, dtype=np.uint8)
+            staging = self._staging
+            rows_per = max(1, staging.size // row_bytes)
+            if rows_per * row_bytes > staging.size:  # one row larger than the staging buffer
+                dev.copy_to_device(np.ascontiguousarray(raw))
+            else:
+                for r0 in range(0, rows, rows_per):
+                    r1 = min(rows, r0 + rows_per)
+                    buf = staging[:(r1 - r0) * row_bytes].reshape(r1 - r0, row_bytes)
+                    buf[...] = raw[r0:r1]  # mapped pages → pinned memory, one chunk at a time
+                    dev[r0:r1].copy_to_device(buf)
+        w16 = dev.view(np.float16)
+        w32 = dev.view(np.float32) if qtype == "F32" else self._dummy32
+        dw = DeviceWeight(name, qtype, rows, cols, dev, w16, w32)
+        self.weights[name] = dw
+        return dw
+
+    def _vector(self, v: np.ndarray) -> Any:
+        """Device float32 copy of a small host vector (norm gains, biases), uploaded once."""
+        e = self._vectors.get(id(v))
+        if e is None or e[0] is not v:
+            e = (v, cuda.to_device(np.ascontiguousarray(v, dtype=np.float32)))
+            self._bytes["weights"] += e[1].nbytes
+            self._vectors[id(v)] = e
+        return e[1]
+
+    def weight(self, lin: Any) -> DeviceWeight | None:
+        """The device copy of a :class:`~minirt.archs.base.Linear` (None if it stays on the host)."""
+        dw = lin.backend_data
+        if isinstance(dw, DeviceWeight):
+            return dw
+        dw = self.weights.get(lin.name)
+        if dw is not None and (dw.rows, dw.cols) == (lin.out_features, lin.in_features):
+            lin.backend_data = dw
+            return dw
+        return None
+
+    # -- launching ---------------------------------------------------------------------------------
+    def _launch(self, kern: Any, grid: Any, block: int, *args: Any) -> None:
+        if self.sim:
+            kern[grid, block](*args)
+        else:
+            kern[grid, block, self.stream](*args)
+
+    def _ew_grid(self, total: int) -> int:
+        return self.lc.grid((total + self.lc.threads - 1) // self.lc.threads)
+
+    def _arange_dev(self, n: int) -> Any:
+        if self._arange is None or self._arange.shape[0] < n:
+            self._views.clear()
+            if self._arange is not None:
+                self._bytes["scratch"] -= self._arange.nbytes
+            size = max(n, 1024)
+            self._arange = self._alloc(size, np.int32)
+            self._arange.copy_to_device(np.arange(size, dtype=np.int32))
+        return self._arange
+
+    def _wtmp_dev(self) -> Any:
+        if self._wtmp is None:
+            self._wtmp = self._alloc(WTMP_BYTES // 4, np.float32)
+        return self._wtmp
+
+    def _mm(self, dw: DeviceWeight, x: Any, T: int, y: Any, ycol: int, bias: Any = None, acc: bool = False) -> None:
+        """``y[:T, ycol:ycol+N] (+)= x[:T] @ W.T (+ bias)`` on the device; x (>=T, K), y (>=T, >=ycol+N)."""
+        N, K = dw.rows, dw.cols
+        lc = self.lc
+        hb = bias is not None
+        b = bias if hb else self._dummy_bias
+        if T <= lc.mv_max_tokens:
+            rpb = lc.mv_threads // lc.tpr(K)
+            self._launch(self.k.matvec(dw.qtype, K), (lc.grid((N + rpb - 1) // rpb), lc.grid_y(T)), lc.mv_threads,
+                         dw.w8, dw.w16, dw.w32, x, T, y, ycol, b, int(hb), int(acc), N, K)
+        elif self._blas is not None:
+            wtmp = self._wtmp_dev()
+            per = max(1, wtmp.shape[0] // K)
+            ar = self._arange_dev(N)
+            deq = self.k.dequant_rows(dw.qtype)
+            for r0 in range(0, N, per):
+                nr = min(per, N - r0)
+                # device-array views cost tens of microseconds to make: reuse them across calls
+                key = (id(wtmp), id(ar), r0, nr, K)
+                v = self._views.get(key)
+                if v is None:
+                    v = self._views[key] = (wtmp[:nr * K].reshape(nr, K), ar[r0:r0 + nr])
+                tile, rows = v
+                self._launch(deq, self._ew_grid(nr * K // 8), lc.threads, dw.w8, dw.w16, dw.w32, rows,
+                             tile, nr, K, np.float32(1.0))
+                self._blas(tile, nr, K, x, T, y, ycol + r0, acc)
+            if hb:
+                self._launch(self.k.bias_add, self._ew_grid(T * N), lc.threads, y, ycol, b, T, N)
+        else:
+            bm, bn = lc.gemm_gt * lc.gemm_gm, lc.gemm_gt * lc.gemm_gn
+            self._launch(self.k.gemm(dw.qtype), (lc.grid((N + bm - 1) // bm), lc.grid_y((T + bn - 1) // bn)),
+                         lc.gemm_gt * lc.gemm_gt, dw.w8, dw.w16, dw.w32, x, T, y, ycol, b, int(hb), int(acc), N, K)
+
+    def _cublas_sgemm(self, tile: Any, nr: int, K: int, x: Any, T: int, y: Any, ycol: int, acc: bool) -> None:
+        """y[:T, ycol:ycol+nr] (+)= x[:T] @ tile.T with cuBLAS (column-major view of row-major data)."""
+        cublas = self._cublas_mod()
+        handle = self._cp.cuda.device.get_cublas_handle()
+        with self.cp_stream:
+            # C (nr x T, ld = y's row length) = A^T (A: K x nr, ld K) * B (K x T, ld K)
+            cublas.sgemm(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, nr, T, K,
+                         self._alpha.ctypes.data, _ptr(tile), K, _ptr(x), x.strides[0] // 4,
+                         self._betas[int(acc)].ctypes.data, _ptr(y) + 4 * ycol, y.strides[0] // 4)
+
+    def _cublas_mod(self) -> Any:
+        try:
+            from cupy_backends.cuda.libs import cublas
+        except ImportError:  # older CuPy layouts
+            from cupy.cuda import cublas  # type: ignore[no-redef]
+        return cublas
+
+    # -- per-op API --------------------------------------------------------------------------------
+    def matmul(self, x: np.ndarray, lin: Any) -> np.ndarray:
+        """``x (T, in) @ W.T`` with W in VRAM (bias not added: the caller adds it). Host in/out."""
+        with self._lock:
+            self._check_open()
+            dw = self.weight(lin)
+            if dw is None:  # a type without a kernel: dequantize on the host
+                from .. import get_backend
+
+                return get_backend("numba").matmul(x, lin)
+            x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, dw.cols)
+            T = x2.shape[0]
+            xd = cuda.to_device(x2)
+            yd = cuda.device_array((T, dw.rows), np.float32)
+            self._mm(dw, xd, T, yd, 0)
+            out = yd.copy_to_host(stream=self.stream if not self.sim else 0)
+            self._sync()
+            return out.reshape(*x.shape[:-1], dw.rows) if x.ndim != 2 else out
+
+    def _sync(self) -> None:
+        if self.sim:
+            return
+        if self.cp_stream is not None:
+            self.cp_stream.synchronize()
+        else:
+            self.stream.synchronize()
+
+    # -- whole forward ------------------------------------------------------------------------------
+    def _plan(self, model: Any) -> _Plan | None:
+        if model in self._plans:
+            return self._plans[model]
+        p = self._make_plan(model)
+        self._plans[model] = p
+        return p
+
+    def _make_plan(self, model: Any) -> _Plan | None:
+        from ...archs.base import Transformer
+        from ...archs.gemma3 import Gemma3
+        from ...archs.llama import Llama
+        from ...archs.qwen2 import Qwen3
+
+        cls = type(model)
+        if cls.embed is not Transformer.embed or cls.attend is not Transformer.attend:
+            return None
+        if isinstance(model, Gemma3) and cls.block is Gemma3.block:
+            kind, act = "gemma3", 1
+        elif isinstance(model, Llama) and cls.block is Llama.block and cls.mlp is Llama.mlp \
+                and cls.qkv in (Llama.qkv, Qwen3.qkv):
+            kind, act = "llama", 0
+        else:
+            log.info("no device forward for %s; using per-op CUDA matmuls", cls.__name__)
+            return None
+        c = model.cfg
+        if c.head_dim_k > self.lc.max_head_dim or c.head_dim_v > self.lc.max_head_dim:
+            log.info("head size %d exceeds the attention kernel's %d", max(c.head_dim_k, c.head_dim_v),
+                     self.lc.max_head_dim)
+            return None
+        tok = self.weights.get(model.tok_embd.name)
+        out = self.weight(model.output)
+        if tok is None or out is None:
+            return None
+        layers = []
+        qk_norm = False
+        for b in model.blocks:
+            L: dict[str, Any] = {}
+            for key, v in b.items():
+                if hasattr(v, "qtype") and hasattr(v, "out_features"):  # Linear
+                    dw = self.weight(v)
+                    if dw is None:
+                        log.info("tensor %s stays on the host; using per-op CUDA matmuls", v.name)
+                        return None
+                    L[key] = dw
+                    L[key + ".bias"] = self._vector(v.bias) if v.bias is not None else None
+                elif isinstance(v, np.ndarray):
+                    L[key] = self._vector(v)
+            qk_norm = "q_norm" in L
+            L["glu"] = L["gate"].qtype == L["up"].qtype
+            layers.append(L)
+        half = c.rope_dim // 2
+
+        def inv(base: float) -> Any:
+            f = base ** (-np.arange(half, dtype=np.float64) * 2.0 / c.rope_dim)
+            if c.rope_freq_factors is not None:
+                f = f / c.rope_freq_factors.astype(np.float64)
+            return cuda.to_device(np.ascontiguousarray(f * c.rope_freq_scale))
+
+        base_swa = c.rope_base_swa if c.rope_base_swa else c.rope_base
+        # row indices for every weight's tiles, allocated once (no reallocation while kernels run)
+        self._arange_dev(max(c.n_vocab, 2 * c.n_ff, c.n_embd, 1024))
+        return _Plan(
+            kind=kind, layers=layers, tok_embd=tok, output=out, output_norm=self._vector(model.output_norm),
+            inv_global=inv(c.rope_base), inv_swa=inv(base_swa), qk_norm=qk_norm, act=act,
+            d=c.n_embd, H=c.n_head, Hkv=c.n_head_kv, Dk=c.head_dim_k, Dv=c.head_dim_v, F=c.n_ff, V=c.n_vocab,
+            n_layer=c.n_layer, eps=np.float32(c.rms_eps), scale=np.float32(model.scale),
+            softcap=np.float32(c.attn_softcap), final_softcap=np.float32(c.final_softcap),
+            embed_scale=np.float32(c.embed_scale), rope_dim=c.rope_dim, neox=int(c.rope_neox),
+            window=int(c.sliding_window), swa=tuple(c.swa_layers),
+            qkvw=c.n_head * c.head_dim_k + c.n_head_kv * (c.head_dim_k + c.head_dim_v),
+            kvw=c.n_head_kv * (c.head_dim_k + c.head_dim_v))
+
+    def _buffers(self, p: _Plan, T: int) -> _Buffers:
+        key = "decode" if T == 1 else "batch"
+        b = self._bufs.get(key)
+        if b is not None and b.tcap >= T:
+            return b
+        if b is not None:
+            self._bytes["scratch"] -= b.nbytes
+            self._bufs.pop(key)
+        tcap = 1 if T == 1 else max(16, 1 << (T - 1).bit_length())
+        before = self._bytes["scratch"]
+        rchunk = max(1, min(tcap, LOGITS_BYTES // (4 * p.V)))
+        al = self._alloc
+        ip_dev = al(3 * tcap, np.int32)
+        gu = al((tcap, 2 * p.F), np.float32)
+        pinned = self._host_buffer
+        b = _Buffers(
+            tcap=tcap, x=al((tcap, p.d), np.float32), h=al((tcap, p.d), np.float32),
+            a=al((tcap, p.d), np.float32) if p.kind == "gemma3" else None,
+            qkv=al((tcap, p.qkvw), np.float32), attn=al((tcap, p.H * p.Dv), np.float32),
+            gu=gu, ff=gu[:, :p.F],
+            ip_dev=ip_dev, ip_host=pinned(3 * tcap, np.int32),
+            ids=ip_dev[0:tcap], pos=ip_dev[tcap:2 * tcap], lrows=ip_dev[2 * tcap:3 * tcap],
+            stage=al((tcap, p.n_layer, p.kvw), np.float16), stage_host=pinned((tcap, p.n_layer, p.kvw), np.float16),
+            rchunk=rchunk)
+        b.nbytes = self._bytes["scratch"] - before
+        self._bufs[key] = b
+        return b
+
+    def _host_buffer(self, shape: Any, dtype: Any) -> np.ndarray:
+        """Page-locked host memory (asynchronous copies); plain numpy under the simulator."""
+        return np.zeros(shape, dtype) if self.sim else cuda.pinned_array(shape, dtype)
+
+    def _ensure_logits(self, p: _Plan, b: _Buffers, rows: int) -> None:
+        """Output-projection buffers for ``rows`` rows (allocated on demand: decode needs one)."""
+        if b.logits is not None and b.logits.shape[0] >= rows:
+            return
+        if b.logits is not None:
+            self._bytes["scratch"] -= b.logits.nbytes + b.hrows.nbytes
+            b.nbytes -= b.logits.nbytes + b.hrows.nbytes
+        before = self._bytes["scratch"]
+        b.hrows = self._alloc((rows, p.d), np.float32)
+        b.logits = self._alloc((rows, p.V), np.float32)
+        b.logits_host = self._host_buffer((rows, p.V), np.float32)
+        b.nbytes += self._bytes["scratch"] - before
+
+    # KV mirrors ------------------------------------------------------------------------------------
+    def _mirror(self, p: _Plan, cache: Any, need: int, busy: set) -> _Mirror:
+        """The device mirror of ``cache``, current for positions 0..n_past-1 and with room for ``need``."""
+        m = self._mirrors.get(cache)
+        p0 = cache.n_past
+        cap = 0
+        if m is not None and m.cap < need:  # grow: a new mirror, refilled from the host cache
+            cap = min(cache.n_ctx, max(need, 2 * m.cap))
+            self._drop_mirror(cache)
+            m = None
+        if m is None:
+            if not cap:
+                cap = min(cache.n_ctx, need if self.sim else max(need, MIN_KV_CAP))
+            self._evict(p, cap, busy)
+            k = [self._alloc((p.Hkv, cap, p.Dk), np.float16, "kv") for _ in range(p.n_layer)]
+            v = [self._alloc((p.Hkv, cap, p.Dv), np.float16, "kv") for _ in range(p.n_layer)]
+            m = _Mirror(cap=cap, k=k, v=v, tokens=np.zeros(cap, np.int32),
+                        shadow=np.zeros((cap, p.Hkv * p.Dk), np.float32))
+            m.nbytes = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
+            self._mirrors[cache] = m
+        if not self._mirror_current(m, cache, p0):
+            self._upload_cache(p, m, cache, p0)
+        self._clock += 1
+        m.last_used = self._clock
+        return m
+
+    @staticmethod
+    def _mirror_current(m: _Mirror, cache: Any, p0: int) -> bool:
+        if p0 == 0:
+            return True
+        if m.n_valid < p0 or not np.array_equal(m.tokens[:p0], cache.tokens[:p0]):
+            return False
+        # a context shift, prefix copy or state load rewrites the newest row: compare layer 0's
+        return bool(np.array_equal(cache.k[0][:, p0 - 1, :].reshape(-1), m.shadow[p0 - 1]))
+
+    def _upload_cache(self, p: _Plan, m: _Mirror, cache: Any, p0: int) -> None:
+        log.debug("uploading %d cached positions to a KV mirror", p0)
+        if p0:
+            for i in range(p.n_layer):
+                k16 = cache.k[i][:, :p0, :].astype(np.float16)
+                v16 = cache.v[i][:, :p0, :].astype(np.float16)
+                for h in range(p.Hkv):
+                    m.k[i][h, :p0].copy_to_device(np.ascontiguousarray(k16[h]))
+                    m.v[i][h, :p0].copy_to_device(np.ascontiguousarray(v16[h]))
+            m.shadow[:p0] = cache.k[0][:, :p0, :].transpose(1, 0, 2).reshape(p0, -1)  # as the host holds it
+            m.tokens[:p0] = cache.tokens[:p0]
+        m.n_valid = p0
+        m.graph = None
+
+    def _drop_mirror(self, cache: Any) -> None:
+        self._mirrors.pop(cache, None)
+
+    def _evict(self, p: _Plan, cap: int, busy: set) -> None:
+        need = p.n_layer * p.Hkv * cap * (p.Dk + p.Dv) * 2
+        live = [(m.last_used, id(c), c) for c, m in self._mirrors.items() if id(c) not in busy]
+        live.sort()
+        total = sum(m.nbytes for m in self._mirrors.values())
+        for _, _, c in live:
+            if total + need <= self.kv_vram_bytes:
+                break
+            total -= self._mirrors[c].nbytes
+            self._drop_mirror(c)
+
+    # the forward pass ----------------------------------------------------------------------------
+    def forward(self, model: Any, tokens: np.ndarray, segments: Sequence[Any]) -> list[np.ndarray | None] | None:
+        """``Transformer.forward`` on the device; None when this model needs the host path.
+
+        Same contract: ``tokens`` (T,) are the concatenated new tokens of each segment, every
+        segment's cache grows by its count, and the result holds per segment (n_vocab,) for
+        "last", (n_tokens, n_vocab) for "all", None for "none".
+        """
+        with self._lock:
+            self._check_open()
+            p = self._plan(model)
+            if p is None:
+                return None
+            tokens = np.asarray(tokens).reshape(-1)
+            T = int(tokens.shape[0])
+            spans = []
+            s0 = 0
+            for seg in segments:
+                p0 = seg.cache.n_past
+                if p0 + seg.n_tokens > seg.cache.n_ctx:
+                    raise ContextOverflowError(
+                        f"{seg.n_tokens} new tokens at position {p0} exceed the context of {seg.cache.n_ctx} tokens")
+                spans.append((seg, s0, p0))
+                s0 += seg.n_tokens
+            if s0 != T:
+                raise ValueError(f"segments hold {s0} tokens but {T} were given")
+            if T == 0:
+                return [None if seg.logits == "none" else np.zeros((0, p.V), np.float32) for seg in segments]
+            if tokens.min() < 0 or tokens.max() >= p.V:
+                from ...errors import InvalidRequestError
+
+                raise InvalidRequestError(f"token id out of range [0, {p.V})")
+            b = self._buffers(p, T)
+            busy = {id(seg.cache) for seg in segments}
+            mirrors = [self._mirror(p, seg.cache, p0 + seg.n_tokens, busy) for seg, _, p0 in spans]
+            rows: list[int] = []
+            for seg, s0, _ in spans:
+                if seg.logits == "all":
+                    rows.extend(range(s0, s0 + seg.n_tokens))
+                elif seg.logits == "last":
+                    rows.append(s0 + seg.n_tokens - 1)
+            tc = b.tcap
+            ip = b.ip_host
+            ip[:T] = tokens
+            for seg, s0, p0 in spans:
+                ip[tc + s0:tc + s0 + seg.n_tokens] = np.arange(p0, p0 + seg.n_tokens, dtype=np.int32)
+            R = len(rows)
+            first = rows[:b.rchunk]
+            ip[2 * tc:2 * tc + len(first)] = first
+            self._ensure_logits(p, b, len(first))
+            self._h2d(b.ip_dev, ip)
+            graphable = (self.use_graphs and T == 1 and len(spans) == 1 and R == 1)
+            if graphable:
+                m = mirrors[0]
+                m.decode_steps += 1
+                if m.graph is None and m.decode_steps >= 2:
+                    m.graph = self._capture(p, b, spans, mirrors, len(first))
+                if m.graph is not None:
+                    m.graph.launch(stream=self.cp_stream)
+                else:
+                    self._run(p, b, T, spans, mirrors, len(first))
+            else:
+                self._run(p, b, T, spans, mirrors, len(first))
+            results_rows = self._collect_logits(p, b, rows, T)
+            self._d2h(b.stage[:T], b.stage_host[:T])
+            self._sync()
+            self._write_back(p, b, spans, mirrors)
+            return self._split(spans, results_rows)
+
+    def _h2d(self, dev: Any, host: np.ndarray) -> None:
+        if self.sim:
+            dev.copy_to_device(host)
+        else:
+            dev.copy_to_device(host, stream=self.stream)
+
+    def _d2h(self, dev: Any, host: np.ndarray) -> None:
+        if self.sim:
+            host[...] = dev.copy_to_host()
+        else:
+            dev.copy_to_host(host, stream=self.stream)
+
+    def _capture(self, p: _Plan, b: _Buffers, spans: list, mirrors: list, nrows: int) -> Any:
+        """Record one decode step (T=1, one sequence) into a CUDA graph; None if capture fails."""
+        s = self.cp_stream
+        graph = None
+        try:
+            with cuda.defer_cleanup():
+                s.begin_capture()
+                try:
+                    self._run(p, b, 1, spans, mirrors, nrows)
+                finally:
+                    graph = s.end_capture()
+        except Exception as e:
+            log.warning("CUDA graph capture failed (%s); decode continues without graphs", e)
+            self.use_graphs = False
+            return None
+        return graph
+
+    def _run(self, p: _Plan, b: _Buffers, T: int, spans: list, mirrors: list, nrows: int) -> None:
+        """Every kernel of one forward up to the first chunk of logits (graph-capturable)."""
+        lc, K = self.lc, self.k
+        NT = lc.threads
+        ar = self._arange_dev(max(b.tcap, 1))
+        self._launch(K.dequant_rows(p.tok_embd.qtype), self._ew_grid(T * p.d // 8), NT, *p.tok_embd.args,
+                     b.ids, b.x, T, p.d, p.embed_scale)
+        qcol, kcol, vcol = 0, p.H * p.Dk, p.H * p.Dk + p.Hkv * p.Dk
+        for i, L in enumerate(p.layers):
+            swa = p.swa[i]
+            self._norm(b.x, ar, L["attn_norm"], b.h, T, 0, 1, p.d, p.eps, 0)
+            self._mm(L["wq"], b.h, T, b.qkv, qcol, L["wq.bias"])
+            self._mm(L["wk"], b.h, T, b.qkv, kcol, L["wk.bias"])
+            self._mm(L["wv"], b.h, T, b.qkv, vcol, L["wv.bias"])
+            if p.qk_norm:
+                self._norm(b.qkv, ar, L["q_norm"], b.qkv, T, qcol, p.H, p.Dk, p.eps, 0)
+                self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, p.Hkv, p.Dk, p.eps, 0)
+            inv = p.inv_swa if swa else p.inv_global
+            self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (p.rope_dim // 2)), NT,
+                         b.qkv, b.pos, 0, T, 0, p.H + p.Hkv, p.Dk, inv, p.rope_dim, p.neox)
+            window = p.window if swa else 0
+            for (seg, s0, _), m in zip(spans, mirrors):
+                n = seg.n_tokens
+                self._launch(K.kv_store, self._ew_grid(n * p.Hkv * max(p.Dk, p.Dv)), NT, b.qkv, b.pos, s0, n,
+                             kcol, vcol, p.Hkv, p.Dk, p.Dv, m.k[i], m.v[i], b.stage, i)
+                self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
+                             p.H, p.Hkv, p.Dk, p.Dv, p.scale, window, p.softcap)
+            if p.kind == "llama":
+                self._mm(L["wo"], b.attn, T, b.x, 0, L["wo.bias"], acc=True)  # x += Wo·attn
+                self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, p.eps, 0)
+                self._mlp(p, L, b, T)
+                self._mm(L["down"], b.ff, T, b.x, 0, L["down.bias"], acc=True)
+            else:
+                self._mm(L["wo"], b.attn, T, b.a, 0, L["wo.bias"])
+                self._norm(b.a, ar, L["post_attn_norm"], b.x, T, 0, 1, p.d, p.eps, 1)  # x += norm(a)
+                self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, p.eps, 0)
+                self._mlp(p, L, b, T)
+                self._mm(L["down"], b.ff, T, b.a, 0, L["down.bias"])
+                self._norm(b.a, ar, L["post_ffn_norm"], b.x, T, 0, 1, p.d, p.eps, 1)
+        if nrows:
+            self._logits_chunk(p, b, nrows)
+
+    def _norm(self, x: Any, rows: Any, w: Any, out: Any, n: int, col: int, nheads: int, D: int,
+              eps: np.float32, add: int) -> None:
+        self._launch(self.k.rmsnorm, self.lc.grid(n * nheads), self.lc.threads, x, rows, w, out, n, col, nheads,
+                     D, eps, add)
+
+    def _mlp(self, p: _Plan, L: dict, b: _Buffers, T: int) -> None:
+        """ff = act(Wgate·h) * (Wup·h)."""
+        lc = self.lc
+        if L["glu"] and T <= lc.mv_max_tokens and L["gate.bias"] is None and L["up.bias"] is None:
+            g, u = L["gate"], L["up"]
+            rpb = lc.mv_threads // lc.tpr(p.d)
+            grid = (lc.grid((p.F + rpb - 1) // rpb), lc.grid_y(T))
+            self._launch(self.k.matvec_glu(g.qtype, p.d), grid, lc.mv_threads, *g.args, *u.args, b.h, T, b.ff, p.act,
+                         p.F, p.d)
+            return
+        self._mm(L["gate"], b.h, T, b.gu, 0, L["gate.bias"])
+        self._mm(L["up"], b.h, T, b.gu, p.F, L["up.bias"])
+        self._launch(self.k.act_mul, self._ew_grid(T * p.F), lc.threads, b.gu, b.ff, T, p.F, p.act)
+
+    def _logits_chunk(self, p: _Plan, b: _Buffers, nrows: int) -> None:
+        """logits[:nrows] = output(norm(x[lrows[:nrows]])) (soft-capped when the model says so)."""
+        self._norm(b.x, b.lrows, p.output_norm, b.hrows, nrows, 0, 1, p.d, p.eps, 0)
+        self._mm(p.output, b.hrows, nrows, b.logits, 0)
+        if p.final_softcap:
+            self._launch(self.k.softcap, self._ew_grid(nrows * p.V), self.lc.threads, b.logits, nrows, p.final_softcap)
+
+    def _collect_logits(self, p: _Plan, b: _Buffers, rows: list, T: int) -> np.ndarray | None:
+        """Copy the requested logits rows to the host (first chunk already computed by _run)."""
+        R = len(rows)
+        if R == 0:
+            return None
+        out = np.empty((R, p.V), np.float32)
+        for a in range(0, R, b.rchunk):
+            nb = min(b.rchunk, R - a)
+            if a:
+                b.ip_host[2 * b.tcap:2 * b.tcap + nb] = rows[a:a + nb]
+                self._h2d(b.lrows, b.ip_host[2 * b.tcap:3 * b.tcap])
+                self._logits_chunk(p, b, nb)
+            self._d2h(b.logits[:nb], b.logits_host[:nb])
+            self._sync()
+            out[a:a + nb] = b.logits_host[:nb]
+        return out
+
+    def _write_back(self, p: _Plan, b: _Buffers, spans: list, mirrors: list) -> None:
+        """New keys/values (float16-rounded, as the device holds them) into the host caches."""
+        kw = p.Hkv * p.Dk
+        for (seg, s0, p0), m in zip(spans, mirrors):
+            n = seg.n_tokens
+            cache = seg.cache
+            st = b.stage_host[s0:s0 + n]  # (n, L, Hkv*(Dk+Dv))
+            cache.k[:, :, p0:p0 + n, :] = st[:, :, :kw].reshape(n, p.n_layer, p.Hkv, p.Dk).transpose(1, 2, 0, 3)
+            cache.v[:, :, p0:p0 + n, :] = st[:, :, kw:].reshape(n, p.n_layer, p.Hkv, p.Dv).transpose(1, 2, 0, 3)
+            m.shadow[p0:p0 + n] = st[:, 0, :kw]  # float16 → float32, as just stored in the host cache
+            m.tokens[p0:p0 + n] = cache.tokens[p0:p0 + n]
+            m.n_valid = p0 + n
+            cache.n_past = p0 + n
+
+    @staticmethod
+    def _split(spans: list, out: np.ndarray | None) -> list[np.ndarray | None]:
+        res: list[np.ndarray | None] = []
+        j = 0
+        for seg, _, _ in spans:
+            if seg.logits == "all":
+                res.append(out[j:j + seg.n_tokens])
+                j += seg.n_tokens
+            elif seg.logits == "last":
+                res.append(out[j])
+                j += 1
+            else:
+                res.append(None)
+        return res
+
+    # -- device-side helpers exposed for callers and benchmarks --------------------------------------
+    def argmax(self, logits: np.ndarray) -> np.ndarray:
+        """Row-wise argmax on the device (greedy sampling): logits (n, V) float32 → (n,) int64."""
+        with self._lock:
+            self._check_open()
+            x = np.ascontiguousarray(np.atleast_2d(logits), dtype=np.float32)
+            d = cuda.to_device(x)
+            o = cuda.device_array(x.shape[0], np.int32)
+            self._launch(self.k.argmax, self.lc.grid(x.shape[0]), self.lc.threads, d, x.shape[0], o)
+            r = o.copy_to_host()
+            return r.astype(np.int64)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def vram_bytes(self) -> dict[str, int]:
+        """Bytes this backend holds in VRAM, by kind: weights, scratch (activations), kv (mirrors)."""
+        d = dict(self._bytes)
+        d["kv"] = sum(m.nbytes for m in list(self._mirrors.values()))
+        d["total"] = sum(d.values())
+        return d
+
+    def info(self) -> dict[str, Any]:
+        """Device name, VRAM use and how the kernels run."""
+        d: dict[str, Any] = {"backend": self.name, "kernels": "numba-cuda",
+                             "prefill_gemm": "cuBLAS SGEMM over dequantized tiles (CuPy)" if self._cp is not None
+                             else "numba tiled quantized GEMM",
+                             "decode": "fused dequant-matvec" + (", CUDA graphs" if self.use_graphs else ""),
+                             "simulator": self.sim, "tensors_on_host": len(self.skipped)}
+        v = self.vram_bytes()
+        d.update({f"vram_{k}_bytes": n for k, n in v.items()})
+        d["vram_used_bytes"] = v["total"]
+        if not self.sim and not self._closed:
+            dev = cuda.get_current_device()
+            d["name"] = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+            d["compute_capability"] = tuple(dev.compute_capability)
+            free, total = cuda.current_context().get_memory_info()
+            d["device_memory_used_bytes"] = int(total - free)
+            d["device_memory_total_bytes"] = int(total)
+        else:
+            d["name"] = "numba CUDA simulator" if self.sim else "closed"
+        return d
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("the CUDA backend is closed")
+
+    def close(self) -> None:
+        """Free every device buffer (weights, activations, KV mirrors, graphs). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._mirrors = weakref.WeakKeyDictionary()
+            self._bufs.clear()
+            self._plans = weakref.WeakKeyDictionary()
+            self._vectors.clear()
+            self.weights.clear()
+            self._wtmp = self._arange = None
+            self._views.clear()
+            self._bytes = {k: 0 for k in self._bytes}
+            if not self.sim:
+                try:
+                    cuda.current_context().deallocations.clear()
+                except Exception:  # pragma: no cover - best effort
+                    pass
+                if self._cp is not None:
+                    self._cp.get_default_memory_pool().free_all_blocks()
+
+
+def _ptr(a: Any) -> int:
+    """Device address of a numba device array (or view)."""
+    return int(a.__cuda_array_interface__["data"][0])

@@ -1,0 +1,637 @@
+"""numba-cuda kernels of the CUDA backend.
+
+All kernels loop grid-stride, so any grid size is correct: the backend launches large grids on a
+GPU and tiny ones under numba's CUDA simulator (where every CUDA thread is a Python thread).
+Block-level reductions go through shared memory (no warp shuffles), so the same code runs, and is
+tested, in the simulator. Block sizes are compile-time constants of a :class:`LaunchConfig`;
+kernels are built (and compiled on first launch) per config and per weight type.
+
+Conventions: activations are float32 row-major ``(T, features)``; a weight is the triple
+``(w8, w16, w32)`` described in :mod:`.quant`; a KV cache layer is float16 ``(Hkv, cap, D)``;
+token positions come from a device int32 array so that a captured CUDA graph stays valid as the
+sequence grows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from numba import cuda, float32, float64, int32
+
+from ...errors import BackendError
+from .quant import DEQUANTIZERS, GROUP
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Block shapes (compile-time constants) and grid caps."""
+
+    threads: int = 128  # generic block size (norms, attention, argmax, elementwise); power of 2
+    mv_threads: int = 256  # matvec block size
+    mv_tpr: int = 32  # matvec threads per weight row (power of 2, divides mv_threads)
+    mv_tpr_long: int = 128  # ... for rows of at least mv_long_k weights (few long rows: more threads each)
+    mv_long_k: int = 2048
+    gemm_gt: int = 16  # tiled GEMM: gt x gt threads ...
+    gemm_gm: int = 4  # ... each computing gm weight rows x gn tokens
+    gemm_gn: int = 4
+    max_grid: int = 1 << 20  # cap of blocks along x for grid-stride kernels
+    max_grid_y: int = 65535
+    max_head_dim: int = 512  # shared-memory size of the attention kernel
+    mv_max_tokens: int = 4  # up to this many tokens a matmul runs as matvec, above as GEMM
+
+    @staticmethod
+    def simulator() -> "LaunchConfig":
+        """Tiny blocks and grids: the simulator runs each CUDA thread as a Python thread."""
+        return LaunchConfig(threads=8, mv_threads=8, mv_tpr=4, mv_tpr_long=8, mv_long_k=256, gemm_gt=2, gemm_gm=2,
+                            gemm_gn=2, max_grid=3, max_grid_y=2, max_head_dim=128, mv_max_tokens=2)
+
+    @staticmethod
+    def simulator_fast() -> "LaunchConfig":
+        """Simulator config with one thread per weight row and wide GEMM tiles: few barriers (which
+        the simulator makes slow), for whole-model runs; :meth:`simulator` exercises the reductions."""
+        return LaunchConfig(threads=4, mv_threads=8, mv_tpr=1, mv_tpr_long=1, gemm_gt=2, gemm_gm=8, gemm_gn=8,
+                            max_grid=2, max_grid_y=2, max_head_dim=64, mv_max_tokens=2)
+
+    @staticmethod
+    def from_env() -> "LaunchConfig":
+        """Defaults overridden by ``MINIRT_CUDA_LAUNCH="field=value,..."`` (tuning without code edits)."""
+        spec = os.environ.get("MINIRT_CUDA_LAUNCH", "").strip()
+        if not spec:
+            return LaunchConfig()
+        kw = {}
+        names = {f.name for f in fields(LaunchConfig)}
+        for item in spec.split(","):
+            k, _, v = item.partition("=")
+            k = k.strip()
+            if k not in names or not v.strip().lstrip("-").isdigit():
+                raise BackendError(f"MINIRT_CUDA_LAUNCH: bad item {item!r} (fields: {', '.join(sorted(names))})")
+            kw[k] = int(v)
+        return LaunchConfig(**kw)
+
+    def tpr(self, K: int) -> int:
+        """Matvec threads per row for rows of K weights."""
+        return self.mv_tpr_long if K >= self.mv_long_k else self.mv_tpr
+
+    def grid(self, n: int) -> int:
+        return max(1, min(n, self.max_grid))
+
+    def grid_y(self, n: int) -> int:
+        return max(1, min(n, self.max_grid_y))
+
+
+# ---------------------------------------------------------------------------------------------
+# block-level reductions (shared memory; every thread of the block must call them)
+# ---------------------------------------------------------------------------------------------
+def _make_reducers(NT: int) -> tuple[Callable, Callable]:
+    @cuda.jit(device=True)
+    def block_sum(red, tid, v):
+        red[tid] = v
+        cuda.syncthreads()
+        s = NT // 2
+        while s > 0:
+            if tid < s:
+                red[tid] += red[tid + s]
+            cuda.syncthreads()
+            s //= 2
+        r = red[0]
+        cuda.syncthreads()  # red is reused by the caller
+        return r
+
+    @cuda.jit(device=True)
+    def block_max(red, tid, v):
+        red[tid] = v
+        cuda.syncthreads()
+        s = NT // 2
+        while s > 0:
+            if tid < s:
+                if red[tid + s] > red[tid]:
+                    red[tid] = red[tid + s]
+            cuda.syncthreads()
+            s //= 2
+        r = red[0]
+        cuda.syncthreads()
+        return r
+
+    return block_sum, block_max
+
+
+class Kernels:
+    """Kernels for one :class:`LaunchConfig`; per-type kernels are created on first request."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        for v in (cfg.threads, cfg.mv_threads, cfg.mv_tpr, cfg.mv_tpr_long):
+            if v & (v - 1):
+                raise BackendError(f"block sizes must be powers of two, got {v}")
+        if max(cfg.mv_tpr, cfg.mv_tpr_long) > cfg.mv_threads:
+            raise BackendError("matvec threads per row cannot exceed the block size")
+        self.cfg = cfg
+        self._mv: dict[tuple[str, int], Any] = {}
+        self._glu: dict[tuple[str, int], Any] = {}
+        self._gemm: dict[str, Any] = {}
+        self._deq: dict[str, Any] = {}
+        NT = cfg.threads
+        self.block_sum, self.block_max = _make_reducers(NT)
+        self.rmsnorm = _make_rmsnorm(NT, self.block_sum)
+        self.rope = _make_rope()
+        self.kv_store = _make_kv_store()
+        self.attention = _make_attention(NT, cfg.max_head_dim, self.block_sum, self.block_max)
+        self.act_mul = _make_act_mul()
+        self.bias_add = _make_bias_add()
+        self.softcap = _make_softcap()
+        self.argmax = _make_argmax(NT)
+
+    # per-type kernels ------------------------------------------------------------------------
+    def matvec(self, qtype: str, K: int) -> Any:
+        """Matvec kernel for rows of K weights of ``qtype`` (block layout chosen by K)."""
+        tpr = self.cfg.tpr(K)
+        k = self._mv.get((qtype, tpr))
+        if k is None:
+            k = self._mv[(qtype, tpr)] = _make_matvec(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
+        return k
+
+    def matvec_glu(self, qtype: str, K: int) -> Any:
+        tpr = self.cfg.tpr(K)
+        k = self._glu.get((qtype, tpr))
+        if k is None:
+            k = self._glu[(qtype, tpr)] = _make_matvec_glu(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
+        return k
+
+    def gemm(self, qtype: str) -> Any:
+        k = self._gemm.get(qtype)
+        if k is None:
+            c = self.cfg
+            k = self._gemm[qtype] = _make_gemm(DEQUANTIZERS[qtype], c.gemm_gt, c.gemm_gm, c.gemm_gn)
+        return k
+
+    def dequant_rows(self, qtype: str) -> Any:
+        k = self._deq.get(qtype)
+        if k is None:
+            k = self._deq[qtype] = _make_dequant_rows(DEQUANTIZERS[qtype])
+        return k
+
+
+_KERNELS: dict[LaunchConfig, Kernels] = {}
+
+
+def get_kernels(cfg: LaunchConfig) -> Kernels:
+    """The shared :class:`Kernels` of a config (compiled code is reused by every backend instance)."""
+    k = _KERNELS.get(cfg)
+    if k is None:
+        k = _KERNELS[cfg] = Kernels(cfg)
+    return k
+
+
+# ---------------------------------------------------------------------------------------------
+# quantized matmuls
+# ---------------------------------------------------------------------------------------------
+def _make_matvec(deq: Callable, THREADS: int, TPR: int) -> Any:
+    """Fused dequant-matvec for a few tokens (decode).
+
+    ``y[t, ycol + r] = (y[t, ycol + r] if acc) + sum_c W[r, c] * x[t, c] + (bias[r] if has_bias)``
+    x (>= T, K) f32; W (N, K) quantized; y (T, >= ycol + N) f32; bias (N,) f32 (any size when unused).
+    Block = RPB rows x TPR threads; each thread takes groups of 8 weights strided by TPR
+    (consecutive threads read consecutive bytes), the TPR partial sums meet in shared memory.
+    Grid: x over row tiles, y over tokens (both grid-stride).
+    """
+    RPB = THREADS // TPR
+
+    @cuda.jit
+    def matvec(w8, w16, w32, x, T, y, ycol, bias, has_bias, acc, N, K):
+        tid = cuda.threadIdx.x
+        rr = tid // TPR
+        lane = tid - rr * TPR
+        red = cuda.shared.array(THREADS, float32)
+        vals = cuda.local.array(GROUP, float32)
+        ng = K // GROUP
+        for t in range(cuda.blockIdx.y, T, cuda.gridDim.y):
+            for r0 in range(cuda.blockIdx.x * RPB, N, cuda.gridDim.x * RPB):
+                r = r0 + rr
+                s = float32(0.0)
+                if r < N:
+                    for g in range(lane, ng, TPR):
+                        c = g * GROUP
+                        deq(w8, w16, w32, r, c, vals)
+                        for i in range(GROUP):
+                            s += vals[i] * x[t, c + i]
+                if TPR > 1:  # compile-time constant: one thread per row needs no reduction
+                    red[tid] = s
+                    cuda.syncthreads()
+                    st = TPR // 2
+                    while st > 0:
+                        if lane < st:
+                            red[tid] += red[tid + st]
+                        cuda.syncthreads()
+                        st //= 2
+                    s = red[tid]
+                if lane == 0 and r < N:
+                    if has_bias:
+                        s += bias[r]
+                    if acc:
+                        s += y[t, ycol + r]
+                    y[t, ycol + r] = s
+                if TPR > 1:
+                    cuda.syncthreads()
+
+    return matvec
+
+
+def _make_matvec_glu(deq: Callable, THREADS: int, TPR: int) -> Any:
+    """Gate and up projections plus the gated activation in one pass (decode MLP).
+
+    ``out[t, r] = act(Wg[r] . x[t]) * (Wu[r] . x[t])`` with act = SiLU (kind 0) or GELU-tanh
+    (kind 1); Wg, Wu (F, K) of the same type; x (T, K); out (T, F).
+    """
+    RPB = THREADS // TPR
+
+    @cuda.jit
+    def matvec_glu(g8, g16, g32, u8, u16, u32, x, T, out, kind, N, K):
+        tid = cuda.threadIdx.x
+        rr = tid // TPR
+        lane = tid - rr * TPR
+        red = cuda.shared.array(THREADS, float32)
+        red2 = cuda.shared.array(THREADS, float32)
+        vals = cuda.local.array(GROUP, float32)
+        ng = K // GROUP
+        for t in range(cuda.blockIdx.y, T, cuda.gridDim.y):
+            for r0 in range(cuda.blockIdx.x * RPB, N, cuda.gridDim.x * RPB):
+                r = r0 + rr
+                sg = float32(0.0)
+                su = float32(0.0)
+                if r < N:
+                    for g in range(lane, ng, TPR):
+                        c = g * GROUP
+                        deq(g8, g16, g32, r, c, vals)
+                        for i in range(GROUP):
+                            sg += vals[i] * x[t, c + i]
+                        deq(u8, u16, u32, r, c, vals)
+                        for i in range(GROUP):
+                            su += vals[i] * x[t, c + i]
+                if TPR > 1:
+                    red[tid] = sg
+                    red2[tid] = su
+                    cuda.syncthreads()
+                    st = TPR // 2
+                    while st > 0:
+                        if lane < st:
+                            red[tid] += red[tid + st]
+                            red2[tid] += red2[tid + st]
+                        cuda.syncthreads()
+                        st //= 2
+                    sg = red[tid]
+                    su = red2[tid]
+                if lane == 0 and r < N:
+                    a = sg
+                    if kind == 0:
+                        a = a / (float32(1.0) + math.exp(-a))
+                    else:
+                        a = float32(0.5) * a * (float32(1.0) + math.tanh(
+                            float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
+                    out[t, r] = a * su
+                if TPR > 1:
+                    cuda.syncthreads()
+
+    return matvec_glu
+
+
+def _make_gemm(deq: Callable, GT: int, GM: int, GN: int) -> Any:
+    """Tiled quantized GEMM (prefill without cuBLAS).
+
+    Same contract as the matvec. A block owns a tile of BM = GT*GM weight rows x BN = GT*GN
+    tokens; per step of BK = 32 columns it dequantizes the BM x BK weight tile into shared memory
+    once and reuses it for all BN tokens (and the x tile for all BM rows).
+    """
+    BK = 32
+    BK1 = BK + 1
+    BM = GT * GM
+    BN = GT * GN
+    NTH = GT * GT
+    GPR = BK // GROUP  # groups per tile row
+
+    @cuda.jit
+    def gemm(w8, w16, w32, x, T, y, ycol, bias, has_bias, acc, N, K):
+        tid = cuda.threadIdx.x
+        ty = tid // GT
+        tx = tid - ty * GT
+        Ws = cuda.shared.array((BM, BK1), float32)  # +1: no bank conflicts on column reads
+        Xs = cuda.shared.array((BN, BK1), float32)
+        vals = cuda.local.array(GROUP, float32)
+        accum = cuda.local.array((GM, GN), float32)
+        for tr in range(cuda.blockIdx.x * BM, N, cuda.gridDim.x * BM):
+            for tt in range(cuda.blockIdx.y * BN, T, cuda.gridDim.y * BN):
+                for i in range(GM):
+                    for j in range(GN):
+                        accum[i, j] = float32(0.0)
+                for k0 in range(0, K, BK):
+                    for gi in range(tid, BM * GPR, NTH):
+                        rr = gi // GPR
+                        gg = gi - rr * GPR
+                        r = tr + rr
+                        if r < N:
+                            deq(w8, w16, w32, r, k0 + gg * GROUP, vals)
+                            for i in range(GROUP):
+                                Ws[rr, gg * GROUP + i] = vals[i]
+                        else:
+                            for i in range(GROUP):
+                                Ws[rr, gg * GROUP + i] = float32(0.0)
+                    for xi in range(tid, BN * BK, NTH):
+                        tj = xi // BK
+                        kk = xi - tj * BK
+                        t = tt + tj
+                        if t < T:
+                            Xs[tj, kk] = x[t, k0 + kk]
+                        else:
+                            Xs[tj, kk] = float32(0.0)
+                    cuda.syncthreads()
+                    for kk in range(BK):
+                        for i in range(GM):
+                            a = Ws[ty + i * GT, kk]
+                            for j in range(GN):
+                                accum[i, j] += a * Xs[tx + j * GT, kk]
+                    cuda.syncthreads()
+                for i in range(GM):
+                    r = tr + ty + i * GT
+                    if r < N:
+                        for j in range(GN):
+                            t = tt + tx + j * GT
+                            if t < T:
+                                v = accum[i, j]
+                                if has_bias:
+                                    v += bias[r]
+                                if acc:
+                                    v += y[t, ycol + r]
+                                y[t, ycol + r] = v
+
+    return gemm
+
+
+def _make_dequant_rows(deq: Callable) -> Any:
+    """``out[i, :] = W[rows[i], :] * scale`` (embedding lookup; weight tiles for cuBLAS).
+
+    rows (n,) int32; out (>= n, K) f32. One thread per group of 8 weights, grid-stride.
+    """
+
+    @cuda.jit
+    def dequant_rows(w8, w16, w32, rows, out, n, K, scale):
+        vals = cuda.local.array(GROUP, float32)
+        ng = K // GROUP
+        for idx in range(cuda.grid(1), n * ng, cuda.gridsize(1)):
+            i = idx // ng
+            c = (idx - i * ng) * GROUP
+            deq(w8, w16, w32, rows[i], c, vals)
+            for j in range(GROUP):
+                out[i, c + j] = vals[j] * scale
+
+    return dequant_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------------------------
+def _make_rmsnorm(NT: int, block_sum: Callable) -> Any:
+    """RMSNorm over heads of D features: one block per (row, head), grid-stride.
+
+    ``out[i, col + h*D + c] (=|+=) x[rows[i], col + h*D + c] / sqrt(mean_c(x^2) + eps) * w[c]``
+    (``+=`` when add). Plain norms use nheads=1, D=n_embd; Qwen3/Gemma's per-head q/k norms use
+    the head layout of the fused q|k|v buffer (out is x itself there).
+    """
+
+    @cuda.jit
+    def rmsnorm(x, rows, w, out, n, col, nheads, D, eps, add):
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array(NT, float32)
+        for item in range(cuda.blockIdx.x, n * nheads, cuda.gridDim.x):
+            i = item // nheads
+            h = item - i * nheads
+            src = rows[i]
+            c0 = col + h * D
+            s = float32(0.0)
+            for c in range(tid, D, NT):
+                v = x[src, c0 + c]
+                s += v * v
+            ms = block_sum(red, tid, s) / float32(D)
+            inv = float32(1.0) / math.sqrt(ms + eps)
+            for c in range(tid, D, NT):
+                v = x[src, c0 + c] * inv * w[c]
+                if add:
+                    out[i, c0 + c] += v
+                else:
+                    out[i, c0 + c] = v
+            cuda.syncthreads()  # in-place: every read of this row precedes the next item's writes
+
+    return rmsnorm
+
+
+def _make_rope() -> Any:
+    """Rotate heads in place: x (T, W), heads of D at columns col + h*D, rows row0..row0+n-1.
+
+    Angle of pair i at position p: ``p * inv[i]`` computed in float64 (inv (rope_dim/2,) float64
+    already holds the base, frequency factors and linear scaling), as the CPU tables are. NEOX
+    pairs (i, i + rope_dim/2), normal pairs (2i, 2i + 1).
+    """
+
+    @cuda.jit
+    def rope(x, pos, row0, n, col, nheads, D, inv, rope_dim, neox):
+        half = rope_dim // 2
+        total = n * nheads * half
+        for idx in range(cuda.grid(1), total, cuda.gridsize(1)):
+            i = idx % half
+            th = idx // half
+            h = th % nheads
+            t = row0 + th // nheads
+            ang = float64(pos[t]) * inv[i]
+            c = float32(math.cos(ang))
+            s = float32(math.sin(ang))
+            base = col + h * D
+            if neox:
+                ia = base + i
+                ib = base + i + half
+            else:
+                ia = base + 2 * i
+                ib = base + 2 * i + 1
+            a = x[t, ia]
+            b = x[t, ib]
+            x[t, ia] = a * c - b * s
+            x[t, ib] = a * s + b * c
+
+    return rope
+
+
+def _make_kv_store() -> Any:
+    """Append keys and values of rows row0..row0+n-1 to one sequence's cache layer (float16).
+
+    k at qkv[:, kcol + h*Dk + d], v at qkv[:, vcol + h*Dv + d]; Kc (Hkv, cap, Dk), Vc (Hkv, cap, Dv)
+    float16 at positions pos[t]; stage float16 (Tcap, n_layer, Hkv*(Dk+Dv)) receives the stored
+    values so the host copy of the cache can be updated with one transfer.
+    """
+
+    @cuda.jit
+    def kv_store(qkv, pos, row0, n, kcol, vcol, Hkv, Dk, Dv, Kc, Vc, stage, layer):
+        Dm = max(Dk, Dv)
+        total = n * Hkv * Dm
+        for idx in range(cuda.grid(1), total, cuda.gridsize(1)):
+            d = idx % Dm
+            th = idx // Dm
+            h = th % Hkv
+            t = row0 + th // Hkv
+            p = pos[t]
+            if d < Dk:
+                Kc[h, p, d] = qkv[t, kcol + h * Dk + d]
+                stage[t, layer, h * Dk + d] = Kc[h, p, d]
+            if d < Dv:
+                Vc[h, p, d] = qkv[t, vcol + h * Dv + d]
+                stage[t, layer, Hkv * Dk + h * Dv + d] = Vc[h, p, d]
+
+    return kv_store
+
+
+def _make_attention(NT: int, MAXD: int, block_sum: Callable, block_max: Callable) -> Any:
+    """Causal grouped-query attention of rows row0..row0+n-1 over one sequence's cache.
+
+    One block per (query row, head), grid-stride. Query head h reads KV head h // (H/Hkv); the
+    query at position p sees keys lo..p with lo = max(0, p - window + 1) when window > 0 (sliding
+    window) else 0. Keys are taken NT at a time with an online softmax (running max and sum), so
+    the context length is not bounded by shared memory. q at qkv[t, h*Dk + d]; out (T, H*Dv).
+    """
+
+    @cuda.jit
+    def attention(qkv, Kc, Vc, out, pos, row0, n, H, Hkv, Dk, Dv, scale, window, softcap):
+        tid = cuda.threadIdx.x
+        qs = cuda.shared.array(MAXD, float32)
+        accs = cuda.shared.array(MAXD, float32)
+        ps = cuda.shared.array(NT, float32)
+        red = cuda.shared.array(NT, float32)
+        g = H // Hkv
+        for item in range(cuda.blockIdx.x, n * H, cuda.gridDim.x):
+            t = row0 + item // H
+            h = item % H
+            kh = h // g
+            p = pos[t]
+            lo = 0
+            if window > 0:
+                lo = max(0, p - window + 1)
+            for d in range(tid, Dk, NT):
+                qs[d] = qkv[t, h * Dk + d]
+            for d in range(tid, Dv, NT):
+                accs[d] = float32(0.0)
+            cuda.syncthreads()
+            m = float32(-math.inf)
+            l = float32(0.0)
+            for j0 in range(lo, p + 1, NT):
+                j = j0 + tid
+                s = float32(-math.inf)
+                if j <= p:
+                    s = float32(0.0)
+                    for d in range(Dk):
+                        s += qs[d] * float32(Kc[kh, j, d])
+                    s *= scale
+                    if softcap > 0:
+                        s = math.tanh(s / softcap) * softcap
+                mx = block_max(red, tid, s)
+                mnew = max(m, mx)
+                alpha = math.exp(m - mnew)  # 0 on the first tile (m = -inf)
+                e = float32(0.0)
+                if j <= p:
+                    e = math.exp(s - mnew)
+                ps[tid] = e
+                l = l * alpha + block_sum(red, tid, e)  # block_sum's barrier also publishes ps
+                nj = min(NT, p + 1 - j0)
+                for d in range(tid, Dv, NT):
+                    a = accs[d] * alpha
+                    for jj in range(nj):
+                        a += ps[jj] * float32(Vc[kh, j0 + jj, d])
+                    accs[d] = a
+                m = mnew
+                cuda.syncthreads()
+            for d in range(tid, Dv, NT):
+                out[t, h * Dv + d] = accs[d] / l
+            cuda.syncthreads()
+
+    return attention
+
+
+def _make_act_mul() -> Any:
+    """out[t, c] = act(gu[t, c]) * gu[t, F + c] for t < n, c < F (SiLU kind 0, GELU-tanh kind 1)."""
+
+    @cuda.jit
+    def act_mul(gu, out, n, F, kind):
+        for idx in range(cuda.grid(1), n * F, cuda.gridsize(1)):
+            t = idx // F
+            c = idx - t * F
+            a = gu[t, c]
+            if kind == 0:
+                a = a / (float32(1.0) + math.exp(-a))
+            else:
+                a = float32(0.5) * a * (float32(1.0) + math.tanh(
+                    float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
+            out[t, c] = a * gu[t, F + c]
+
+    return act_mul
+
+
+def _make_bias_add() -> Any:
+    """y[t, col + c] += bias[c] for t < n, c < N (after a cuBLAS GEMM)."""
+
+    @cuda.jit
+    def bias_add(y, col, bias, n, N):
+        for idx in range(cuda.grid(1), n * N, cuda.gridsize(1)):
+            t = idx // N
+            c = idx - t * N
+            y[t, col + c] += bias[c]
+
+    return bias_add
+
+
+def _make_softcap() -> Any:
+    """y = tanh(y / cap) * cap over the first n rows (final logit soft-capping)."""
+
+    @cuda.jit
+    def softcap(y, n, cap):
+        V = y.shape[1]
+        for idx in range(cuda.grid(1), n * V, cuda.gridsize(1)):
+            t = idx // V
+            c = idx - t * V
+            y[t, c] = math.tanh(y[t, c] / cap) * cap
+
+    return softcap
+
+
+def _make_argmax(NT: int) -> Any:
+    """out[t] = first index of the maximum of y[t, :] for t < n (greedy sampling on the device)."""
+
+    @cuda.jit
+    def argmax(y, n, out):
+        tid = cuda.threadIdx.x
+        rv = cuda.shared.array(NT, float32)
+        ri = cuda.shared.array(NT, int32)
+        V = y.shape[1]
+        for t in range(cuda.blockIdx.x, n, cuda.gridDim.x):
+            best = float32(-math.inf)
+            bi = int32(V)
+            for c in range(tid, V, NT):
+                v = y[t, c]
+                if v > best:  # strided scan: the first hit is this thread's lowest index
+                    best = v
+                    bi = c
+            rv[tid] = best
+            ri[tid] = bi
+            cuda.syncthreads()
+            s = NT // 2
+            while s > 0:
+                if tid < s:
+                    ov = rv[tid + s]
+                    oi = ri[tid + s]
+                    if ov > rv[tid] or (ov == rv[tid] and oi < ri[tid]):
+                        rv[tid] = ov
+                        ri[tid] = oi
+                cuda.syncthreads()
+                s //= 2
+            if tid == 0:
+                out[t] = ri[0]
+            cuda.syncthreads()
+
+    return argmax

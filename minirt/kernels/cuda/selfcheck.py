@@ -1,0 +1,345 @@
+"""Every CUDA kernel against its numpy reference on random data.
+
+Used by the tests (tiny sizes under numba's CUDA simulator, real sizes on a GPU) and by
+``bench/gpu_check.py``. References: ``gguf.quants.dequantize`` for the weight formats, plain
+float64 numpy for the arithmetic, :mod:`minirt.archs.base` for the RoPE tables. Each check returns
+a :class:`Check` with the worst error relative to the reference's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from numba import cuda
+
+from .quant import SUPPORTED_TYPES, TYPE_SIZES
+
+# byte offsets of the float16 scale fields of each block (random bytes there could spell inf/NaN)
+_F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+MATMUL_TOL = 2e-5  # float32 accumulation in a different order than the float64 reference
+
+
+@dataclass
+class Check:
+    name: str
+    err: float  # max |got - ref| / max |ref|
+    tol: float
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.err <= self.tol)
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else "FAIL"
+        return f"{self.name:<28} err {self.err:9.2e} (tol {self.tol:.0e}) {verdict} {self.seconds:6.2f}s"
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if got.shape != ref.shape:
+        return math.inf
+    if not np.all(np.isfinite(got)):
+        return math.inf
+    scale = max(float(np.abs(ref).max()), 1e-30) if ref.size else 1.0
+    return float(np.abs(got - ref).max() / scale) if ref.size else 0.0
+
+
+# typical |scale x quant| product of each type: random blocks get d ~ target / this
+_TYPICAL = {"Q4_0": 4, "Q4_1": 8, "Q5_0": 8, "Q5_1": 16, "Q8_0": 64, "Q2_K": 16, "Q3_K": 64, "Q4_K": 256,
+            "Q5_K": 512, "Q6_K": 2048}
+
+
+def random_raw(qtype: str, rows: int, cols: int, rng: np.random.Generator, target: float = 0.05) -> np.ndarray:
+    """Random raw blocks uint8 (rows, row_bytes) of ``qtype`` whose weights are ~``target`` in size."""
+    tsize, qk = TYPE_SIZES[qtype]
+    if qtype == "F32":
+        return (rng.standard_normal((rows, cols)) * target).astype(np.float32).view(np.uint8).reshape(rows, -1)
+    if qtype == "F16":
+        return (rng.standard_normal((rows, cols)) * target).astype(np.float16).view(np.uint8).reshape(rows, -1)
+    nb = rows * cols // qk
+    blocks = rng.integers(0, 256, size=(nb, tsize), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype]:
+        v = (rng.standard_normal(nb) * (target / _TYPICAL[qtype])).astype("<f2")
+        blocks[:, off:off + 2] = v.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(rows, -1)
+
+
+def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random raw blocks uint8 (rows, row_bytes) of ``qtype`` and their float32 values (gguf.quants)."""
+    import gguf
+
+    raw = random_raw(qtype, rows, cols, rng, target=1.0)
+    if qtype == "F32":
+        return raw, raw.view(np.float32).reshape(rows, cols)
+    if qtype == "F16":
+        return raw, raw.view(np.float16).reshape(rows, cols).astype(np.float32)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(rows, cols).astype(np.float32)
+    return raw, ref
+
+
+def _timed(fn: Callable[[], Check]) -> Check:
+    t = time.perf_counter()
+    c = fn()
+    c.seconds = time.perf_counter() - t
+    return c
+
+
+def _dev(a: np.ndarray) -> Any:
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def check_dequant(be: Any, qtype: str, rows: int, cols: int, rng: np.random.Generator) -> Check:
+    """Row gather + dequantize + scale (embedding lookup) is exact."""
+    def run() -> Check:
+        raw, ref = random_weight(qtype, rows, cols, rng)
+        dw = be.add_weight(f"check.{qtype}.deq", qtype, raw)
+        idx = rng.permutation(rows).astype(np.int32)[: max(1, rows - 1)]
+        out = cuda.device_array((len(idx), cols), np.float32)
+        scale = np.float32(1.5)
+        be._launch(be.k.dequant_rows(qtype), be._ew_grid(len(idx) * cols // 8), be.lc.threads, *dw.args,
+                   _dev(idx), out, len(idx), cols, scale)
+        got = out.copy_to_host()
+        be.weights.pop(dw.name)
+        return Check(f"dequant {qtype}", rel_err(got, ref[idx] * scale), 1e-6)
+    return _timed(run)
+
+
+def check_matmul(be: Any, qtype: str, rows: int, cols: int, T: int, rng: np.random.Generator,
+                 path: str = "auto") -> Check:
+    """``y[:, col:col+N] (+)= x @ W.T + b`` through the backend's dispatch (matvec / GEMM / BLAS tiles).
+
+    path: "matvec" forces T <= mv_max_tokens semantics by the caller's choice of T; the name only
+    labels the check. Output is written at a column offset with accumulation to cover both epilogues.
+    """
+    def run() -> Check:
+        raw, W = random_weight(qtype, rows, cols, rng)
+        dw = be.add_weight(f"check.{qtype}.mm", qtype, raw)
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        bias = rng.standard_normal(rows).astype(np.float32)
+        col = 3
+        y0 = rng.standard_normal((T, rows + 5)).astype(np.float32)
+        yd = _dev(y0)
+        be._mm(dw, _dev(x), T, yd, col, _dev(bias), acc=True)
+        be._sync()
+        got = yd.copy_to_host()
+        ref = y0.astype(np.float64)
+        ref[:, col:col + rows] += x.astype(np.float64) @ W.astype(np.float64).T + bias
+        be.weights.pop(dw.name)
+        return Check(f"{path} {qtype} {rows}x{cols} T={T}", rel_err(got, ref), MATMUL_TOL)
+    return _timed(run)
+
+
+def check_glu(be: Any, qtype: str, rows: int, cols: int, T: int, kind: int, rng: np.random.Generator) -> Check:
+    """Fused gate/up matvec with SiLU (kind 0) or GELU-tanh (kind 1)."""
+    def run() -> Check:
+        rg, G = random_weight(qtype, rows, cols, rng)
+        ru, U = random_weight(qtype, rows, cols, rng)
+        g = be.add_weight("check.g", qtype, rg)
+        u = be.add_weight("check.u", qtype, ru)
+        x = (rng.standard_normal((T, cols)) * 2).astype(np.float32)
+        out = cuda.device_array((T, rows), np.float32)
+        lc = be.lc
+        rpb = lc.mv_threads // lc.tpr(cols)
+        be._launch(be.k.matvec_glu(qtype, cols), (lc.grid((rows + rpb - 1) // rpb), lc.grid_y(T)), lc.mv_threads,
+                   *g.args, *u.args, _dev(x), T, out, kind, rows, cols)
+        got = out.copy_to_host()
+        a = x.astype(np.float64) @ G.astype(np.float64).T
+        b = x.astype(np.float64) @ U.astype(np.float64).T
+        ref = (_silu(a) if kind == 0 else _gelu(a)) * b
+        be.weights.pop("check.g")
+        be.weights.pop("check.u")
+        return Check(f"glu {'silu' if kind == 0 else 'gelu'} {qtype}", rel_err(got, ref), MATMUL_TOL)
+    return _timed(run)
+
+
+def _silu(a: np.ndarray) -> np.ndarray:
+    return a / (1.0 + np.exp(-a))
+
+
+def _gelu(a: np.ndarray) -> np.ndarray:
+    return 0.5 * a * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (a + 0.044715 * a ** 3)))
+
+
+def check_act_mul(be: Any, T: int, F: int, rng: np.random.Generator) -> list[Check]:
+    out = []
+    for kind in (0, 1):
+        gu = (rng.standard_normal((T, 2 * F)) * 3).astype(np.float32)
+        o = cuda.device_array((T, F), np.float32)
+        be._launch(be.k.act_mul, be._ew_grid(T * F), be.lc.threads, _dev(gu), o, T, F, kind)
+        a = gu[:, :F].astype(np.float64)
+        ref = (_silu(a) if kind == 0 else _gelu(a)) * gu[:, F:]
+        out.append(Check(f"act_mul {'silu' if kind == 0 else 'gelu'}", rel_err(o.copy_to_host(), ref), 1e-5))
+    return out
+
+
+def check_rmsnorm(be: Any, n_rows: int, d: int, H: int, D: int, rng: np.random.Generator) -> list[Check]:
+    """Plain norm with a row gather, per-head norm in place, and the add (post-norm) mode."""
+    res = []
+    eps = np.float32(1e-6)
+    x = rng.standard_normal((n_rows, d)).astype(np.float32) * 3
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    rows = rng.permutation(n_rows).astype(np.int32)[: max(1, n_rows - 1)]
+
+    def norm(v: np.ndarray, g: np.ndarray) -> np.ndarray:
+        v = v.astype(np.float64)
+        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + float(eps)) * g
+
+    out = cuda.device_array((len(rows), d), np.float32)
+    be._norm(_dev(x), _dev(rows), _dev(w), out, len(rows), 0, 1, d, eps, 0)
+    res.append(Check("rmsnorm gather", rel_err(out.copy_to_host(), norm(x[rows], w)), 1e-5))
+    # heads: columns [col, col + H*D) of a wider row, normalised per head in place
+    col = 5
+    y = rng.standard_normal((n_rows, col + H * D + 3)).astype(np.float32)
+    wh = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    yd = _dev(y)
+    be._norm(yd, be._arange_dev(n_rows), _dev(wh), yd, n_rows, col, H, D, eps, 0)
+    ref = y.astype(np.float64)
+    ref[:, col:col + H * D] = norm(y[:, col:col + H * D].reshape(n_rows, H, D), wh).reshape(n_rows, H * D)
+    res.append(Check("rmsnorm heads in place", rel_err(yd.copy_to_host(), ref), 1e-5))
+    # add mode: out += norm(x) * w
+    base = rng.standard_normal((n_rows, d)).astype(np.float32)
+    od = _dev(base)
+    be._norm(_dev(x), be._arange_dev(n_rows), _dev(w), od, n_rows, 0, 1, d, eps, 1)
+    res.append(Check("rmsnorm add", rel_err(od.copy_to_host(), base + norm(x, w)), 1e-5))
+    return res
+
+
+def check_rope(be: Any, T: int, nheads: int, D: int, rope_dim: int, rng: np.random.Generator) -> list[Check]:
+    """Both pair layouts against :func:`minirt.archs.base.apply_rope` at arbitrary positions."""
+    from ...archs.base import Config, apply_rope, rope_cos_sin
+
+    res = []
+    for neox in (False, True):
+        cfg = Config(arch="check", n_layer=1, n_embd=nheads * D, n_ff=1, n_head=nheads, n_head_kv=nheads,
+                     head_dim_k=D, head_dim_v=D, n_vocab=1, n_ctx_train=1, rms_eps=1e-6, rope_base=10000.0,
+                     rope_dim=rope_dim, rope_neox=neox, rope_freq_scale=0.5,
+                     rope_freq_factors=rng.uniform(1.0, 4.0, rope_dim // 2).astype(np.float32))
+        pos = rng.integers(0, 5000, T).astype(np.int32)
+        x = rng.standard_normal((T, nheads * D + 4)).astype(np.float32)
+        ref = x.copy()
+        v = ref[:, 4:].reshape(T, nheads, D)
+        apply_rope(v, *rope_cos_sin(pos, cfg, cfg.rope_base), neox, rope_dim)
+        ref[:, 4:] = v.reshape(T, -1)
+        half = rope_dim // 2
+        inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+        inv = inv / cfg.rope_freq_factors.astype(np.float64) * cfg.rope_freq_scale
+        xd = _dev(x)
+        be._launch(be.k.rope, be._ew_grid(T * nheads * half), be.lc.threads, xd, _dev(pos), 0, T, 4, nheads, D,
+                   _dev(inv), rope_dim, int(neox))
+        name = f"rope {'neox' if neox else 'normal'} dim {rope_dim}/{D}"
+        res.append(Check(name, rel_err(xd.copy_to_host(), ref), 1e-5))
+    return res
+
+
+def check_attention(be: Any, n: int, p0: int, H: int, Hkv: int, D: int, window: int, softcap: float,
+                    rng: np.random.Generator) -> Check:
+    """kv_store then attention for n new rows at positions p0.. over a float16 cache, against
+    :func:`minirt.archs.base.attention` on the same (float16-rounded) keys and values."""
+    from ...archs.base import attention
+
+    def run() -> Check:
+        cap = p0 + n + 3
+        L = p0 + n
+        Dk = Dv = D
+        W = H * Dk + Hkv * (Dk + Dv)
+        s0 = 2  # the segment's rows start inside a larger batch
+        qkv = rng.standard_normal((s0 + n, W)).astype(np.float32)
+        old_k = rng.standard_normal((Hkv, p0, Dk)).astype(np.float16)
+        old_v = rng.standard_normal((Hkv, p0, Dv)).astype(np.float16)
+        Kc = np.zeros((Hkv, cap, Dk), np.float16)
+        Vc = np.zeros((Hkv, cap, Dv), np.float16)
+        Kc[:, :p0], Vc[:, :p0] = old_k, old_v
+        kd, vd = _dev(Kc), _dev(Vc)
+        pos = np.zeros(s0 + n, np.int32)
+        pos[s0:] = np.arange(p0, p0 + n)
+        posd = _dev(pos)
+        stage = cuda.device_array((s0 + n, 2, Hkv * (Dk + Dv)), np.float16)
+        qd = _dev(qkv)
+        kcol, vcol = H * Dk, H * Dk + Hkv * Dk
+        be._launch(be.k.kv_store, be._ew_grid(n * Hkv * D), be.lc.threads, qd, posd, s0, n, kcol, vcol,
+                   Hkv, Dk, Dv, kd, vd, stage, 1)
+        out = cuda.device_array((s0 + n, H * Dv), np.float32)
+        scale = np.float32(1.0 / math.sqrt(Dk))
+        be._launch(be.k.attention, be.lc.grid(n * H), be.lc.threads, qd, kd, vd, out, posd, s0, n, H, Hkv, Dk,
+                   Dv, scale, window, np.float32(softcap))
+        be._sync()
+        new_k = qkv[s0:, kcol:vcol].reshape(n, Hkv, Dk).astype(np.float16).transpose(1, 0, 2)
+        new_v = qkv[s0:, vcol:].reshape(n, Hkv, Dv).astype(np.float16).transpose(1, 0, 2)
+        kc = np.concatenate([old_k, new_k], axis=1).astype(np.float32)
+        vc = np.concatenate([old_v, new_v], axis=1).astype(np.float32)
+        q = qkv[s0:, :kcol].reshape(n, H, Dk).copy()
+        lo = max(0, p0 - window + 1) if window else 0
+        ref = attention(q, kc[:, lo:L], vc[:, lo:L], p0 - lo, float(scale), window, softcap)
+        err = rel_err(out.copy_to_host()[s0:], ref)
+        kc_got = kd.copy_to_host()[:, :L].astype(np.float32)
+        st = stage.copy_to_host()[s0:, 1]
+        err_store = max(rel_err(kc_got, kc), rel_err(vd.copy_to_host()[:, :L].astype(np.float32), vc),
+                        rel_err(st[:, :Hkv * Dk].reshape(n, Hkv, Dk).transpose(1, 0, 2), new_k.astype(np.float32)))
+        name = f"attention H{H}/{Hkv} D{D} n{n} p0 {p0}" + (f" win{window}" if window else "") + \
+            (f" cap{softcap:g}" if softcap else "")
+        return Check(name, max(err, err_store), 1e-5)
+    return _timed(run)
+
+
+def check_argmax_softcap(be: Any, n: int, V: int, rng: np.random.Generator) -> list[Check]:
+    y = rng.standard_normal((n, V)).astype(np.float32)
+    y[0, V // 3] = y[0, V - 1] = 9.0  # a tie: the first index wins, as numpy's argmax
+    o = cuda.device_array(n, np.int32)
+    be._launch(be.k.argmax, be.lc.grid(n), be.lc.threads, _dev(y), n, o)
+    got = o.copy_to_host()
+    res = [Check("argmax (ties → first)", float(np.sum(got != y.argmax(-1))), 0.0)]
+    yd = _dev(y)
+    be._launch(be.k.softcap, be._ew_grid(n * V), be.lc.threads, yd, n, np.float32(5.0))
+    res.append(Check("softcap", rel_err(yd.copy_to_host(), np.tanh(y / 5.0) * 5.0), 1e-6))
+    return res
+
+
+def run_all(be: Any, rng: np.random.Generator, real: bool = False, types: tuple[str, ...] = SUPPORTED_TYPES,
+            log: Callable[[str], Any] | None = None) -> list[Check]:
+    """Every check at tiny sizes (simulator) or at sizes of the real models (``real=True``)."""
+    out: list[Check] = []
+
+    def add(c: Check | list[Check]) -> None:
+        for x in (c if isinstance(c, list) else [c]):
+            out.append(x)
+            if log is not None:
+                log(str(x))
+
+    lc = be.lc
+    for qt in types:
+        qk = TYPE_SIZES[qt][1]
+        if real:
+            rows, cols = 4864, (896 if qk == 32 else 1024)
+        else:
+            rows, cols = 5, (3 * 32 if qk == 32 else 256)
+        add(check_dequant(be, qt, 7 if not real else 2048, cols, rng))
+        add(check_matmul(be, qt, rows, cols, min(2, lc.mv_max_tokens), rng, "matvec"))
+        add(check_matmul(be, qt, rows, cols, lc.mv_max_tokens + 3 if not real else 512, rng,
+                         "cublas" if be._blas is not None else "gemm"))
+    gq = "Q5_0" if "Q5_0" in types else types[0]
+    for kind in (0, 1):
+        add(check_glu(be, gq, 4864 if real else 5, 896 if real else 64, 1, kind, rng))
+    add(check_act_mul(be, 8 if real else 3, 4864 if real else 10, rng))
+    add(check_rmsnorm(be, 64 if real else 3, 896 if real else 24, 14 if real else 2, 64 if real else 8, rng))
+    add(check_rope(be, 64 if real else 3, 16 if real else 2, 64 if real else 8, 64 if real else 6, rng))
+    if real:
+        for n, p0, H, Hkv, D, win, cap in [(1, 700, 14, 2, 64, 0, 0.0), (512, 0, 14, 2, 64, 0, 0.0),
+                                            (64, 300, 4, 1, 256, 512, 0.0), (1, 900, 4, 1, 256, 512, 0.0),
+                                            (8, 40, 8, 8, 128, 0, 30.0)]:
+            add(check_attention(be, n, p0, H, Hkv, D, win, cap, rng))
+    else:
+        for n, p0, H, Hkv, D, win, cap in [(3, 4, 4, 2, 8, 0, 0.0), (2, 9, 2, 1, 8, 3, 0.0),
+                                            (1, 5, 2, 2, 4, 0, 20.0)]:
+            add(check_attention(be, n, p0, H, Hkv, D, win, cap, rng))
+    add(check_argmax_softcap(be, 3 if not real else 8, 50 if not real else 151936, rng))
+    return out
