@@ -1,0 +1,158 @@
+"""Quantized matmul throughput per quant type: GB/s of quantized weights streamed and GFLOP/s.
+
+For every type, ``y = x @ W.T`` on two realistic shapes (an FFN up and down projection of a
+0.5B model: 4864 x 896 and 896 x 4864; types with 256-element blocks use 1024 columns instead of
+896) for decode (1 token) and prefill (64 tokens by default). Weights are random blocks with
+finite scales (speed does not depend on the values). Times are medians of ``--reps`` calls after
+one warm-up call (which also compiles numba kernels; that time is shown separately); the best
+call is shown next to the median because on a shared machine the median mostly measures the
+other processes.
+
+    python bench/kernels.py                          # numba backend, 2 threads, all types
+    python bench/kernels.py --backend native         # the C kernels (minirt.kernels.native)
+    python bench/kernels.py --types Q4_K,Q5_0,Q6_K,Q8_0 --threads 1 --reps 30
+    python bench/kernels.py --types Q4_K,Q5_0,Q6_K,Q8_0 --rounds 10 --reps 10   # on a busy machine
+
+GB/s = bytes of W / time; GFLOP/s = 2 * n_tokens * rows * cols / time. Run on an idle machine:
+another busy process halves these numbers or worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from minirt.quants import SUPPORTED_TYPES, get_spec  # noqa: E402
+from minirt.quants._random import random_matrix  # noqa: E402
+
+
+def load_backend(name: str, threads: int) -> tuple[Callable[..., np.ndarray], str] | None:
+    """(matmul, description) of a backend, or None when it cannot be loaded (reason printed)."""
+    if name == "numba":
+        import numba
+
+        from minirt.kernels import numba_backend
+
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        desc = f"numba {numba.__version__}, {numba.get_num_threads()} threads"
+        return numba_backend.matmul, desc
+    try:
+        from minirt.kernels import native  # type: ignore[attr-defined]
+    except ImportError as e:
+        print(f"backend native: minirt.kernels.native is missing ({e}); skipping it")
+        return None
+    try:
+        if hasattr(native, "load"):
+            native.load()
+    except Exception as e:  # noqa: BLE001 - report any load failure and skip
+        print(f"backend native: could not load the C kernels ({type(e).__name__}: {e}); skipping it")
+        return None
+    fn = native.matmul
+    info: dict[str, Any] = {}
+    if hasattr(native, "info"):
+        try:
+            info = dict(native.info())
+        except Exception:  # noqa: BLE001
+            info = {}
+    if "threads" in inspect.signature(fn).parameters:
+        base = fn
+
+        def fn(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray | None = None) -> np.ndarray:
+            return base(x, w, qtype, out=out, threads=threads)
+
+    extra = ", ".join(f"{k}={v}" for k, v in info.items() if k in ("isa", "compiler", "simd"))
+    return fn, f"native ({extra or 'C kernels'}), {threads} threads"
+
+
+def shapes_for(qtype: str) -> list[tuple[int, int]]:
+    bs = get_spec(qtype).block_size
+    narrow = 896 if 896 % bs == 0 else 1024
+    return [(4864, narrow), (896, 4864)]
+
+
+def time_calls(fn: Callable[[], Any], reps: int) -> list[float]:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return ts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=["numba", "native"], default="numba")
+    ap.add_argument("--types", default=",".join(SUPPORTED_TYPES), help="comma-separated ggml type names")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64, help="prefill batch size")
+    ap.add_argument("--reps", type=int, default=20,
+                    help="timed calls per decode case and round (prefill: a quarter, at least 3)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat every case this many times, interleaved, so that noise from other "
+                         "processes spreads over all cases; statistics pool all rounds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    loaded = load_backend(args.backend, args.threads)
+    if loaded is None:
+        return 0
+    matmul, desc = loaded
+    types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
+    for t in types:
+        get_spec(t)  # raises naming an unsupported type
+    rng = np.random.default_rng(args.seed)
+    prefill_reps = max(3, args.reps // 4)
+    print(f"backend: {desc}; {os.cpu_count()} CPUs; load average at start: "
+          f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"medians (and best) of {args.rounds} x {args.reps} decode / {args.rounds} x {prefill_reps} "
+          "prefill calls; GB/s = quantized W bytes per second")
+
+    # cases: (qtype, rows, cols, w, [(n_tokens, x, out, times)])
+    cases = []
+    for qtype in types:
+        for rows, cols in shapes_for(qtype):
+            w = random_matrix(qtype, rows, cols, rng)
+            w.flags.writeable = False
+            runs = []
+            first = 0.0
+            for n_tok in (1, args.tokens):
+                x = rng.standard_normal((n_tok, cols)).astype(np.float32)
+                out = np.empty((n_tok, rows), np.float32)
+                t0 = time.perf_counter()
+                matmul(x, w, qtype, out=out)  # compiles (numba) or loads the cache
+                first += time.perf_counter() - t0
+                runs.append((n_tok, x, out, []))
+            cases.append((qtype, rows, cols, w, runs, first))
+    for _ in range(args.rounds):
+        for qtype, rows, cols, w, runs, _first in cases:
+            for n_tok, x, out, times in runs:
+                reps = args.reps if n_tok == 1 else prefill_reps
+                times.extend(time_calls(lambda: matmul(x, w, qtype, out=out), reps))
+
+    header = (f"{'type':7s} {'rows x cols':>11s} {'W MB':>5s} | {'decode GB/s':>11s} {'best':>5s} {'GFLOP/s':>7s} | "
+              f"{'prefill' + str(args.tokens) + ' GB/s':>15s} {'best':>5s} {'GFLOP/s':>7s} | {'1st call s':>10s}")
+    print(header)
+    print("-" * len(header))
+    for qtype, rows, cols, w, runs, first in cases:
+        cells = [f"{qtype:7s} {f'{rows}x{cols}':>11s} {w.nbytes / 1e6:5.2f}"]
+        for (n_tok, _x, _out, times), width in zip(runs, (11, 15)):
+            med, best = statistics.median(times), min(times)
+            cells.append(f"{w.nbytes / med / 1e9:{width}.2f} {w.nbytes / best / 1e9:5.2f} "
+                         f"{2 * n_tok * rows * cols / med / 1e9:7.1f}")
+        print(" | ".join(cells) + f" | {first:10.2f}")
+    print(f"load average at end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
