@@ -133,6 +133,17 @@ static void commit_rows(const void *c_, int64_t item, const float *buf) {
     for (int64_t t = 0; t < c->nt; t++) memcpy(c->y + t * c->ys + r0, buf + t * (r1 - r0), (size_t)(r1 - r0) * 4);
 }
 
+/* Software prefetch of weight rows ahead of the one being dotted. Decode streams every weight from
+ * DRAM exactly once; the hardware prefetcher restarts at each 4 KiB page and the kernels touch a row's
+ * scales before its quants, so without this each row waits a full memory latency (measured: Q5_0
+ * rows of 616 bytes streamed at ~5 GB/s with 2 threads, cache-resident ones at ~18). */
+#define MR_PREFETCH_BYTES 2048
+
+MR_INLINE void prefetch_rows(const uint8_t *w, int64_t rb, int64_t r, int64_t n) {
+    const char *p = (const char *)(w + r * rb);
+    for (int64_t o = 0; o < n * rb; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 static void task_int(const void *c_, int64_t item, int worker, float *buf) {
     (void)worker;
     const mm_ctx *c = (const mm_ctx *)c_;
@@ -140,7 +151,10 @@ static void task_int(const void *c_, int64_t item, int worker, float *buf) {
     OUT_TARGET
     const mr_vint_fn f = c->K->vint[c->qtype];
     float out[MR_NT_INT];
+    const int64_t ahead = c->rb >= MR_PREFETCH_BYTES ? 1 : (MR_PREFETCH_BYTES + c->rb - 1) / c->rb;
+    prefetch_rows(c->w, c->rb, r0, r1 - r0 < ahead ? r1 - r0 : ahead);
     for (int64_t r = r0; r < r1; r++) {
+        if (r + ahead < r1) prefetch_rows(c->w, c->rb, r + ahead, 1);
         const uint8_t *wr = c->w + r * c->rb;
         for (int64_t t0 = 0; t0 < c->nt; t0 += MR_NT_INT) {
             const int n = (int)(c->nt - t0 < MR_NT_INT ? c->nt - t0 : MR_NT_INT);
