@@ -30,6 +30,7 @@ of the rendered text for these: tokenizing the prompt with ``add_special=True`` 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import re
@@ -311,14 +312,37 @@ def _make_env(budget: _Budget) -> Any:
     return env
 
 
+# One sandbox for the whole process: building the environment defines classes and compiles code,
+# and doing that per model load kept memory alive (CPython's type caches pin what they reference).
+# Its limits live in a thread-local budget, set by each render on its own thread.
+_BUDGET = _Budget()
+_ENV_LOCK = threading.Lock()
+_ENV: Any = None
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> Any:
+    """The compiled template for ``source`` (cached: models of one family share it)."""
+    global _ENV
+    with _ENV_LOCK:
+        if _ENV is None:
+            _ENV = _make_env(_BUDGET)
+        return _ENV.from_string(source)
+
+
 # ---------------------------------------------------------------------------------------------
 # request validation
 # ---------------------------------------------------------------------------------------------
+
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
 
 def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Validate ``messages`` and copy them into plain dicts, content as a string."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} objects")
+    if not messages:
+        raise InvalidRequestError("messages is empty: a chat needs at least one message")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
@@ -327,6 +351,8 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+        if role not in KNOWN_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role {role!r} is not one of {', '.join(KNOWN_ROLES)}")
         msg = {str(k): v for k, v in m.items()}
         content = m.get("content")
         if content is None:
@@ -404,10 +430,9 @@ class ChatTemplate:
         self.max_output_chars = max_output_chars
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token,
                                "pad_token": pad_token}
-        self._budget = _Budget()
-        self._env = _make_env(self._budget)
+        self._budget = _BUDGET
         try:
-            self._template = self._env.from_string(source)
+            self._template = _compile(source)
         except Exception as e:  # jinja2.TemplateSyntaxError and friends
             raise TemplateError(f"chat template {name!r} does not compile: {type(e).__name__}: {e}") from None
 

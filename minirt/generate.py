@@ -342,7 +342,12 @@ class Engine:
                 if s.trace is not None:
                     s.trace.add("prefill", t_fwd, tokens=seg.n_tokens, batch=len(ids))
                 if s.progress is not None:
-                    s.progress(s.n_prefilled, len(s.prompt_ids))
+                    try:
+                        s.progress(s.n_prefilled, len(s.prompt_ids))
+                    except Exception as e:  # a failing progress callback ends its own request only
+                        s.error = e
+                        s.finish("cancelled", notify=False)
+                        continue
                 if not s.in_prefill:
                     s.t_prefill_done = time.perf_counter()
             elif s.trace is not None:

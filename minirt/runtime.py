@@ -305,7 +305,9 @@ class Model:
     def logits(self, ids: Seq[int]) -> np.ndarray:
         """Logits (len(ids), n_vocab) float32 for every position, in a fresh context (no side effects)."""
         self._check_open()
-        ids = np.asarray(list(ids), dtype=np.int64)
+        if isinstance(ids, str):
+            raise InvalidRequestError("logits() takes token ids; tokenize the text first (llm.tokenize(text))")
+        ids = np.asarray(self._prompt_ids(ids, None, None), dtype=np.int64)
         check_prompt(ids, self.n_vocab, self.n_ctx + 1)
         cache = self._new_cache(len(ids))
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
@@ -349,10 +351,11 @@ class Model:
             max_tokens = DEFAULT_MAX_TOKENS
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if cancel is not None and not hasattr(cancel, "is_set"):
-            raise InvalidRequestError("cancel must be a threading.Event (or have is_set())")
+        _check_cancel(cancel)
         if on_token is not None and not callable(on_token):
             raise InvalidRequestError("on_token must be callable")
+        if progress is not None and not callable(progress):
+            raise InvalidRequestError("progress must be callable (done, total)")
         if trace is not None and not sampling.get("top_logprobs"):
             sampling = {**sampling, "top_logprobs": 5}  # the explanation shows the top candidates
         params = SamplingParams.from_kwargs(**sampling)
@@ -555,6 +558,7 @@ class Model:
             raise InvalidRequestError("submit() takes either a prompt or messages=")
         h = GenerationHandle()
         user_cancel = kw.pop("cancel", None)
+        _check_cancel(user_cancel)
         if user_cancel is not None:
             # either the handle or the caller's event can cancel
             h._cancel = _AnyEvent(h._cancel, user_cancel)  # type: ignore[assignment]
@@ -626,7 +630,7 @@ class Model:
         from . import openai_format as fmt
 
         if logprobs is not None:
-            kw["top_logprobs"] = int(logprobs)
+            kw["top_logprobs"] = _count("logprobs", logprobs, 20)
         cid, created = f"cmpl-{uuid.uuid4()}", int(time.time())
         if stream:
             ids = self._prompt_ids(prompt, kw.pop("add_special", None), None)
@@ -644,7 +648,7 @@ class Model:
         from . import openai_format as fmt
 
         if logprobs:
-            kw["top_logprobs"] = int(top_logprobs or 0) or 1
+            kw["top_logprobs"] = _count("top_logprobs", top_logprobs or 0, 20) or 1
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
         if stream:
             return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created, logprobs)
@@ -765,6 +769,18 @@ class Model:
                 self.close()
         except Exception:
             pass
+
+
+def _check_cancel(cancel: Any) -> None:
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise InvalidRequestError(f"cancel must be a threading.Event (or have is_set()), got {type(cancel).__name__}")
+
+
+def _count(name: str, v: Any, hi: int) -> int:
+    """An integer option such as logprobs / top_logprobs, validated."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= hi:
+        raise InvalidRequestError(f"{name} must be an integer in [0, {hi}], got {v!r}")
+    return int(v)
 
 
 class _AnyEvent:

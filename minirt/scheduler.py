@@ -115,7 +115,11 @@ class Scheduler:
         admitted = []
         while self._waiting:
             req = self._waiting[0]
-            if req.seq.cancelled() or req.seq.done:
+            try:
+                cancelled = req.seq.cancelled()
+            except Exception as e:  # a broken cancel object fails its own request only
+                req.error, cancelled = e, True
+            if cancelled or req.seq.done:
                 self._waiting.popleft()
                 if not req.seq.done:
                     req.seq.finish("cancelled")

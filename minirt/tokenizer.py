@@ -449,6 +449,16 @@ class Tokenizer:
 
     def __init__(self, metadata: Mapping[str, Any], *, use_hf_bpe: bool = True) -> None:
         md = metadata
+        # scalar keys must hold scalars: a corrupt file may store an array (or a number) anywhere
+        for key, kinds, what in (("tokenizer.ggml.pre", (str,), "a string"),
+                                 ("general.name", (str,), "a string"),
+                                 ("general.architecture", (str,), "a string"),
+                                 ("tokenizer.ggml.add_bos_token", (bool, int, np.integer), "a boolean"),
+                                 ("tokenizer.ggml.add_eos_token", (bool, int, np.integer), "a boolean"),
+                                 ("tokenizer.ggml.add_space_prefix", (bool, int, np.integer), "a boolean")):
+            v = md.get(key)
+            if v is not None and not isinstance(v, kinds):
+                raise TokenizerError(f"{key} must be {what}, got {type(v).__name__}")
         model = md.get("tokenizer.ggml.model")
         if not isinstance(model, str):
             raise TokenizerError("tokenizer.ggml.model is missing (no vocabulary in this GGUF)")

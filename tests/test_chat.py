@@ -302,11 +302,16 @@ def test_bad_messages(qwen_tmpl, messages, match):
 def test_message_shapes_accepted(qwen_tmpl):
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
     assert qwen_tmpl.render(parts) == qwen_tmpl.render(FRANCE)
-    # an unknown role is handed to the template: ChatML writes it, a strict template may refuse it
-    assert "<|im_start|>narrator\nonce<|im_end|>" in ChatTemplate.builtin("chatml").render([{"role": "narrator", "content": "once"}])
+    # an unknown role is refused before any template sees it
+    with pytest.raises(minirt.InvalidRequestError, match="'narrator'"):
+        ChatTemplate.builtin("chatml").render([{"role": "narrator", "content": "once"}])
+    with pytest.raises(minirt.InvalidRequestError, match="empty"):
+        ChatTemplate.builtin("chatml").render([])
+    # a known role the template does not handle: the template's own raise_exception surfaces as TemplateError
+    assert "<|im_start|>tool\nonce<|im_end|>" in ChatTemplate.builtin("chatml").render([{"role": "tool", "content": "once"}])
     strict = ChatTemplate("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
                           "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{% endfor %}")
-    with pytest.raises(minirt.TemplateError, match="unknown role narrator"):
-        strict.render([{"role": "narrator", "content": "once"}])
+    with pytest.raises(minirt.TemplateError, match="unknown role tool"):
+        strict.render([{"role": "tool", "content": "once"}])
     with pytest.raises(minirt.InvalidRequestError, match="tools"):
         qwen_tmpl.render(FRANCE, tools="get_weather")

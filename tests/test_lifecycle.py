@@ -226,12 +226,6 @@ def _pymalloc_arenas() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "each load pins ~1.8 pymalloc arenas (1 MiB each): minirt/chat.py _make_env() defines new classes "
-    "(GenerationTag, CodeGen, Env) and compiles the template on every load; jinja2's NodeVisitor looks up "
-    "fresh f'visit_...' strings on them and CPython's type attribute cache keeps those strings alive, "
-    "scattered among the arenas that held the ~300k vocabulary/merge strings parsed per load, so the arenas "
-    "cannot be freed (sys._clear_type_cache() after each load makes the growth 0)"))
 def test_reloading_does_not_pin_python_arenas(qwen_path):
     if not hasattr(sys, "_debugmallocstats"):
         pytest.skip("needs CPython's sys._debugmallocstats")

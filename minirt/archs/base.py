@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ContextOverflowError, GGUFError, UnsupportedArchitectureError
+from ..errors import ContextOverflowError, GGUFError, UnsupportedArchitectureError, UnsupportedQuantError
 from ..gguf import GGUFFile, GGUFTensor
 from ..kv_cache import KVCache
 
@@ -68,51 +68,97 @@ def _meta(f: GGUFFile, key: str, default: Any = None, required: bool = False) ->
     return v
 
 
-def _per_layer(v: Any, n_layer: int, name: str) -> int:
-    """Some GGUFs store head counts per layer; we require them uniform."""
+# Sanity bounds: far beyond any real model, small enough that nothing sized by them can exhaust memory.
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 20
+
+
+def meta_int(f: GGUFFile, key: str, default: Any = None, required: bool = False, lo: int = 1,
+             hi: int = MAX_DIM) -> int:
+    """An integer hyperparameter ``<arch>.<key>``, type- and range-checked (GGUFError naming the key)."""
+    v = _meta(f, key, default, required)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer, got {_show(v)}")
+    if not lo <= int(v) <= hi:
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' = {int(v)} is out of range [{lo}, {hi}]")
+    return int(v)
+
+
+def meta_float(f: GGUFFile, key: str, default: Any = None, required: bool = False, lo: float = 0.0,
+               hi: float = 1e30) -> float:
+    """A finite float hyperparameter ``<arch>.<key>`` within [lo, hi] (GGUFError naming the key)."""
+    v = _meta(f, key, default, required)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be a number, got {_show(v)}")
+    v = float(v)
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' = {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _show(v: Any) -> str:
+    r = repr(v.tolist() if isinstance(v, np.ndarray) else v)
+    return f"{type(v).__name__} {r[:60]}"
+
+
+def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, required: bool = False) -> int:
+    """A head count or width; some GGUFs store one per layer, which must then be uniform."""
+    v = _meta(f, key, default, required)
     if isinstance(v, np.ndarray):
-        if v.size != n_layer or len(set(v.tolist())) != 1:
-            raise UnsupportedArchitectureError(f"per-layer {name} {v.tolist()} is not supported (must be uniform)")
-        return int(v[0])
+        if v.ndim != 1 or v.size != n_layer or v.dtype.kind not in "iu":
+            raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
+                            f"got {_show(v)}")
+        if len(set(v.tolist())) != 1:
+            raise UnsupportedArchitectureError(f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
+        v = int(v[0])
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 1 <= int(v) <= MAX_DIM:
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], got {_show(v)}")
     return int(v)
 
 
 def read_config(f: GGUFFile) -> Config:
-    """Common hyperparameters; architectures refine the result in their ``configure``."""
+    """Common hyperparameters; architectures refine the result in their ``configure``.
+
+    Every value is type- and range-checked: a malformed file raises GGUFError naming the key,
+    never a stray ValueError or an allocation sized by a corrupt count."""
     arch = f.architecture or "?"
-    n_layer = int(_meta(f, "block_count", required=True))
-    n_embd = int(_meta(f, "embedding_length", required=True))
-    n_head = _per_layer(_meta(f, "attention.head_count", required=True), n_layer, "head_count")
-    n_head_kv = _per_layer(_meta(f, "attention.head_count_kv", n_head), n_layer, "head_count_kv")
-    n_ff = _per_layer(_meta(f, "feed_forward_length", required=True), n_layer, "feed_forward_length")
-    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+    n_layer = meta_int(f, "block_count", required=True, hi=MAX_LAYERS)
+    n_embd = meta_int(f, "embedding_length", required=True)
+    n_head = _per_layer(f, "attention.head_count", n_layer, required=True)
+    n_head_kv = _per_layer(f, "attention.head_count_kv", n_layer, default=n_head)
+    n_ff = _per_layer(f, "feed_forward_length", n_layer, required=True)
+    if n_head % n_head_kv:
         raise GGUFError(f"{f.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    head_dim_k = int(_meta(f, "attention.key_length", n_embd // n_head))
-    head_dim_v = int(_meta(f, "attention.value_length", n_embd // n_head))
+    head_dim_k = meta_int(f, "attention.key_length", max(1, n_embd // n_head))
+    head_dim_v = meta_int(f, "attention.value_length", max(1, n_embd // n_head))
     emb = f.tensors.get("token_embd.weight")
     if emb is None:
         raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing")
+    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
+        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' has shape {emb.shape}, expected (n_vocab, {n_embd})")
     n_vocab = emb.shape[0]
-    rope_dim = int(_meta(f, "rope.dimension_count", head_dim_k))
+    rope_dim = meta_int(f, "rope.dimension_count", head_dim_k)
     if rope_dim > head_dim_k or rope_dim % 2:
         raise GGUFError(f"{f.path}: rope.dimension_count {rope_dim} invalid for head size {head_dim_k}")
     cfg = Config(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
         head_dim_k=head_dim_k, head_dim_v=head_dim_v, n_vocab=n_vocab,
-        n_ctx_train=int(_meta(f, "context_length", 2048)),
-        rms_eps=float(_meta(f, "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(_meta(f, "rope.freq_base", 10000.0)),
+        n_ctx_train=meta_int(f, "context_length", 2048, hi=1 << 24),
+        rms_eps=meta_float(f, "attention.layer_norm_rms_epsilon", 1e-5, hi=1.0),
+        rope_base=meta_float(f, "rope.freq_base", 10000.0, lo=1e-3),
         rope_dim=rope_dim,
-        attn_scale=float(_meta(f, "attention.scale", 0.0) or 0.0),
-        attn_softcap=float(_meta(f, "attn_logit_softcapping", 0.0) or 0.0),
-        final_softcap=float(_meta(f, "final_logit_softcapping", 0.0) or 0.0),
+        attn_scale=meta_float(f, "attention.scale", 0.0, hi=1e6),
+        attn_softcap=meta_float(f, "attn_logit_softcapping", 0.0, hi=1e6),
+        final_softcap=meta_float(f, "final_logit_softcapping", 0.0, hi=1e6),
     )
     scaling = _meta(f, "rope.scaling.type")
-    factor = _meta(f, "rope.scaling.factor")
-    if scaling in (None, "none") and factor and float(factor) != 1.0:
+    if scaling is not None and not isinstance(scaling, str):
+        raise GGUFError(f"{f.path}: metadata '{arch}.rope.scaling.type' must be a string, got {_show(scaling)}")
+    factor = meta_float(f, "rope.scaling.factor", 0.0, hi=1e6)
+    if scaling in (None, "none") and factor and factor != 1.0:
         scaling = "linear"  # older GGUFs store only the factor
     if scaling == "linear" and factor:
-        cfg.rope_freq_scale = 1.0 / float(factor)
+        cfg.rope_freq_scale = 1.0 / factor
     elif scaling not in (None, "none", "linear"):
         raise UnsupportedArchitectureError(f"RoPE scaling type {scaling!r} is not supported (supported: none, linear, llama3 freq factors)")
     rf = f.tensors.get("rope_freqs.weight")
@@ -120,6 +166,8 @@ def read_config(f: GGUFFile) -> Config:
         ff = rf.dequantize().reshape(-1)
         if ff.size != rope_dim // 2:
             raise GGUFError(f"{f.path}: rope_freqs.weight has {ff.size} entries, expected {rope_dim // 2}")
+        if not np.all(np.isfinite(ff)) or np.any(ff <= 0):
+            raise GGUFError(f"{f.path}: rope_freqs.weight must hold finite positive factors")
         cfg.rope_freq_factors = ff.astype(np.float32)
     cfg.swa_layers = (False,) * n_layer
     return cfg
@@ -139,6 +187,12 @@ class Linear:
     def __init__(self, t: GGUFTensor, bias: GGUFTensor | None = None) -> None:
         if len(t.shape) != 2:
             raise GGUFError(f"tensor {t.name!r}: expected 2 dimensions, got shape {t.shape}")
+        from ..quants import get_spec
+
+        try:
+            get_spec(t.qtype)
+        except UnsupportedQuantError as e:
+            raise UnsupportedQuantError(f"tensor {t.name!r}: {e}") from None
         self.name = t.name
         self.w = t.data  # uint8 (out, row_bytes), zero-copy
         self.qtype = t.qtype
@@ -160,7 +214,10 @@ def vector(f: GGUFFile, name: str, size: int) -> np.ndarray:
     t = f.tensors.get(name)
     if t is None:
         raise GGUFError(f"{f.path}: tensor {name!r} is missing")
-    v = t.dequantize().reshape(-1)
+    try:
+        v = t.dequantize().reshape(-1)
+    except UnsupportedQuantError as e:
+        raise UnsupportedQuantError(f"tensor {name!r}: {e}") from None
     if v.size != size:
         raise GGUFError(f"{f.path}: tensor {name!r} has {v.size} elements, expected {size}")
     return np.ascontiguousarray(v, dtype=np.float32)
@@ -289,14 +346,14 @@ class Transformer:
         self.cfg = read_config(f)
         self.configure(self.cfg)
         c = self.cfg
-        self.tok_embd = tensor(f, "token_embd.weight")
-        if self.tok_embd.shape[1] != c.n_embd:
-            raise GGUFError(f"{f.path}: token_embd.weight has shape {self.tok_embd.shape}, expected (n_vocab, {c.n_embd})")
+        self.tok_embd = tensor(f, "token_embd.weight", (c.n_vocab, c.n_embd))
+        Linear(self.tok_embd)  # validates that its type can be dequantized (names the tensor if not)
         self.output_norm = vector(f, "output_norm.weight", c.n_embd)
         out = f.tensors.get("output.weight")
         self.output = Linear(out if out is not None else self.tok_embd)  # tied to the embedding when absent
-        if self.output.in_features != c.n_embd:
-            raise GGUFError(f"{f.path}: {self.output.name} has shape {self.output.out_features, self.output.in_features}")
+        if (self.output.out_features, self.output.in_features) != (c.n_vocab, c.n_embd):
+            raise GGUFError(f"{f.path}: {self.output.name} has shape {(self.output.out_features, self.output.in_features)}, "
+                            f"expected ({c.n_vocab}, {c.n_embd}) to match the {c.n_vocab} rows of token_embd.weight")
         self.blocks = [self.load_block(i) for i in range(c.n_layer)]
         self.scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim_k)
         # small ops: the backend's versions when it has them (native), numpy otherwise

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import ForwardContext, Transformer, gelu_tanh, linear, register, vector
+from ..errors import GGUFError
+from .base import ForwardContext, Transformer, gelu_tanh, linear, meta_int, register, vector
 
 SWA_PATTERN_DEFAULT = 6
 ROPE_BASE_LOCAL = 10000.0
@@ -29,14 +30,15 @@ class Gemma3(Transformer):
         f = self.file
         cfg.rope_neox = True
         cfg.embed_scale = math.sqrt(cfg.n_embd)
-        cfg.sliding_window = int(f.arch_get("attention.sliding_window", 0) or 0)
+        cfg.sliding_window = meta_int(f, "attention.sliding_window", 0, lo=0, hi=1 << 24)
         pattern = f.arch_get("attention.sliding_window_pattern", SWA_PATTERN_DEFAULT)
         if isinstance(pattern, np.ndarray):  # per-layer booleans in newer files
-            if pattern.size != cfg.n_layer:
-                raise ValueError(f"sliding_window_pattern has {pattern.size} entries for {cfg.n_layer} layers")
+            if pattern.ndim != 1 or pattern.size != cfg.n_layer or pattern.dtype.kind not in "biu":
+                raise GGUFError(f"{f.path}: metadata 'gemma3.attention.sliding_window_pattern' must hold "
+                                f"{cfg.n_layer} booleans, got {pattern.dtype} of shape {pattern.shape}")
             cfg.swa_layers = tuple(bool(v) for v in pattern)
         else:
-            n = int(pattern)
+            n = meta_int(f, "attention.sliding_window_pattern", SWA_PATTERN_DEFAULT, lo=0, hi=1 << 16)
             cfg.swa_layers = tuple(n > 0 and (i % n) < n - 1 for i in range(cfg.n_layer))
         if not cfg.sliding_window:
             cfg.swa_layers = (False,) * cfg.n_layer
