@@ -98,6 +98,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, temp: float) -> None:
     p.add_argument("--repeat-penalty", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     p.add_argument("--system", help="system prompt (chat mode)")
 
 
@@ -116,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             out.flush()
 
         kw = dict(max_tokens=args.max_tokens, stop=args.stop, on_token=on_token, cancel=cancel,
-                  trace=args.explain, **_sampling(args))
+                  trace=args.explain, ignore_eos=args.ignore_eos, **_sampling(args))
         prev = signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGINT, lambda *_: cancel.set())
         try:
@@ -169,7 +170,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
 
             h = llm.submit(messages=history, on_token=on_token, max_tokens=args.max_tokens, stop=args.stop,
-                           **_sampling(args))
+                           ignore_eos=args.ignore_eos, **_sampling(args))
             while True:
                 try:
                     c = h.result(timeout=0.1)
