@@ -32,6 +32,65 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
               const float *x, long long n_tokens, long long x_stride,
               float *y, long long y_stride, int threads, int isa);
 
+/* Packed weights ("P4" layout, see pack.c): the same bytes reordered for the decode kernels.
+ * mr_pack_size: bytes of the packed matrix, 0 when (qtype, cols) cannot be packed. mr_pack writes
+ * it, mr_unpack restores the ggml rows (row_bytes apart). mr_matmul_packed is mr_matmul over a
+ * packed matrix (same return convention). */
+long long mr_pack_size(int qtype, long long rows, long long cols);
+int mr_pack(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
+            unsigned char *dst, int threads);
+int mr_unpack(int qtype, const unsigned char *src, long long rows, long long cols, unsigned char *w,
+              long long row_bytes);
+int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long long cols,
+                     const float *x, long long n_tokens, long long x_stride,
+                     float *y, long long y_stride, int threads, int isa);
+/* 1 when `isa` has integer kernels for packed matrices of qtype (packing pays off), else 0. */
+int mr_pack_preferred(int qtype, int isa);
+/* Which path mr_matmul_packed takes: 1 = integer, 3 = float tile, 4 = float panel, 2 = float dots. */
+int mr_matmul_packed_path(int qtype, long long n_tokens, int isa);
+
+/* Native decoder layers for decode steps (one new token per sequence), see layer.c. */
+typedef struct {
+    int qtype;                  /* ggml type id */
+    int packed;                 /* 1: data was written by mr_pack */
+    const unsigned char *data;
+    long long rows, cols, row_bytes;
+    const float *bias;          /* (rows,) or NULL */
+} mr_weight;
+
+typedef struct {
+    long long n_embd, n_ff, n_head, n_head_kv, head_dim_k, head_dim_v, rope_dim;
+    float eps, attn_scale, softcap;
+    long long window;           /* > 0: each query sees only the last `window` positions */
+    int rope_neox, act, local;  /* act: 0 SiLU, 1 GELU (tanh); local: RoPE from the second table pair */
+    const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* NULL: none */
+    mr_weight wq, wk, wv, wo, gate, up, down;
+} mr_layer;
+
+typedef struct {
+    void *k, *v;                /* layer 0's (n_head_kv, n_ctx, head_dim) cache of this sequence */
+    long long n_ctx, pos, layer_stride; /* position of the new token; elements from one layer to the next */
+} mr_kvseq;
+
+/* 0 when mr_decode_layers can run this layer on `isa`, else an MR_E_* code. */
+int mr_layer_check(const mr_layer *L, int isa);
+
+/* Runs n_layer layers over x (n_seq, n_embd), in place: token b belongs to sequence seqs[b], its key
+ * and value are written at seqs[b].pos of each layer's cache (float32, or f16 bits when kv_f16).
+ * cos/sin: (n_seq, rope_dim / 2) tables, *_g for layers with local == 0, *_l for the others.
+ * Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed, see mr_pool_quiescent). */
+int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs,
+                     int kv_f16, const float *cos_g, const float *sin_g, const float *cos_l, const float *sin_l,
+                     int threads, int isa);
+
+
+/* Phase timing of mr_decode_layers, off by default: ns summed over calls and layers for
+ * [0] norm + Q/K/V, [1] Q/K norms + RoPE + cache write, [2] attention, [3] output projection +
+ * residual, [4] norm + gate/up + activation, [5] down projection + residual; [6] layers run.
+ * mr_profile_read copies up to n values (returns how many exist), reset: zero them afterwards. */
+void mr_profile_enable(int on);
+int mr_profile_read(double *out, int n, int reset);
+
 /* Latest job generation of the pool; 1 when no worker is still inside a job of generation <= gen. */
 unsigned long long mr_pool_generation(void);
 int mr_pool_quiescent(unsigned long long gen);
@@ -68,6 +127,21 @@ int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16
                         long long n_head, long long n_kv, long long n_ctx, long long head_dim,
                         long long n_past, float scale, long long window, float softcap,
                         float *out, int threads, int isa);
+
+/* out[i] = act(g[i]) * u[i] for i < n; act: 0 = SiLU, 1 = GELU (tanh approximation). out may be g. */
+int mr_act_mul(const float *g, const float *u, float *out, long long n, int act, int isa);
+
+/* Causal grouped-query attention of n new queries at positions p0 .. p0+n-1 over a KV cache that
+ * already holds their keys and values: q (n, n_head, head_dim); k, v (n_kv, n_ctx, head_dim) float32
+ * or f16 bits (kv_f16); query i sees positions max(0, p0+i-window+1) .. p0+i (window 0: all).
+ * out (n, n_head * head_dim). */
+int mr_attention_prefill(const float *q, long long n, long long n_head, long long head_dim, const void *k,
+                         const void *v, int kv_f16, long long n_kv, long long n_ctx, long long p0, float scale,
+                         long long window, float softcap, float *out, int threads, int isa);
+
+/* 1 when `isa` has the vectorized attention kernels (else mr_attention_prefill is correct but may be
+ * slower than a BLAS-based implementation). */
+int mr_attention_fast(int isa);
 
 /* Benchmark helper: runs mr_matmul `reps` times and returns the fastest run in nanoseconds
  * (the minimum filters out interference from other processes on a shared machine); returns only

@@ -42,6 +42,11 @@ enum {
 
 /* The integer path handles up to MR_NT_INT tokens per pass over a weight row. */
 #define MR_NT_INT 4
+/* Packed weights: tokens up to which the integer kernels are used (4 per pass over a row group held
+ * in L1); also the most sequences mr_decode_layers takes at once. */
+#define MR_PACKED_INT_MAX 16
+/* phases timed by mr_profile_enable (layer.c), plus a layer count */
+#define MR_PROF_PHASES 8
 
 typedef struct {
     int block;      /* elements per block (1 for float types) */
@@ -133,8 +138,48 @@ typedef void (*mr_dq_fn)(const uint8_t *src, float *dst, int64_t nblocks);
 typedef void (*mr_vint_fn)(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd,
                            const float *xs, int64_t xq_stride, int64_t xb_stride, int nt, float *out);
 
+/* Activations of the integer path, quantized once per call (dispatch.c). Token t's data start at
+ * q + t*qs (int16, natural order), qp + t*qs (the same values with each pair of 32-blocks interleaved
+ * by 16-element halves, see xpair; NULL when no kernel of the call needs it), and d + t*bs, s + t*bs,
+ * sq + t*bs (per 32-block: scale, float sum of x, scale * integer sum of q), sq16 + 2*t*bs (per
+ * 16 elements: scale * integer sum of q). sq/sq16 let kernels fold a constant weight offset (Q4_0's
+ * -8, Q6_K's -32) out of the inner loop exactly: sum (q - o) * xq == sum q * xq - o * sum xq. */
+typedef struct {
+    const int16_t *q, *qp;
+    const float *d, *s, *sq, *sq16;
+    int64_t qs, bs;
+} mr_xact;
+
+/* Multi-row integer kernel: y[t*ys + r] = dot(row r of w, x_t) for r < nrows, t < nt (nt <= MR_NT_INT);
+ * rows have rb bytes, nb32 32-element blocks. The kernel prefetches its own rows ahead. */
+typedef void (*mr_gemv_fn)(const uint8_t *w, int64_t rb, int64_t nrows, int64_t nb32, const mr_xact *xa, int nt,
+                           float *y, int64_t ys);
+
+/* Packed kernels (pack.c, layout "P4": tiles of 4 rows x mr_pack_tile_cols columns):
+ * y[t*ys + 4g + r] for the 4 rows r of each of ngroups row groups (padding rows included: y must
+ * have room), t < nt (any count: tokens are taken 4 at a time while a row group is in L1). xa->q
+ * holds the activations permuted within each 128-column quad (mr_pack_perm); xa->d, s, sq, sq16
+ * keep the natural order. */
+#define MR_P4_COLS 128
+typedef void (*mr_pgemv_fn)(const uint8_t *wp, int64_t ngroups, int64_t ntiles, const mr_xact *xa, int nt, float *y,
+                            int64_t ys);
+int mr_pack_tile_bytes(int qtype);
+int mr_pack_tile_cols(int qtype);
+int mr_pack_supported(int qtype, long long rows, long long cols);
+int mr_pack_perm(int qtype, int p);
+void mr_pack_dq_tile(int qtype, const uint8_t *tile, float *out, int64_t os);
+
+/* Software prefetch distance of the gemv kernels in bytes (MINIRT_PF; default 0 = off). */
+extern int mr_pf_dist;
+
 typedef struct {
     mr_dq_fn dq[GT_COUNT];
+    /* Multi-row integer kernels (preferred over vint when set); gemv_pair: wants xa->qp. */
+    mr_gemv_fn gemv[GT_COUNT];
+    uint8_t gemv_pair[GT_COUNT];
+    /* Packed-layout integer kernels and tile dequantizers (NULL: portable fallback). */
+    mr_pgemv_fn pgemv[GT_COUNT];
+    void (*pdq[GT_COUNT])(const uint8_t *tile, float *out, int64_t os);
     mr_vint_fn vint[GT_COUNT];
     /* 1: the integer kernel wants each pair of 32-blocks of activations interleaved by 16-element
      * halves (a[0:16] b[0:16] a[16:32] b[16:32]), the order nibble unpacking produces. */
@@ -158,7 +203,52 @@ typedef struct {
     float (*dot)(const float *a, const float *b, int64_t n);
     void (*axpy)(float a, const float *x, float *y, int64_t n);  /* y += a x */
     void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
+    /* out[i] = act(g[i]) * u[i]; act: 0 = SiLU x / (1 + e^-x), 1 = GELU tanh approximation. */
+    void (*act_mul)(const float *g, const float *u, float *out, int64_t n, int act);
+    /* x[i] = e^x[i] in place (e^-inf = 0). */
+    void (*vexp)(float *x, int64_t n);
+    /* Attention of up to 16 queries (SIMD lanes) over nk keys (attn_block in generic_impl.h);
+     * ml != NULL: Ot left unnormalized, ml[0..15] = per-lane max score, ml[16..31] = sum of e^(s - max). */
+    void (*attn_block)(const float *Qt, const float *Kr, const float *Vr, int64_t D, int64_t nk, const int64_t *first,
+                       const int64_t *last, float softcap, float *S, float *Ot, float *ml, void (*vexp)(float *, int64_t));
+    /* Decode attention of g <= 16 queries Q (g, D) (pre-scaled, D a multiple of 64) over all nk keys:
+     * O (g, D) unnormalized, ml[i] = max score of query i, ml[16 + i] = its sum of e^(s - max);
+     * S: scratch (nk, 16). NULL where the ISA has none (attn_block is used instead). */
+    void (*attn_dec)(const float *Q, int g, const float *Kr, const float *Vr, int64_t D, int64_t nk, float softcap,
+                     float *S, float *O, float *ml);
 } mr_kernels;
+
+/* A weight matrix as the integer kernels see it (dispatch.c). */
+typedef struct {
+    int qtype, packed;
+    const uint8_t *w;
+    int64_t rows, cols, rb; /* rb: bytes per ggml row */
+    int64_t tb, ntiles;     /* packed: bytes per tile, tiles per row group */
+} mr_mat;
+
+/* Activation layouts (bit masks): natural order, pair-interleaved, packed permutations E / E6. */
+enum { MR_XL_NAT = 1, MR_XL_PAIR = 2, MR_XL_PERM = 4, MR_XL_PERM6 = 8 };
+typedef struct {
+    mr_xact nat, pair, perm, perm6;
+} mr_xacts;
+/* The layout the integer kernels want for m (0: no integer kernel for it on this ISA). */
+int mr_mat_xlayout(const mr_kernels *K, const mr_mat *m);
+/* Quantize nt rows of x into the scratch buffers in every layout of the mask (call lock held). */
+int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stride, int64_t cols, int layouts,
+                 mr_xacts *xs);
+const mr_xact *mr_xact_for(const mr_xacts *xs, int layout);
+/* Rows [r0, r1) of m for nt tokens: yy[t * yys + (r - r0)]; packed: r0 a multiple of 4. */
+void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_t nt, int64_t r0, int64_t r1, float *yy,
+                 int64_t yys);
+int64_t mr_pick_chunk(int64_t rows, int threads, int64_t lo, int64_t hi);
+
+/* ops.c helpers shared with layer.c */
+int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, int64_t B, const void *const *k,
+                              const void *const *v, const int64_t *n_ctx, const int64_t *start, const int64_t *end,
+                              int64_t H, int64_t Hkv, int64_t D, int kv_f16, float scale, float softcap, int threads);
+void mr_rope_row(float *v, long long n_rot, const float *cs, const float *sn, int neox);
+
+
 
 extern mr_kernels mr_kernels_scalar;
 #ifdef MR_X86
@@ -187,7 +277,7 @@ int mr_resolve_isa(int isa);                 /* -1 -> selected; returns -1 when 
 typedef void (*mr_task_fn)(const void *ctx, int64_t item, int worker, float *buf);
 typedef void (*mr_commit_fn)(const void *ctx, int64_t item, const float *buf);
 /* Run fn for items [0, n_items) on `threads` threads (the caller is worker 0). The ctx bytes are
- * copied (ctx_size <= 256). commit != NULL makes the job stealable. */
+ * copied (ctx_size <= 1024). commit != NULL makes the job stealable. */
 int mr_parallel_for(mr_task_fn fn, mr_commit_fn commit, const void *ctx, size_t ctx_size, int64_t n_items,
                     int64_t buf_floats, int threads);
 int mr_pool_threads_default(void);

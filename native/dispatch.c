@@ -16,11 +16,14 @@ unsigned long long mr_pool_steals(void);
 #ifdef MR_X86
 void mr_init_avx2(mr_kernels *k);
 void mr_init_avx512(mr_kernels *k);
+void mr_init_avx512_gemv(mr_kernels *k);
 #endif
 #ifdef MR_ARM64
 void mr_init_neon(mr_kernels *k);
 #endif
 
+int mr_pf_dist = 0;
+static int perm128[MR_P4_COLS], perm128_q6k[MR_P4_COLS]; /* packed position -> column within a quad */
 static int isa_mask_v = 1 << MR_ISA_SCALAR;
 static int isa_sel = MR_ISA_SCALAR;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -48,6 +51,7 @@ static void init(void) {
         __builtin_cpu_supports("avx512vnni")) {
         m |= 1 << MR_ISA_AVX512;
         mr_init_avx512(&mr_kernels_avx512);
+        mr_init_avx512_gemv(&mr_kernels_avx512);
         tables[MR_ISA_AVX512] = &mr_kernels_avx512;
     }
 #endif
@@ -58,6 +62,12 @@ static void init(void) {
 #endif
     isa_mask_v = m;
     isa_sel = best_isa(m);
+    for (int i = 0; i < MR_P4_COLS; i++) {
+        perm128[i] = mr_pack_perm(GT_Q8_0, i);
+        perm128_q6k[i] = mr_pack_perm(GT_Q6_K, i);
+    }
+    const char *pf = getenv("MINIRT_PF");
+    if (pf && *pf) mr_pf_dist = atoi(pf) < 0 ? 0 : atoi(pf);
     const char *e = getenv("MINIRT_ISA");
     if (e && *e) {
         int want = -1;
@@ -103,9 +113,9 @@ enum { PATH_NONE = 0, PATH_INT = 1, PATH_FLOAT = 2 };
 #define MR_PANEL_MIN_TOKENS 12
 /* Tokens per block of the tile path: keeps X (tokens x MR_KC floats) in L2. */
 #define MR_TOKEN_BLOCK 96
-/* Tokens per block of the panel path (X: tokens x MR_KP floats); each weight panel is dequantized
- * once per block, so larger blocks amortize it better. */
-#define MR_PANEL_TOKEN_BLOCK 240
+/* Tokens per block of the panel path: each weight panel is dequantized once per block, so the block
+ * covers a whole prefill chunk (the x rows of one k-chunk, tokens x 128..256 floats, stay in L2). */
+#define MR_PANEL_TOKEN_BLOCK 1024
 
 typedef struct {
     const mr_kernels *K;
@@ -117,10 +127,33 @@ typedef struct {
     float *y;
     int64_t ys;
     int64_t chunk;
-    const int16_t *xq;
-    const float *xd, *xsum;
+    mr_xact xa;     /* integer path: quantized activations */
     int64_t nb32;
+    int packed;     /* w is in the P4 layout (pack.c): tb bytes per tile, ntiles tiles per row group */
+    int64_t tb, ntiles;
 } mm_ctx;
+
+/* Weights of rows [p, p + nr) x columns [k0, k0 + kn) as floats, row stride kn. Packed: p is a
+ * multiple of 4, k0 and kn of the tile width (MR_KC and MR_KP are multiples of 256), the columns
+ * come in packed order (the caller permuted x to match) and whole row groups are written (out has
+ * room for nr rounded up to 4 rows). */
+static void dq_rows(const mm_ctx *c, int64_t p, int nr, int64_t k0, int64_t kn, float *out) {
+    if (!c->packed) {
+        const mr_type_info ti = mr_types[c->qtype];
+        for (int i = 0; i < nr; i++)
+            c->K->dq[c->qtype](c->w + (p + i) * c->rb + (k0 / ti.block) * ti.bytes, out + (int64_t)i * kn, kn / ti.block);
+        return;
+    }
+    void (*pdq)(const uint8_t *, float *, int64_t) = c->K->pdq[c->qtype];
+    const int64_t tc = c->cols / c->ntiles;
+    for (int64_t g = p / 4; 4 * g < p + nr; g++)
+        for (int64_t t = k0 / tc; t < (k0 + kn) / tc; t++) {
+            const uint8_t *tile = c->w + (g * c->ntiles + t) * c->tb;
+            float *o = out + (4 * g - p) * kn + (t * tc - k0);
+            if (pdq) pdq(tile, o, kn);
+            else mr_pack_dq_tile(c->qtype, tile, o, kn);
+        }
+}
 
 /* where an item's outputs go: y itself, or the worker's private buffer (nt, r1 - r0) */
 #define OUT_TARGET                                                                                           \
@@ -149,43 +182,32 @@ static void task_int(const void *c_, int64_t item, int worker, float *buf) {
     const mm_ctx *c = (const mm_ctx *)c_;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->rows ? r0 + c->chunk : c->rows;
     OUT_TARGET
-    const mr_vint_fn f = c->K->vint[c->qtype];
-    float out[MR_NT_INT];
-    const int64_t ahead = c->rb >= MR_PREFETCH_BYTES ? 1 : (MR_PREFETCH_BYTES + c->rb - 1) / c->rb;
-    prefetch_rows(c->w, c->rb, r0, r1 - r0 < ahead ? r1 - r0 : ahead);
-    for (int64_t r = r0; r < r1; r++) {
-        if (r + ahead < r1) prefetch_rows(c->w, c->rb, r + ahead, 1);
-        const uint8_t *wr = c->w + r * c->rb;
-        for (int64_t t0 = 0; t0 < c->nt; t0 += MR_NT_INT) {
-            const int n = (int)(c->nt - t0 < MR_NT_INT ? c->nt - t0 : MR_NT_INT);
-            f(wr, c->nb32, c->xq + t0 * c->cols, c->xd + t0 * c->nb32, c->xsum + t0 * c->nb32, c->cols, c->nb32,
-              n, out);
-            for (int t = 0; t < n; t++) yy[(t0 + t) * yys + (r - r0)] = out[t];
-        }
-    }
+    const mr_mat m = {c->qtype, c->packed, c->w, c->rows, c->cols, c->rb, c->tb, c->ntiles};
+    mr_mat_rows(c->K, &m, &c->xa, c->nt, r0, r1, yy, yys);
 }
 
 static void task_fdot(const void *c_, int64_t item, int worker, float *buf) {
     const mm_ctx *c = (const mm_ctx *)c_;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->rows ? r0 + c->chunk : c->rows;
     OUT_TARGET
-    const mr_type_info ti = mr_types[c->qtype];
-    float *row = c->qtype == GT_F32 ? NULL : (float *)mr_scratch(worker, 0, (size_t)c->cols * 4);
+    const int step = c->packed ? 4 : 1;
+    float *rowbuf = c->qtype == GT_F32 && !c->packed ? NULL : (float *)mr_scratch(worker, 0, (size_t)(c->cols * step) * 4);
     float out[MR_NT_INT];
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *wr = c->w + r * c->rb;
+    for (int64_t r = r0; r < r1; r += step) {
+        const int nr = (int)(r1 - r < step ? r1 - r : step);
         const float *wf;
-        if (c->qtype == GT_F32) {
-            wf = (const float *)(const void *)wr;
+        if (rowbuf) {
+            dq_rows(c, r, nr, 0, c->cols, rowbuf);
+            wf = rowbuf;
         } else {
-            c->K->dq[c->qtype](wr, row, c->cols / ti.block);
-            wf = row;
+            wf = (const float *)(const void *)(c->w + r * c->rb);
         }
-        for (int64_t t0 = 0; t0 < c->nt; t0 += MR_NT_INT) {
-            const int n = (int)(c->nt - t0 < MR_NT_INT ? c->nt - t0 : MR_NT_INT);
-            c->K->dot_f32(wf, c->x + t0 * c->xs, c->xs, c->cols, n, out);
-            for (int t = 0; t < n; t++) yy[(t0 + t) * yys + (r - r0)] = out[t];
-        }
+        for (int i = 0; i < nr; i++)
+            for (int64_t t0 = 0; t0 < c->nt; t0 += MR_NT_INT) {
+                const int n = (int)(c->nt - t0 < MR_NT_INT ? c->nt - t0 : MR_NT_INT);
+                c->K->dot_f32(wf + (int64_t)i * c->cols, c->x + t0 * c->xs, c->xs, c->cols, n, out);
+                for (int t = 0; t < n; t++) yy[(t0 + t) * yys + (r + i - r0)] = out[t];
+            }
     }
 }
 
@@ -193,7 +215,6 @@ static void task_tile(const void *c_, int64_t item, int worker, float *buf) {
     const mm_ctx *c = (const mm_ctx *)c_;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->rows ? r0 + c->chunk : c->rows;
     OUT_TARGET
-    const mr_type_info ti = mr_types[c->qtype];
     const int64_t kc_max = c->cols < MR_KC ? c->cols : MR_KC;
     float *wbuf = (float *)mr_scratch(worker, 1, (size_t)MR_TR * (size_t)kc_max * 4);
     for (int64_t t0 = 0; t0 < c->nt; t0 += MR_TOKEN_BLOCK) {
@@ -202,10 +223,7 @@ static void task_tile(const void *c_, int64_t item, int worker, float *buf) {
             const int nr = (int)(r1 - p < MR_TR ? r1 - p : MR_TR);
             for (int64_t k0 = 0; k0 < c->cols; k0 += MR_KC) {
                 const int64_t kn = c->cols - k0 < MR_KC ? c->cols - k0 : MR_KC;
-                /* (nr, kn) floats of dequantized weights, row stride kn */
-                for (int i = 0; i < nr; i++)
-                    c->K->dq[c->qtype](c->w + (p + i) * c->rb + (k0 / ti.block) * ti.bytes, wbuf + (int64_t)i * kn,
-                                       kn / ti.block);
+                dq_rows(c, p, nr, k0, kn, wbuf); /* (nr, kn) floats, row stride kn */
                 c->K->tile(wbuf, nr, c->x + t0 * c->xs + k0, c->xs, ntk, kn, yy + t0 * yys + (p - r0), yys, k0 > 0);
             }
         }
@@ -218,19 +236,20 @@ static void task_panel(const void *c_, int64_t item, int worker, float *buf) {
     const mm_ctx *c = (const mm_ctx *)c_;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->rows ? r0 + c->chunk : c->rows;
     OUT_TARGET
-    const mr_type_info ti = mr_types[c->qtype];
-    const int64_t kp = c->cols < MR_KP ? c->cols : MR_KP;
+    /* k-quant blocks and packed tiles are 256 columns wide; the others dequantize in narrower chunks
+     * (the panel P and the x rows of 12 tokens then stay in L1 together) */
+    const int64_t unit = c->packed ? c->cols / c->ntiles : mr_types[c->qtype].block;
+    const int64_t kpw = unit > 128 ? 256 : 128;
+    const int64_t kp = c->cols < kpw ? c->cols : kpw;
     float *a = (float *)mr_scratch(worker, 1, (size_t)MR_PR * (size_t)kp * 4);
     float *P = (float *)mr_scratch(worker, 3, (size_t)MR_PR * (size_t)kp * 4);
     for (int64_t t0 = 0; t0 < c->nt; t0 += MR_PANEL_TOKEN_BLOCK) {
         const int ntk = (int)(c->nt - t0 < MR_PANEL_TOKEN_BLOCK ? c->nt - t0 : MR_PANEL_TOKEN_BLOCK);
         for (int64_t p = r0; p < r1; p += MR_PR) {
             const int nr = (int)(r1 - p < MR_PR ? r1 - p : MR_PR);
-            for (int64_t k0 = 0; k0 < c->cols; k0 += MR_KP) {
-                const int64_t kn = c->cols - k0 < MR_KP ? c->cols - k0 : MR_KP;
-                for (int i = 0; i < nr; i++)
-                    c->K->dq[c->qtype](c->w + (p + i) * c->rb + (k0 / ti.block) * ti.bytes, a + (int64_t)i * kn,
-                                       kn / ti.block);
+            for (int64_t k0 = 0; k0 < c->cols; k0 += kp) {
+                const int64_t kn = c->cols - k0 < kp ? c->cols - k0 : kp;
+                dq_rows(c, p, nr, k0, kn, a);
                 c->K->pack(a, nr, kn, P);
                 c->K->panel(P, nr, c->x + t0 * c->xs + k0, c->xs, ntk, kn, yy + t0 * yys + (p - r0), yys, k0 > 0);
             }
@@ -240,12 +259,12 @@ static void task_panel(const void *c_, int64_t item, int worker, float *buf) {
 
 /* activation scratch (int path), guarded by the call lock */
 static int16_t *xq_buf;
-static float *xd_buf;
-static size_t xq_cap, xd_cap;
+static float *xf_buf;
+static size_t xq_cap, xf_cap;
 
 /* Grow-only and never freed: a worker descheduled in an old job may still read the old buffer
  * (its result is discarded, see pool.c). Doubling bounds what is kept to twice the largest need. */
-static int ensure_xq(size_t nq, size_t nd) {
+static int ensure_xq(size_t nq, size_t nf) {
     if (nq > xq_cap) {
         void *p = NULL;
         const size_t cap = nq * 2;
@@ -253,14 +272,127 @@ static int ensure_xq(size_t nq, size_t nd) {
         xq_buf = (int16_t *)p;
         xq_cap = cap;
     }
-    if (nd > xd_cap) {
+    if (nf > xf_cap) {
         void *p = NULL;
-        const size_t cap = nd * 2;
-        if (posix_memalign(&p, 64, cap * 2 * 4 + 64) != 0) return MR_E_NOMEM;
-        xd_buf = (float *)p;
-        xd_cap = cap;
+        const size_t cap = nf * 2;
+        if (posix_memalign(&p, 64, cap * 4 + 64) != 0) return MR_E_NOMEM;
+        xf_buf = (float *)p;
+        xf_cap = cap;
     }
     return MR_OK;
+}
+
+/* Quantize n_tokens rows of x (cols, a multiple of 32) for the integer kernels into the scratch
+ * buffers (caller holds the call lock), in every layout of the mask (MR_XL_*). */
+int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stride, int64_t cols, int layouts,
+                 mr_xacts *xs) {
+    const int64_t nb = cols / 32;
+    const int rc = ensure_xq((size_t)(nt * cols * 4), (size_t)(nt * nb * 5));
+    if (rc != MR_OK) return rc;
+    int16_t *q = xq_buf, *qpair = q + nt * cols, *qperm = qpair + nt * cols, *qperm6 = qperm + nt * cols;
+    float *d = xf_buf, *s = d + nt * nb, *sq = s + nt * nb, *sq16 = sq + nt * nb;
+    for (int64_t t = 0; t < nt; t++) {
+        int16_t *qt = q + t * cols;
+        float *dt = d + t * nb, *sqt = sq + t * nb, *s16t = sq16 + 2 * t * nb;
+        K->quant_x(x + t * x_stride, cols, qt, dt, s + t * nb);
+        for (int64_t h = 0; h < 2 * nb; h++) {
+            int32_t acc = 0;
+            for (int i = 0; i < 16; i++) acc += qt[16 * h + i];
+            s16t[h] = dt[h / 2] * (float)acc;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t acc = 0;
+            for (int i = 0; i < 32; i++) acc += qt[32 * b + i];
+            sqt[b] = dt[b] * (float)acc;
+        }
+        if (layouts & (MR_XL_PERM | MR_XL_PERM6)) /* packed layouts: permute within each 128-column quad */
+            for (int64_t g0 = 0; g0 + MR_P4_COLS <= cols; g0 += MR_P4_COLS)
+                for (int i = 0; i < MR_P4_COLS; i++) {
+                    if (layouts & MR_XL_PERM) qperm[t * cols + g0 + i] = qt[g0 + perm128[i]];
+                    if (layouts & MR_XL_PERM6) qperm6[t * cols + g0 + i] = qt[g0 + perm128_q6k[i]];
+                }
+        if (layouts & MR_XL_PAIR) { /* swap the middle 16-element quarters of each pair of blocks */
+            int16_t *pt = qpair + t * cols;
+            int64_t b = 0;
+            for (; b + 1 < nb; b += 2) {
+                memcpy(pt + 32 * b, qt + 32 * b, 32);
+                memcpy(pt + 32 * b + 16, qt + 32 * b + 32, 32);
+                memcpy(pt + 32 * b + 32, qt + 32 * b + 16, 32);
+                memcpy(pt + 32 * b + 48, qt + 32 * b + 48, 32);
+            }
+            if (b < nb) memcpy(pt + 32 * b, qt + 32 * b, 64);
+        }
+    }
+    const mr_xact base = {q, NULL, d, s, sq, sq16, cols, nb};
+    xs->nat = xs->pair = xs->perm = xs->perm6 = base;
+    xs->pair.qp = qpair;
+    xs->perm.q = qperm;
+    xs->perm6.q = qperm6;
+    return MR_OK;
+}
+
+const mr_xact *mr_xact_for(const mr_xacts *xs, int layout) {
+    switch (layout) {
+    case MR_XL_PAIR: return &xs->pair;
+    case MR_XL_PERM: return &xs->perm;
+    case MR_XL_PERM6: return &xs->perm6;
+    default: return &xs->nat;
+    }
+}
+
+int mr_mat_xlayout(const mr_kernels *K, const mr_mat *m) {
+    if (m->packed) return K->pgemv[m->qtype] ? (m->qtype == GT_Q6_K ? MR_XL_PERM6 : MR_XL_PERM) : 0;
+    if (m->cols % 32) return 0;
+    if (K->gemv[m->qtype]) return K->gemv_pair[m->qtype] ? MR_XL_PAIR : MR_XL_NAT;
+    if (K->vint[m->qtype]) return K->xpair[m->qtype] ? MR_XL_PAIR : MR_XL_NAT;
+    return 0;
+}
+
+void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_t nt, int64_t r0, int64_t r1, float *yy,
+                 int64_t yys) {
+    if (m->packed) {
+        const mr_pgemv_fn f = K->pgemv[m->qtype];
+        const int64_t full = (r1 - r0) / 4;
+        const uint8_t *wp = m->w + (r0 / 4) * m->ntiles * m->tb;
+        if (full) f(wp, full, m->ntiles, xa, (int)nt, yy, yys);
+        if (r1 - r0 > 4 * full) { /* a last group with padding rows goes through a small buffer */
+            float tmp[4 * MR_PACKED_INT_MAX];
+            f(wp + full * m->ntiles * m->tb, 1, m->ntiles, xa, (int)nt, tmp, 4);
+            for (int64_t t = 0; t < nt; t++)
+                for (int64_t r = 4 * full; r < r1 - r0; r++) yy[t * yys + r] = tmp[4 * t + (r - 4 * full)];
+        }
+        return;
+    }
+    const int64_t nb32 = m->cols / 32;
+    const mr_gemv_fn g = K->gemv[m->qtype];
+    if (g) {
+        for (int64_t t0 = 0; t0 < nt; t0 += MR_NT_INT) {
+            const int n = (int)(nt - t0 < MR_NT_INT ? nt - t0 : MR_NT_INT);
+            mr_xact x = *xa;
+            x.q += t0 * x.qs;
+            if (x.qp) x.qp += t0 * x.qs;
+            x.d += t0 * x.bs;
+            x.s += t0 * x.bs;
+            x.sq += t0 * x.bs;
+            x.sq16 += 2 * t0 * x.bs;
+            g(m->w + r0 * m->rb, m->rb, r1 - r0, nb32, &x, n, yy + t0 * yys, yys);
+        }
+        return;
+    }
+    const mr_vint_fn f = K->vint[m->qtype];
+    const int16_t *xq = K->xpair[m->qtype] ? xa->qp : xa->q;
+    float out[MR_NT_INT];
+    const int64_t ahead = m->rb >= MR_PREFETCH_BYTES ? 1 : (MR_PREFETCH_BYTES + m->rb - 1) / m->rb;
+    prefetch_rows(m->w, m->rb, r0, r1 - r0 < ahead ? r1 - r0 : ahead);
+    for (int64_t r = r0; r < r1; r++) {
+        if (r + ahead < r1) prefetch_rows(m->w, m->rb, r + ahead, 1);
+        const uint8_t *wr = m->w + r * m->rb;
+        for (int64_t t0 = 0; t0 < nt; t0 += MR_NT_INT) {
+            const int n = (int)(nt - t0 < MR_NT_INT ? nt - t0 : MR_NT_INT);
+            f(wr, nb32, xq + t0 * m->cols, xa->d + t0 * nb32, xa->s + t0 * nb32, m->cols, nb32, n, out);
+            for (int t = 0; t < n; t++) yy[(t0 + t) * yys + (r - r0)] = out[t];
+        }
+    }
 }
 
 static int choose_path(const mr_kernels *K, int qtype, int64_t nt) {
@@ -278,12 +410,27 @@ int mr_matmul_path(int qtype, long long n_tokens, int isa) {
     return p == PATH_FLOAT && n_tokens > 2 ? 3 : p; /* 3: float tile, 2: float row dots */
 }
 
-static int64_t pick_chunk(int64_t rows, int threads, int64_t lo, int64_t hi) {
+int64_t mr_pick_chunk(int64_t rows, int threads, int64_t lo, int64_t hi) {
     int64_t c = rows / ((int64_t)(threads > 0 ? threads : 1) * 16);
     if (c < lo) c = lo;
     if (c > hi) c = hi;
     c = (c + 7) & ~(int64_t)7;
     return c;
+}
+
+/* The float paths (weights dequantized, float32 products) for c->nt tokens; caller holds the lock. */
+static int run_float(mm_ctx *c, int threads) {
+    const int64_t rows = c->rows, nt = c->nt;
+    if (nt <= 2) {
+        c->chunk = mr_pick_chunk(rows, threads, 8, 256);
+        return mr_parallel_for(task_fdot, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
+    }
+    if (c->K->panel && nt >= MR_PANEL_MIN_TOKENS) {
+        c->chunk = rows >= 64 * threads * 4 ? 64 : MR_PR;
+        return mr_parallel_for(task_panel, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
+    }
+    c->chunk = mr_pick_chunk(rows, threads, 16, 64);
+    return mr_parallel_for(task_tile, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
 }
 
 int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
@@ -298,40 +445,93 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
     if (rows == 0 || n_tokens == 0) return MR_OK;
     if (threads <= 0) threads = mr_pool_threads_default();
 
-    mm_ctx c = {K, qtype, w, rows, cols, row_bytes, x, n_tokens, x_stride, y, y_stride, 0, NULL, NULL, NULL, 0};
+    mm_ctx c = {K, qtype, w, rows, cols, row_bytes, x, n_tokens, x_stride, y, y_stride, 0, {0}, 0, 0, 0, 0};
     const int path = choose_path(K, qtype, n_tokens);
     int rc = MR_OK;
     mr_call_lock();
     if (path == PATH_INT) {
         c.nb32 = cols / 32;
-        rc = ensure_xq((size_t)(n_tokens * cols), (size_t)(n_tokens * c.nb32));
+        const mr_mat m = {qtype, 0, w, rows, cols, row_bytes, 0, 0};
+        const int lay = mr_mat_xlayout(K, &m);
+        mr_xacts xs;
+        rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, lay, &xs);
+        c.xa = *mr_xact_for(&xs, lay);
         if (rc == MR_OK) {
-            c.xq = xq_buf;
-            c.xd = xd_buf;
-            c.xsum = xd_buf + n_tokens * c.nb32;
-            for (int64_t t = 0; t < n_tokens; t++) {
-                int16_t *q = xq_buf + t * cols;
-                K->quant_x(x + t * x_stride, cols, q, xd_buf + t * c.nb32, xd_buf + n_tokens * c.nb32 + t * c.nb32);
-                if (K->xpair[qtype]) /* swap the middle 16-element quarters of each pair of blocks */
-                    for (int64_t b = 0; b + 1 < c.nb32; b += 2) {
-                        int16_t tmp[16];
-                        memcpy(tmp, q + 32 * b + 16, 32);
-                        memcpy(q + 32 * b + 16, q + 32 * b + 32, 32);
-                        memcpy(q + 32 * b + 32, tmp, 32);
-                    }
-            }
-            c.chunk = pick_chunk(rows, threads, 8, 256);
+            c.chunk = mr_pick_chunk(rows, threads, 8, 256);
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens, threads);
         }
-    } else if (n_tokens <= 2) {
-        c.chunk = pick_chunk(rows, threads, 8, 256);
-        rc = mr_parallel_for(task_fdot, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens, threads);
-    } else if (K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) {
-        c.chunk = rows >= 64 * threads * 4 ? 64 : MR_PR;
-        rc = mr_parallel_for(task_panel, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens, threads);
     } else {
-        c.chunk = pick_chunk(rows, threads, 16, 64);
-        rc = mr_parallel_for(task_tile, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens, threads);
+        rc = run_float(&c, threads);
+    }
+    if (rc == MR_OK) {
+        const unsigned long long st = mr_pool_steals();
+        rc = st > 1000000ULL ? 1000000 : (int)st;
+    }
+    mr_call_unlock();
+    return rc;
+}
+
+/* permuted float activations of the packed float paths (grow-only, guarded by the call lock) */
+static float *xp_buf;
+static size_t xp_cap;
+
+int mr_pack_preferred(int qtype, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    return K && mr_type_ok(qtype) && mr_pack_tile_bytes(qtype) && K->pgemv[qtype] ? 1 : 0;
+}
+
+int mr_matmul_packed_path(int qtype, long long n_tokens, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    if (!mr_pack_tile_bytes(qtype)) return MR_E_QTYPE;
+    if (K->pgemv[qtype] && n_tokens <= MR_PACKED_INT_MAX) return 1;
+    if (K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4;
+    return n_tokens > 2 ? 3 : 2;
+}
+
+int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long long cols, const float *x,
+                     long long n_tokens, long long x_stride, float *y, long long y_stride, int threads, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    if (!mr_pack_tile_bytes(qtype)) return MR_E_QTYPE;
+    if (!mr_pack_supported(qtype, rows, cols) || n_tokens < 0 || x_stride < cols || y_stride < rows) return MR_E_SHAPE;
+    if (n_tokens == 0) return MR_OK;
+    if (threads <= 0) threads = mr_pool_threads_default();
+    mm_ctx c = {K, qtype, wp, rows, cols, 0, x, n_tokens, x_stride, y, y_stride, 0, {0}, 0, 1, mr_pack_tile_bytes(qtype),
+                cols / mr_pack_tile_cols(qtype)};
+    const int path = mr_matmul_packed_path(qtype, n_tokens, isa);
+    int rc = MR_OK;
+    mr_call_lock();
+    if (path == 1) {
+        c.nb32 = cols / 32;
+        const int lay = qtype == GT_Q6_K ? MR_XL_PERM6 : MR_XL_PERM;
+        mr_xacts xs;
+        rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, lay, &xs);
+        c.xa = *mr_xact_for(&xs, lay);
+        if (rc == MR_OK) {
+            c.chunk = mr_pick_chunk(rows, threads, 8, 256);
+            rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,
+                                 threads);
+        }
+    } else {
+        const size_t need = (size_t)(n_tokens * cols);
+        if (need > xp_cap) {
+            void *p = NULL;
+            if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
+            else {
+                xp_buf = (float *)p; /* the old buffer is kept: late workers may read it (see ensure_xq) */
+                xp_cap = need * 2;
+            }
+        }
+        if (rc == MR_OK) {
+            const int *perm = qtype == GT_Q6_K ? perm128_q6k : perm128;
+            for (int64_t t = 0; t < n_tokens; t++)
+                for (int64_t g0 = 0; g0 < cols; g0 += MR_P4_COLS)
+                    for (int i = 0; i < MR_P4_COLS; i++) xp_buf[t * cols + g0 + i] = x[t * x_stride + g0 + perm[i]];
+            c.x = xp_buf;
+            c.xs = cols;
+            rc = run_float(&c, threads);
+        }
     }
     if (rc == MR_OK) {
         const unsigned long long st = mr_pool_steals();

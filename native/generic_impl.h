@@ -275,20 +275,114 @@ static void MR_SFX(rmsnorm)(const float *x, const float *w, float eps, int64_t n
         for (int64_t k = 0; k < n; k++) out[k] = x[k] * r;
 }
 
-static void MR_SFX(softmax)(float *x, int64_t n) {
+static void MR_SFX(vexp)(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = expf(x[i]);
+}
+
+/* softmax with the exponentials from `vexp` (the ISA's vectorized one where there is one) */
+MR_INLINE void MR_SFX(softmax_with)(float *x, int64_t n, void (*vexp)(float *, int64_t)) {
     float mx = -INFINITY;
     for (int64_t i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
     if (mx == -INFINITY) { /* all masked: define as uniform zero row */
         for (int64_t i = 0; i < n; i++) x[i] = 0.0f;
         return;
     }
+    for (int64_t i = 0; i < n; i++) x[i] -= mx;
+    vexp(x, n);
     double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        x[i] = expf(x[i] - mx);
-        sum += x[i];
-    }
+    for (int64_t i = 0; i < n; i++) sum += x[i];
     const float inv = (float)(1.0 / sum);
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
+static void MR_SFX(softmax)(float *x, int64_t n) { MR_SFX(softmax_with)(x, n, MR_SFX(vexp)); }
+
+/* Attention of nq <= 16 queries held as SIMD lanes. Qt (D x 16): query i in lane i, pre-scaled;
+ * keys / values: rows j < nk of D floats (Kr, Vr); query i sees keys first[i] <= j <= last[i]
+ * (lanes past nq: first > last). S: scratch (nk x 16). Ot (D x 16): the softmax-weighted values,
+ * lane i = query i. softcap > 0: scores = softcap * tanh(scores / softcap). ml != NULL: Ot is left
+ * unnormalized and ml[i] / ml[16 + i] receive lane i's largest score and its sum of exponentials
+ * (for merging blocks of keys). */
+static void MR_SFX(attn_block)(const float *Qt, const float *Kr, const float *Vr, int64_t D, int64_t nk,
+                               const int64_t *first, const int64_t *last, float softcap, float *S, float *Ot, float *ml,
+                               void (*vexp)(float *, int64_t)) {
+    float mx[16], sum[16];
+    /* scores, 4 keys per step (independent accumulators keep the FMA units busy) */
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
+        const float *k0 = Kr + j * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+        for (int64_t d = 0; d < D; d++) {
+            const float *qd = Qt + d * 16;
+            const float x0 = k0[d], x1 = k1[d], x2 = k2[d], x3 = k3[d];
+            for (int i = 0; i < 16; i++) {
+                a0[i] += qd[i] * x0;
+                a1[i] += qd[i] * x1;
+                a2[i] += qd[i] * x2;
+                a3[i] += qd[i] * x3;
+            }
+        }
+        for (int i = 0; i < 16; i++) {
+            S[j * 16 + i] = a0[i];
+            S[(j + 1) * 16 + i] = a1[i];
+            S[(j + 2) * 16 + i] = a2[i];
+            S[(j + 3) * 16 + i] = a3[i];
+        }
+    }
+    for (; j < nk; j++) {
+        float a0[16] = {0};
+        const float *k0 = Kr + j * D;
+        for (int64_t d = 0; d < D; d++)
+            for (int i = 0; i < 16; i++) a0[i] += Qt[d * 16 + i] * k0[d];
+        for (int i = 0; i < 16; i++) S[j * 16 + i] = a0[i];
+    }
+    /* cap, mask, softmax over the keys of each lane */
+    for (int i = 0; i < 16; i++) mx[i] = -INFINITY;
+    for (j = 0; j < nk; j++)
+        for (int i = 0; i < 16; i++) {
+            float s = S[j * 16 + i];
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            s = j >= first[i] && j <= last[i] ? s : -INFINITY;
+            S[j * 16 + i] = s;
+            mx[i] = s > mx[i] ? s : mx[i];
+        }
+    for (int i = 0; i < 16; i++) mx[i] = mx[i] == -INFINITY ? 0.0f : mx[i];
+    for (j = 0; j < nk; j++)
+        for (int i = 0; i < 16; i++) S[j * 16 + i] -= mx[i];
+    vexp(S, nk * 16);
+    for (int i = 0; i < 16; i++) sum[i] = 0.0f;
+    for (j = 0; j < nk; j++)
+        for (int i = 0; i < 16; i++) sum[i] += S[j * 16 + i];
+    if (ml) {
+        for (int i = 0; i < 16; i++) {
+            ml[i] = mx[i];
+            ml[16 + i] = sum[i];
+            sum[i] = 1.0f;
+        }
+    } else {
+        for (int i = 0; i < 16; i++) sum[i] = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+    }
+    /* weighted values: one output dim at a time, the 16 lanes accumulated over all keys */
+    for (int64_t d = 0; d < D; d++) {
+        float o[16] = {0};
+        for (j = 0; j < nk; j++) {
+            const float v = Vr[j * D + d], *p = S + j * 16;
+            for (int i = 0; i < 16; i++) o[i] += p[i] * v;
+        }
+        for (int i = 0; i < 16; i++) Ot[d * 16 + i] = o[i] * sum[i];
+    }
+}
+
+static void MR_SFX(act_mul)(const float *g, const float *u, float *out, int64_t n, int act) {
+    if (act == 0) {
+        for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    } else {
+        const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+        for (int64_t i = 0; i < n; i++) {
+            const float x = g[i];
+            out[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * u[i];
+        }
+    }
 }
 
 static void MR_SFX(f16_to_f32)(const uint16_t *src, float *dst, int64_t n) {
@@ -320,4 +414,7 @@ void MR_SFX(mr_fill_generic)(mr_kernels *k) {
     k->dot = MR_SFX(dot);
     k->axpy = MR_SFX(axpy);
     k->f16_to_f32 = MR_SFX(f16_to_f32);
+    k->act_mul = MR_SFX(act_mul);
+    k->vexp = MR_SFX(vexp);
+    k->attn_block = MR_SFX(attn_block);
 }

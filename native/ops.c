@@ -22,7 +22,7 @@ MR_INLINE void rot_pair(float *a, float *b, float c, float s) {
     *b = x0 * s + x1 * c;
 }
 
-static void rope_row(float *v, long long n_rot, const float *cs, const float *sn, int neox) {
+void mr_rope_row(float *v, long long n_rot, const float *cs, const float *sn, int neox) {
     const long long half = n_rot / 2;
     if (neox)
         for (long long i = 0; i < half; i++) rot_pair(v + i, v + i + half, cs[i], sn[i]);
@@ -37,7 +37,7 @@ int mr_rope_cs(float *x, long long n_tokens, long long n_heads, long long head_d
     const long long half = n_rot / 2;
     for (long long t = 0; t < n_tokens; t++)
         for (long long h = 0; h < n_heads; h++)
-            rope_row(x + (t * n_heads + h) * head_dim, n_rot, cos_t + t * half, sin_t + t * half, neox);
+            mr_rope_row(x + (t * n_heads + h) * head_dim, n_rot, cos_t + t * half, sin_t + t * half, neox);
     return MR_OK;
 }
 
@@ -61,7 +61,7 @@ int mr_rope(float *x, long long n_tokens, long long n_heads, long long head_dim,
             cs[i] = (float)cos(th);
             sn[i] = (float)sin(th);
         }
-        for (long long h = 0; h < n_heads; h++) rope_row(x + (t * n_heads + h) * head_dim, n_rot, cs, sn, neox);
+        for (long long h = 0; h < n_heads; h++) mr_rope_row(x + (t * n_heads + h) * head_dim, n_rot, cs, sn, neox);
     }
     if (cs != cbuf) free(cs);
     if (sn != sbuf) free(sn);
@@ -76,52 +76,6 @@ int mr_softmax(float *x, long long rows, long long n, int isa) {
     return MR_OK;
 }
 
-typedef struct {
-    const mr_kernels *K;
-    const float *q;
-    const void *k, *v;
-    int kv_f16;
-    int64_t n_head, group, n_ctx, hd, start, end;
-    float scale, softcap;
-    float *out;
-} att_ctx;
-
-static void att_task(const void *c_, int64_t h, int worker, float *buf) {
-    (void)buf;
-    const att_ctx *c = (const att_ctx *)c_;
-    const int64_t kvh = h / c->group, n = c->end - c->start;
-    float *sc = (float *)mr_scratch(worker, 2, (size_t)(n + c->hd) * 4);
-    float *row = sc + n; /* head_dim floats: one converted f16 row */
-    const float *qh = c->q + h * c->hd;
-    for (int64_t j = 0; j < n; j++) {
-        const int64_t off = (kvh * c->n_ctx + c->start + j) * c->hd;
-        const float *kr;
-        if (c->kv_f16) {
-            c->K->f16_to_f32((const uint16_t *)c->k + off, row, c->hd);
-            kr = row;
-        } else {
-            kr = (const float *)c->k + off;
-        }
-        float s = c->K->dot(qh, kr, c->hd) * c->scale;
-        if (c->softcap > 0.0f) s = c->softcap * tanhf(s / c->softcap);
-        sc[j] = s;
-    }
-    c->K->softmax(sc, n);
-    float *o = c->out + h * c->hd;
-    for (int64_t i = 0; i < c->hd; i++) o[i] = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        const int64_t off = (kvh * c->n_ctx + c->start + j) * c->hd;
-        const float *vr;
-        if (c->kv_f16) {
-            c->K->f16_to_f32((const uint16_t *)c->v + off, row, c->hd);
-            vr = row;
-        } else {
-            vr = (const float *)c->v + off;
-        }
-        c->K->axpy(sc[j], vr, o, c->hd);
-    }
-}
-
 int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16, long long n_head, long long n_kv,
                         long long n_ctx, long long head_dim, long long n_past, float scale, long long window,
                         float softcap, float *out, int threads, int isa) {
@@ -129,12 +83,250 @@ int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16
     if (!K) return MR_E_ISA;
     if (n_head <= 0 || n_kv <= 0 || n_head % n_kv || head_dim <= 0 || n_past <= 0 || n_past > n_ctx || window < 0)
         return MR_E_SHAPE;
-    att_ctx c = {K, q, k, v, kv_f16, n_head, n_head / n_kv, n_ctx, head_dim, 0, n_past, scale, softcap, out};
-    if (window > 0 && n_past > window) c.start = n_past - window;
-    /* small problems: threads cost more than they save */
-    if ((n_past - c.start) * head_dim * n_head < 65536) threads = 1;
+    const int64_t start = window > 0 && n_past > window ? n_past - window : 0, end = n_past, nc = n_ctx;
     mr_call_lock();
-    const int rc = mr_parallel_for(att_task, NULL, &c, sizeof c, n_head, 0, threads);
+    const int rc = mr_attention_decode_batch(K, q, out, 1, &k, &v, &nc, &start, &end, n_head, n_kv, head_dim, kv_f16,
+                                             scale, softcap, threads);
     mr_call_unlock();
     return rc;
+}
+
+int mr_act_mul(const float *g, const float *u, float *out, long long n, int act, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    if (n < 0 || act < 0 || act > 1) return MR_E_SHAPE;
+    K->act_mul(g, u, out, n, act);
+    return MR_OK;
+}
+
+/* ---------------------------------------------------------------- causal attention of many queries (prefill) */
+
+typedef struct {
+    const mr_kernels *K;
+    const float *q;
+    const void *k, *v;
+    float *out;
+    int64_t n, H, D, Hkv, n_ctx, p0, window, nqb;
+    int kv_f16;
+    float scale, softcap;
+} ap_ctx;
+
+/* item = (head, block of 16 queries): queries as SIMD lanes over the keys the block can see */
+static void ap_task(const void *c_, int64_t item, int worker, float *buf) {
+    (void)buf;
+    const ap_ctx *c = (const ap_ctx *)c_;
+    const int64_t h = item / c->nqb, i0 = (item % c->nqb) * 16, D = c->D;
+    const int nq = (int)(c->n - i0 < 16 ? c->n - i0 : 16);
+    const int64_t kvh = h / (c->H / c->Hkv), pq0 = c->p0 + i0;
+    const int64_t lo = c->window > 0 && pq0 - c->window + 1 > 0 ? pq0 - c->window + 1 : 0;
+    const int64_t nk = pq0 + nq - lo;
+    int64_t first[16], last[16];
+    for (int i = 0; i < 16; i++) {
+        const int64_t p = pq0 + i;
+        first[i] = i < nq ? (c->window > 0 && p - c->window + 1 > lo ? p - c->window + 1 : lo) - lo : 1;
+        last[i] = i < nq ? p - lo : 0;
+    }
+    const size_t kvf = c->kv_f16 ? (size_t)(2 * nk * D) : 0;
+    float *Qt = (float *)mr_scratch(worker, 2, (size_t)(2 * 16 * D + 16 * nk) * 4 + kvf * 4);
+    float *Ot = Qt + 16 * D, *S = Ot + 16 * D, *Kf = S + 16 * nk, *Vf = Kf + nk * D;
+    for (int64_t d = 0; d < D; d++)
+        for (int i = 0; i < 16; i++) Qt[d * 16 + i] = i < nq ? c->q[((i0 + i) * c->H + h) * D + d] * c->scale : 0.0f;
+    const int64_t off = (kvh * c->n_ctx + lo) * D;
+    const float *Kr, *Vr;
+    if (c->kv_f16) {
+        c->K->f16_to_f32((const uint16_t *)c->k + off, Kf, nk * D);
+        c->K->f16_to_f32((const uint16_t *)c->v + off, Vf, nk * D);
+        Kr = Kf;
+        Vr = Vf;
+    } else {
+        Kr = (const float *)c->k + off;
+        Vr = (const float *)c->v + off;
+    }
+    c->K->attn_block(Qt, Kr, Vr, D, nk, first, last, c->softcap, S, Ot, NULL, c->K->vexp);
+    for (int i = 0; i < nq; i++) {
+        float *o = c->out + (i0 + i) * c->H * D + h * D;
+        for (int64_t d = 0; d < D; d++) o[d] = Ot[d * 16 + i];
+    }
+}
+
+int mr_attention_prefill(const float *q, long long n, long long n_head, long long head_dim, const void *k, const void *v,
+                         int kv_f16, long long n_kv, long long n_ctx, long long p0, float scale, long long window,
+                         float softcap, float *out, int threads, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    if (n <= 0 || n_head <= 0 || n_kv <= 0 || n_head % n_kv || head_dim <= 0 || p0 < 0 || p0 + n > n_ctx || window < 0)
+        return MR_E_SHAPE;
+    const ap_ctx c = {K, q, k, v, out, n, n_head, head_dim, n_kv, n_ctx, p0, window, (n + 15) / 16, kv_f16, scale,
+                      softcap};
+    mr_call_lock();
+    const int rc = mr_parallel_for(ap_task, NULL, &c, sizeof c, n_head * c.nqb, 0, threads);
+    mr_call_unlock();
+    return rc;
+}
+
+/* ---------------------------------------------------------------- decode attention (one query per sequence) */
+
+#define AD_MAX_SEQ 16
+#define AD_CHUNK 256 /* keys per item: long contexts spread over threads, merged with log-sum-exp */
+
+typedef struct {
+    const mr_kernels *K;
+    const float *q; /* (B, H, D) */
+    float *part;    /* per item: Ot (D x 16) unnormalized, then max (16) and sum (16) */
+    int64_t B, H, Hkv, D, groups_per_kv, gsize;
+    int kv_f16;
+    float scale, softcap;
+    const void *k[AD_MAX_SEQ], *v[AD_MAX_SEQ];
+    int64_t n_ctx[AD_MAX_SEQ], start[AD_MAX_SEQ], end[AD_MAX_SEQ], item0[AD_MAX_SEQ + 1];
+} ad_ctx;
+
+/* item -> (sequence b, lane group of kv head kvh, key chunk); writes the chunk's unnormalized output
+ * (lane i = query head) as Ot (D x 16) and per-lane max / sum of exponentials */
+static void ad_task(const void *c_, int64_t item, int worker, float *buf) {
+    (void)buf;
+    const ad_ctx *c = (const ad_ctx *)c_;
+    int64_t b = 0;
+    while (item >= c->item0[b + 1]) b++;
+    const int64_t nchunk = (c->end[b] - c->start[b] + AD_CHUNK - 1) / AD_CHUNK;
+    const int64_t r = item - c->item0[b], ch = r % nchunk, grp = r / nchunk;
+    const int64_t kvh = grp / c->groups_per_kv, lane0 = (grp % c->groups_per_kv) * 16;
+    const int64_t D = c->D, g = c->H / c->Hkv, nl = g - lane0 < 16 ? g - lane0 : 16;
+    const int64_t k0 = c->start[b] + ch * AD_CHUNK, nk = c->end[b] - k0 < AD_CHUNK ? c->end[b] - k0 : AD_CHUNK;
+    const size_t kvf = c->kv_f16 ? (size_t)(2 * nk * D) : 0;
+    float *Qt = (float *)mr_scratch(worker, 2, ((size_t)(32 * D + 16 * (nk + 16))) * 4 + kvf * 4);
+    float *S = Qt + 16 * D, *Ob = S + 16 * (nk + 16), *Kf = Ob + 16 * D, *Vf = Kf + nk * D;
+    const float *qb = c->q + (b * c->H + kvh * g + lane0) * D;
+    const int64_t off = (kvh * c->n_ctx[b] + k0) * D;
+    const float *Kr, *Vr;
+    if (c->kv_f16) {
+        c->K->f16_to_f32((const uint16_t *)c->k[b] + off, Kf, nk * D);
+        c->K->f16_to_f32((const uint16_t *)c->v[b] + off, Vf, nk * D);
+        Kr = Kf;
+        Vr = Vf;
+    } else {
+        Kr = (const float *)c->k[b] + off;
+        Vr = (const float *)c->v[b] + off;
+    }
+    float *P = c->part + item * (16 * D + 32);
+    if (c->K->attn_dec && D % 64 == 0) { /* head dimension in the lanes */
+        for (int64_t i = 0; i < nl; i++)
+            for (int64_t d = 0; d < D; d++) Qt[i * D + d] = qb[i * D + d] * c->scale;
+        c->K->attn_dec(Qt, (int)nl, Kr, Vr, D, nk, c->softcap, S, Ob, P + 16 * D);
+        for (int64_t i = 0; i < nl; i++)
+            for (int64_t d = 0; d < D; d++) P[d * 16 + i] = Ob[i * D + d];
+        return;
+    }
+    /* per query head: dots, exponentials, weighted sum of value rows (ISAs without attn_dec) */
+    for (int64_t i = 0; i < nl; i++) {
+        const float *qh = qb + i * D;
+        float *sc = S, *o = Ob;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < nk; j++) {
+            float v = c->K->dot(qh, Kr + j * D, D) * c->scale;
+            if (c->softcap > 0.0f) v = c->softcap * tanhf(v / c->softcap);
+            sc[j] = v;
+            m = v > m ? v : m;
+        }
+        for (int64_t j = 0; j < nk; j++) sc[j] -= m;
+        c->K->vexp(sc, nk);
+        float l = 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t j = 0; j < nk; j++) {
+            l += sc[j];
+            c->K->axpy(sc[j], Vr + j * D, o, D);
+        }
+        for (int64_t d = 0; d < D; d++) P[d * 16 + i] = o[d];
+        P[16 * D + i] = m;
+        P[16 * D + 16 + i] = l;
+    }
+}
+
+int mr_attention_fast(int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    return K && K->attn_dec ? 1 : 0;
+}
+
+static float *ad_part;
+static size_t ad_cap;
+
+/* Attention of one new query per sequence (q (B, H, D), B <= 16) over each sequence's cache
+ * (Hkv, n_ctx[b], D) at k[b], v[b], positions [start[b], end[b]); out (B, H * D). The query heads
+ * of a KV head are SIMD lanes; keys come in chunks of AD_CHUNK, one work item each, merged here.
+ * Caller holds the call lock. */
+int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, int64_t B, const void *const *k,
+                              const void *const *v, const int64_t *n_ctx, const int64_t *start, const int64_t *end,
+                              int64_t H, int64_t Hkv, int64_t D, int kv_f16, float scale, float softcap, int threads) {
+    if (B <= 0 || B > AD_MAX_SEQ || H % Hkv) return MR_E_SHAPE;
+    ad_ctx c;
+    memset(&c, 0, sizeof c);
+    c.K = K;
+    c.q = q;
+    c.B = B;
+    c.H = H;
+    c.Hkv = Hkv;
+    c.D = D;
+    c.gsize = H / Hkv;
+    c.groups_per_kv = (c.gsize + 15) / 16;
+    c.kv_f16 = kv_f16;
+    c.scale = scale;
+    c.softcap = softcap;
+    int64_t items = 0, work = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (end[b] <= start[b] || end[b] > n_ctx[b]) return MR_E_SHAPE;
+        c.k[b] = k[b];
+        c.v[b] = v[b];
+        c.n_ctx[b] = n_ctx[b];
+        c.start[b] = start[b];
+        c.end[b] = end[b];
+        c.item0[b] = items;
+        items += Hkv * c.groups_per_kv * ((end[b] - start[b] + AD_CHUNK - 1) / AD_CHUNK);
+        work += (end[b] - start[b]) * H * D;
+    }
+    c.item0[B] = items;
+    const size_t need = (size_t)(items * (16 * D + 32));
+    if (need > ad_cap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, need * 2 * 4) != 0) return MR_E_NOMEM;
+        ad_part = (float *)p; /* the old buffer stays: a late worker may still write to it */
+        ad_cap = need * 2;
+    }
+    c.part = ad_part;
+    /* short contexts: one thread does it faster than a hand-off */
+    const int rc = mr_parallel_for(ad_task, NULL, &c, sizeof c, items, 0, work < 65536 ? 1 : threads);
+    if (rc != MR_OK) return rc;
+    /* merge the chunks of each (sequence, lane group) */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t nchunk = (end[b] - start[b] + AD_CHUNK - 1) / AD_CHUNK;
+        for (int64_t grp = 0; grp < Hkv * c.groups_per_kv; grp++) {
+            const int64_t kvh = grp / c.groups_per_kv, lane0 = (grp % c.groups_per_kv) * 16;
+            const int64_t nl = c.gsize - lane0 < 16 ? c.gsize - lane0 : 16;
+            const float *P0 = c.part + (c.item0[b] + grp * nchunk) * (16 * D + 32);
+            for (int64_t i = 0; i < nl; i++) {
+                float M = -INFINITY;
+                for (int64_t ch = 0; ch < nchunk; ch++) {
+                    const float m = P0[ch * (16 * D + 32) + 16 * D + i];
+                    M = m > M ? m : M;
+                }
+                float L = 0.0f, wgt[64];
+                float *o = out + (b * H + kvh * c.gsize + lane0 + i) * D;
+                for (int64_t ch = 0; ch < nchunk; ch++) {
+                    const float *Pc = P0 + ch * (16 * D + 32);
+                    const float w = nchunk == 1 ? 1.0f : expf(Pc[16 * D + i] - M);
+                    if (ch < 64) wgt[ch] = w;
+                    L += w * Pc[16 * D + 16 + i];
+                }
+                const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+                for (int64_t d = 0; d < D; d++) {
+                    float a = 0.0f;
+                    for (int64_t ch = 0; ch < nchunk; ch++) {
+                        const float *Pc = P0 + ch * (16 * D + 32);
+                        const float w = ch < 64 ? wgt[ch] : expf(Pc[16 * D + i] - M);
+                        a += w * Pc[d * 16 + i];
+                    }
+                    o[d] = a * inv;
+                }
+            }
+        }
+    }
+    return MR_OK;
 }

@@ -2,7 +2,8 @@
  * e.g. an AArch64 build under qemu):
  *     cc -O2 -pthread -Inative (every .c file of native/) -lm -o selftest && ./selftest
  * For every ISA the CPU runs and every supported type, mr_matmul on random blocks (finite f16 scales)
- * is compared with mr_dequantize followed by a float64 dot; then RMSNorm, softmax and attention.
+ * is compared with mr_dequantize followed by a float64 dot, and so is mr_matmul_packed on the packed
+ * layout (whose unpacking must give back every byte); then RMSNorm, softmax and attention.
  * Prints one line per failure and "N passed, M failed"; exit status 1 on any failure. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,6 +91,38 @@ static void test_matmul(int isa, const tinfo *t, int64_t rows, int64_t cols, int
     free(w); free(W); free(x); free(y);
 }
 
+/* packed layout: byte-exact round trip, and mr_matmul_packed against the float64 reference */
+static void test_packed(int isa, const tinfo *t, int64_t rows, int64_t cols, int64_t nt, int threads) {
+    const mr_type_info ti = mr_types[t->id];
+    const long long psize = mr_pack_size(t->id, rows, cols);
+    if (psize <= 0) return;
+    const int64_t rb = cols / ti.block * ti.bytes;
+    uint8_t *w = malloc((size_t)(rows * rb)), *w2 = malloc((size_t)(rows * rb)), *p = malloc((size_t)psize);
+    float *W = malloc((size_t)(rows * cols) * 4), *x = malloc((size_t)(nt * cols) * 4);
+    float *y = malloc((size_t)(nt * rows) * 4);
+    fill_weights(t, w, rows, cols);
+    for (int64_t i = 0; i < nt * cols; i++) x[i] = frand() * 3.0f;
+    int ok = mr_dequantize(t->id, w, rows * cols, W) == 0 && mr_pack(t->id, w, rows, cols, rb, p, threads) == 0;
+    ok = ok && mr_unpack(t->id, p, rows, cols, w2, rb) == 0 && memcmp(w, w2, (size_t)(rows * rb)) == 0;
+    ok = ok && mr_matmul_packed(t->id, p, rows, cols, x, nt, cols, y, rows, threads, isa) >= 0;
+    double worst = 0.0;
+    for (int64_t tt = 0; ok && tt < nt; tt++)
+        for (int64_t r = 0; r < rows; r++) {
+            double ref = 0.0, absd = 0.0;
+            for (int64_t c = 0; c < cols; c++) {
+                ref += (double)W[r * cols + c] * x[tt * cols + c];
+                absd += fabs((double)W[r * cols + c] * x[tt * cols + c]);
+            }
+            const double e = fabs(y[tt * rows + r] - ref) / (absd + 1e-30);
+            if (e > worst || e != e) worst = e != e ? 1e9 : e;
+        }
+    char what[160];
+    snprintf(what, sizeof what, "packed isa=%d %s rows=%lld cols=%lld nt=%lld threads=%d: rel err %.3g", isa, t->name,
+             (long long)rows, (long long)cols, (long long)nt, threads, worst);
+    check(ok && worst < 1e-4, what);
+    free(w); free(w2); free(p); free(W); free(x); free(y);
+}
+
 static double dmax(double a, double b) { return a > b ? a : b; }
 
 __attribute__((optimize("no-tree-vectorize"))) static void test_ops(int isa) {
@@ -153,6 +186,9 @@ int main(void) {
             const int unit = mr_types[TYPES[ti].id].block < 32 ? 32 : mr_types[TYPES[ti].id].block;
             for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
                 test_matmul(isa, &TYPES[ti], cases[c][0], cases[c][1] * unit, cases[c][2], (int)cases[c][3]);
+            const int punit = mr_pack_tile_cols(TYPES[ti].id);
+            for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+                test_packed(isa, &TYPES[ti], cases[c][0], cases[c][1] * punit, cases[c][2], (int)cases[c][3]);
         }
         test_ops(isa);
     }

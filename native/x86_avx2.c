@@ -323,6 +323,38 @@ static void hv_tile(const float *wt, int nr, const float *x, int64_t xs, int ntk
         }
 }
 
+/* e^x, |relative error| < 2e-7 (Cephes expf polynomial); 0 below e^-87 */
+MR_INLINE __m256 exp256(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+static void hv_vexp(float *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_loadu_ps(x + i)));
+    if (i < n) {
+        float t[8] = {0};
+        memcpy(t, x + i, (size_t)(n - i) * 4);
+        _mm256_storeu_ps(t, exp256(_mm256_loadu_ps(t)));
+        memcpy(x + i, t, (size_t)(n - i) * 4);
+    }
+}
+
+static void hv_softmax(float *x, int64_t n) { softmax_with_avx2(x, n, hv_vexp); }
+
 static void hv_quant_x(const float *x, int64_t n, int16_t *q, float *d, float *s) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < n / 32; b++) {
@@ -370,6 +402,8 @@ void mr_init_avx2(mr_kernels *k) {
     k->vint[GT_Q4_K] = vint_q4_k;
     k->vint[GT_Q6_K] = vint_q6_k;
     k->quant_x = hv_quant_x;
+    k->vexp = hv_vexp;
+    k->softmax = hv_softmax;
     k->dot_f32 = hv_dot_f32;
     k->tile = hv_tile;
     k->f16_to_f32 = hv_f16_to_f32;

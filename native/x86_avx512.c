@@ -624,6 +624,233 @@ static void hv_quant_x(const float *x, int64_t n, int16_t *q, float *d, float *s
 
 static void hv_f16_to_f32(const uint16_t *src, float *dst, int64_t n) { hv_dq_f16((const uint8_t *)src, dst, n); }
 
+/* e^x, |relative error| < 2e-7 (Cephes expf polynomial; 2^n applied with scalef) */
+MR_INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* the 16 sums of 16 vectors: out lane i = sum of v[i] */
+MR_INLINE __m512 reduce16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int k = 0; k < 8; k++) w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], 0x44), _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], 0xEE));
+    /* x[k], 128-bit lane L: partial sums (over lane L) of v[4k..4k+3] */
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+static void hv_vexp(float *x, int64_t n) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+        /* below e^-87 (and -inf): 0, so masked scores contribute nothing and no denormals appear */
+        _mm512_mask_storeu_ps(x + i, k, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lo, _CMP_GT_OQ), exp512(v)));
+    }
+}
+
+static void hv_softmax(float *x, int64_t n) { softmax_with_avx512(x, n, hv_vexp); }
+
+/* o[i][c] += p[j][i] * v_j[c] for GI queries and 4 vectors of 16 dims, all keys (registers throughout);
+ * S is (nk, 16): row j holds the queries' weights of key j */
+MR_INLINE void dec_pv(const float *S, int i0, const float *Vr, int64_t D, int64_t nk, int64_t c0, float *O, const int GI) {
+    __m512 o[7][4];
+    for (int i = 0; i < GI; i++)
+        for (int c = 0; c < 4; c++) o[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; j++) {
+        __m512 vr[4];
+        for (int c = 0; c < 4; c++) vr[c] = _mm512_loadu_ps(Vr + j * D + 16 * (c0 + c));
+        for (int i = 0; i < GI; i++) {
+            const __m512 p = _mm512_set1_ps(S[j * 16 + i0 + i]);
+            for (int c = 0; c < 4; c++) o[i][c] = _mm512_fmadd_ps(p, vr[c], o[i][c]);
+        }
+    }
+    for (int i = 0; i < GI; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(O + (i0 + i) * D + 16 * (c0 + c), o[i][c]);
+}
+
+/* Decode attention with the head dimension in the lanes (few queries: no idle lanes). Scores in
+ * tiles of 4 queries x 4 keys (each key vector loaded once per 4 queries), the 16 dot products of a
+ * tile reduced together; then weighted values with up to 7 queries x 64 dims in registers.
+ * D must be a multiple of 64 here (else attn_block serves). */
+static void hv_attn_dec(const float *Q, int g, const float *Kr, const float *Vr, int64_t D, int64_t nk, float softcap,
+                        float *S, float *O, float *ml) {
+    const int64_t nc = D / 16;
+    /* lane a*4+b of a reduced tile = (query a, key b); this permutation makes it b*4+a */
+    const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < nk; j0 += 4) {
+        const int nb = nk - j0 < 4 ? (int)(nk - j0) : 4;
+        const float *kr[4];
+        for (int b = 0; b < 4; b++) kr[b] = Kr + (j0 + (b < nb ? b : nb - 1)) * D; /* tail: repeat the last key */
+        for (int i0 = 0; i0 < g; i0 += 4) {
+            const float *qr[4];
+            for (int a = 0; a < 4; a++) qr[a] = Q + (i0 + a < g ? i0 + a : g - 1) * D;
+            __m512 acc[16];
+            for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nc; c++) {
+                __m512 kv[4];
+                for (int b = 0; b < 4; b++) kv[b] = _mm512_loadu_ps(kr[b] + 16 * c);
+                for (int a = 0; a < 4; a++) {
+                    const __m512 qv = _mm512_loadu_ps(qr[a] + 16 * c);
+                    for (int b = 0; b < 4; b++) acc[a * 4 + b] = _mm512_fmadd_ps(qv, kv[b], acc[a * 4 + b]);
+                }
+            }
+            __m512 sv = _mm512_permutexvar_ps(tr, reduce16(acc)); /* lane b*4+a: query a, key b */
+            if (softcap > 0.0f) {
+                float t[16];
+                _mm512_storeu_ps(t, sv);
+                for (int u = 0; u < 16; u++) t[u] = softcap * tanhf(t[u] / softcap);
+                sv = _mm512_loadu_ps(t);
+            }
+            float t4[16];
+            _mm512_storeu_ps(t4, sv);
+            for (int b = 0; b < nb; b++) memcpy(S + (j0 + b) * 16 + i0, t4 + 4 * b, 16);
+        }
+    }
+    /* softmax over the keys of each query (lane), keys past nk do not exist */
+    const __mmask16 qm = (__mmask16)((1u << g) - 1);
+    __m512 mx = ninf;
+    for (int64_t j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(qm, S + j * 16));
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    for (int64_t j = 0; j < nk; j++) {
+        const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(qm, S + j * 16), mx);
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lo, _CMP_GT_OQ) & qm, exp512(v));
+        _mm512_storeu_ps(S + j * 16, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(ml, mx);
+    _mm512_storeu_ps(ml + 16, sum);
+    for (int i0 = 0; i0 < g; i0 += 7) {
+        const int gi = g - i0 < 7 ? g - i0 : 7;
+        for (int64_t c0 = 0; c0 < nc; c0 += 4) {
+            switch (gi) {
+            case 1: dec_pv(S, i0, Vr, D, nk, c0, O, 1); break;
+            case 2: dec_pv(S, i0, Vr, D, nk, c0, O, 2); break;
+            case 3: dec_pv(S, i0, Vr, D, nk, c0, O, 3); break;
+            case 4: dec_pv(S, i0, Vr, D, nk, c0, O, 4); break;
+            case 5: dec_pv(S, i0, Vr, D, nk, c0, O, 5); break;
+            case 6: dec_pv(S, i0, Vr, D, nk, c0, O, 6); break;
+            default: dec_pv(S, i0, Vr, D, nk, c0, O, 7); break;
+            }
+        }
+    }
+}
+
+/* attn_block (generic_impl.h) with the 16 queries in one zmm: 8 keys per step for the scores,
+ * 16 output dims held in registers over all keys for the weighted values */
+static void hv_attn_block(const float *Qt, const float *Kr, const float *Vr, int64_t D, int64_t nk, const int64_t *first,
+                          const int64_t *last, float softcap, float *S, float *Ot, float *ml,
+                          void (*vexp)(float *, int64_t)) {
+    (void)vexp;
+    int64_t j = 0;
+    for (; j + 8 <= nk; j += 8) {
+        __m512 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
+        const float *kr = Kr + j * D;
+        for (int64_t d = 0; d < D; d++) {
+            const __m512 q = _mm512_loadu_ps(Qt + d * 16);
+            for (int u = 0; u < 8; u++) a[u] = _mm512_fmadd_ps(q, _mm512_set1_ps(kr[u * D + d]), a[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm512_storeu_ps(S + (j + u) * 16, a[u]);
+    }
+    for (; j < nk; j++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        const float *kr = Kr + j * D;
+        int64_t d = 0;
+        for (; d + 2 <= D; d += 2) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(Qt + d * 16), _mm512_set1_ps(kr[d]), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(Qt + d * 16 + 16), _mm512_set1_ps(kr[d + 1]), a1);
+        }
+        if (d < D) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(Qt + d * 16), _mm512_set1_ps(kr[d]), a0);
+        _mm512_storeu_ps(S + j * 16, _mm512_add_ps(a0, a1));
+    }
+    /* lanes' visible keys: first[i] <= j <= last[i] */
+    const __m512i f0 = _mm512_loadu_si512((const void *)first), f1 = _mm512_loadu_si512((const void *)(first + 8));
+    const __m512i l0 = _mm512_loadu_si512((const void *)last), l1 = _mm512_loadu_si512((const void *)(last + 8));
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (j = 0; j < nk; j++) {
+        const __m512i jv = _mm512_set1_epi64(j);
+        const __mmask8 k0 = _mm512_cmple_epi64_mask(f0, jv) & _mm512_cmpge_epi64_mask(l0, jv);
+        const __mmask8 k1 = _mm512_cmple_epi64_mask(f1, jv) & _mm512_cmpge_epi64_mask(l1, jv);
+        const __mmask16 keep = (__mmask16)(k0 | ((unsigned)k1 << 8));
+        __m512 sv = _mm512_loadu_ps(S + j * 16);
+        if (softcap > 0.0f) {
+            float t[16];
+            _mm512_storeu_ps(t, sv);
+            for (int i = 0; i < 16; i++) t[i] = softcap * tanhf(t[i] / softcap);
+            sv = _mm512_loadu_ps(t);
+        }
+        sv = _mm512_mask_mov_ps(ninf, keep, sv);
+        _mm512_storeu_ps(S + j * 16, sv);
+        mx = _mm512_max_ps(mx, sv);
+    }
+    mx = _mm512_mask_mov_ps(mx, _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j < nk; j++) {
+        const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(S + j * 16), mx);
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), exp512(v));
+        _mm512_storeu_ps(S + j * 16, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f), sum);
+    if (ml) {
+        _mm512_storeu_ps(ml, mx);
+        _mm512_storeu_ps(ml + 16, sum);
+        inv = _mm512_set1_ps(1.0f);
+    }
+    int64_t d0 = 0;
+    for (; d0 + 16 <= D; d0 += 16) {
+        __m512 o[16];
+        for (int u = 0; u < 16; u++) o[u] = _mm512_setzero_ps();
+        for (j = 0; j < nk; j++) {
+            const __m512 p = _mm512_loadu_ps(S + j * 16);
+            const float *vr = Vr + j * D + d0;
+            for (int u = 0; u < 16; u++) o[u] = _mm512_fmadd_ps(p, _mm512_set1_ps(vr[u]), o[u]);
+        }
+        for (int u = 0; u < 16; u++) _mm512_storeu_ps(Ot + (d0 + u) * 16, _mm512_mul_ps(o[u], inv));
+    }
+    for (; d0 < D; d0++) {
+        __m512 o = _mm512_setzero_ps();
+        for (j = 0; j < nk; j++) o = _mm512_fmadd_ps(_mm512_loadu_ps(S + j * 16), _mm512_set1_ps(Vr[j * D + d0]), o);
+        _mm512_storeu_ps(Ot + d0 * 16, _mm512_mul_ps(o, inv));
+    }
+}
+
+static void hv_act_mul(const float *g, const float *u, float *out, int64_t n, int act) {
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f), two = _mm512_set1_ps(2.0f);
+    const __m512 c = _mm512_set1_ps(0.7978845608028654f), c3 = _mm512_set1_ps(0.044715f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(k, g + i), uu = _mm512_maskz_loadu_ps(k, u + i);
+        __m512 a;
+        if (act == 0) {
+            a = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        } else { /* tanh(z) = 1 - 2 / (e^2z + 1) */
+            const __m512 z = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(c3, x), _mm512_mul_ps(x, x), x));
+            const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp512(_mm512_mul_ps(two, z)), one)));
+            a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, th));
+        }
+        _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(a, uu));
+    }
+}
+
 void mr_init_avx512(mr_kernels *k) {
     mr_fill_generic_avx512(k);
     k->dq[GT_F16] = hv_dq_f16;
@@ -655,6 +882,11 @@ void mr_init_avx512(mr_kernels *k) {
     k->pack = hv_pack;
     k->panel = hv_panel;
     k->f16_to_f32 = hv_f16_to_f32;
+    k->act_mul = hv_act_mul;
+    k->vexp = hv_vexp;
+    k->softmax = hv_softmax;
+    k->attn_block = hv_attn_block;
+    k->attn_dec = hv_attn_dec;
 }
 
 #if defined(__clang__)

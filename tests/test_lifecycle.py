@@ -174,10 +174,6 @@ def test_stream_iterator_survives_close(tiny):
     assert mapped(tiny) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "minirt/kernels/native.py matmul() appends (generation, w, x) to the module-level _keepalive list when a "
-    "worker was overtaken (rc > 0), and prunes it only at the next matmul call; NativeBackend has no close(), so "
-    "Model.close() leaves the weight view (and the whole mapping) alive until some later native call"))
 def test_close_drops_native_keepalive_references(tiny):
     """What the native pool does when a descheduled worker is overtaken, reproduced deterministically."""
     llm = minirt.load(str(tiny), n_ctx=64)
@@ -246,11 +242,6 @@ def test_reloading_does_not_pin_python_arenas(qwen_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "RSS grows ~2 MB per load (the arenas pinned as in test_reloading_does_not_pin_python_arenas) and, when "
-    "the last native matmul overtook a worker, by the whole touched mapping (native._keepalive, see "
-    "test_close_drops_native_keepalive_references); not strict because the keepalive depends on scheduling "
-    "and glibc sometimes returns memory: remove this mark once both are fixed"))
 def test_twenty_loads_of_a_real_model_do_not_grow_rss(qwen_path):
     def cycle():
         llm = minirt.load(str(qwen_path), n_ctx=256)

@@ -440,7 +440,9 @@ def test_attention_decode(nat, dtype):
     rng = np.random.default_rng(12)
     for n_head, n_kv, hd, n_ctx, n_past, window, softcap in [
         (14, 2, 64, 100, 37, 0, 0.0), (4, 1, 256, 600, 600, 0, 0.0), (8, 8, 32, 50, 50, 16, 0.0),
-        (4, 2, 128, 300, 257, 0, 30.0), (2, 1, 16, 8, 1, 0, 0.0)]:
+        (4, 2, 128, 300, 257, 0, 30.0), (2, 1, 16, 8, 1, 0, 0.0),
+        # several key chunks merged; a window across chunk edges; more query heads per KV head than lanes
+        (14, 2, 64, 1100, 1030, 0, 0.0), (4, 1, 256, 900, 800, 300, 0.0), (40, 2, 16, 600, 513, 0, 0.0)]:
         q = rng.standard_normal((n_head, hd)).astype(np.float32)
         k = rng.standard_normal((n_kv, n_ctx, hd)).astype(dtype)
         v = rng.standard_normal((n_kv, n_ctx, hd)).astype(dtype)
@@ -517,10 +519,19 @@ def test_steal_stress(nat):
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stdout + res.stderr
 
 
+def _import_build():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_minirt_native_build_t", REPO / "native" / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _compile_selftest(cc: list[str], out: Path) -> subprocess.CompletedProcess:
     native_dir = REPO / "native"
-    srcs = [str(native_dir / f) for f in ("scalar.c", "x86_avx2.c", "x86_avx512.c", "arm_neon.c", "dispatch.c",
-                                          "pool.c", "ops.c", "selftest.c")]
+    build = _import_build()
+    srcs = [str(native_dir / f) for f in build.SOURCES + ["selftest.c"]]
     return subprocess.run(cc + ["-O2", "-pthread", f"-I{native_dir}", *srcs, "-lm", "-o", str(out)],
                           capture_output=True, text=True, timeout=900)
 
@@ -555,3 +566,237 @@ def test_c_selftest_aarch64_qemu(tmp_path):
     run = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0 and " 0 failed" in run.stdout, run.stdout[-3000:]
     assert "selected 3" in run.stdout  # NEON chosen
+
+
+# -------------------------------------------------------------------------------- packed layout
+
+PACKABLE = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
+
+
+def _pack_unit(qtype: str) -> int:
+    return 256 if qtype.endswith("_K") else 128
+
+
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_pack_roundtrip_and_matmul(nat, qtype):
+    """Packing keeps every byte (unpack gives the ggml rows back) and the packed matmul meets the
+    same error bounds as the ggml one: every ISA, odd row counts, 1..40 tokens, 1..3 threads."""
+    rng = np.random.default_rng(hash(qtype) % 2**32)
+    unit = _pack_unit(qtype)
+    for rows, nq in [(1, 1), (4, 2), (7, 1), (37, 3), (130, 5)]:
+        cols = nq * unit
+        w = random_weights(rng, qtype, rows, cols)
+        W = ref_weights(w, qtype, cols)
+        extra = 16 * (cols // 256) if qtype == "Q4_K" else 0  # Q4_K: 6-bit scales decoded to bytes
+        assert native.pack_size(qtype, rows, cols) == (rows + 3) // 4 * (4 * w.shape[1] + extra)
+        pm = native.pack(w, qtype)
+        assert pm is not None and (pm.rows, pm.cols, pm.qtype) == (rows, cols, qtype)
+        np.testing.assert_array_equal(native.unpack(pm), w)
+        for isa in isas_to_test():
+            for nt, th in [(1, 1), (2, 2), (3, 3), (4, 2), (5, 1), (16, 2), (17, 3), (40, 2)]:
+                x = rng.standard_normal((nt, cols)).astype(np.float32)
+                y = native.matmul(x, pm, threads=th, isa=isa)
+                ref = x.astype(np.float64) @ W.T
+                bound = error_bound(x, W, native.matmul_path(qtype, nt, isa=isa, packed=True))
+                err = np.abs(y - ref)
+                assert np.all(err <= bound), (qtype, rows, cols, isa, nt, th, float((err / bound).max()))
+
+
+def test_pack_unsupported_and_validation(nat):
+    rng = np.random.default_rng(2)
+    assert native.pack(random_weights(rng, "Q5_0", 8, 96), "Q5_0") is None  # 96 columns: no whole tile
+    assert native.pack(random_weights(rng, "Q4_1", 8, 128), "Q4_1") is None  # no packed layout for the type
+    assert native.pack_size("Q5_K", 8, 256) == 0 and native.pack_size("F32", 8, 128) == 0
+    pm = native.pack(random_weights(rng, "Q8_0", 8, 128), "Q8_0")
+    with pytest.raises(minirt.InvalidRequestError, match="columns"):
+        native.matmul(np.zeros((1, 256), np.float32), pm)
+    with pytest.raises(minirt.InvalidRequestError, match="does not match"):
+        native.matmul(np.zeros((1, 128), np.float32), pm, "Q4_0")
+    y = native.matmul(np.zeros(128, np.float32), pm)
+    assert y.shape == (8,) and not y.any()
+
+
+def test_pack_preferred_follows_isa(nat):
+    for isa in isas_to_test():
+        for q in PACKABLE:
+            assert native.pack_preferred(q, isa=isa) == (isa == "avx512")
+    assert not native.pack_preferred("Q4_1") and not native.pack_preferred("F16")
+
+
+@pytest.mark.parametrize("model", ["qwen", "gemma"])
+def test_pack_real_tensors(nat, model, request):
+    """Every packable tensor shape of both models: byte-exact round trip, error bounds, and packed
+    products equal to the ggml-layout ones up to float32 rounding where both quantize activations."""
+    path = request.getfixturevalue(f"{model}_path")
+    f = minirt.gguf.open(path)
+    rng = np.random.default_rng(12)
+    seen = set()
+    for name, t in f.tensors.items():
+        if t.qtype not in PACKABLE or len(t.shape) != 2 or (t.qtype, t.shape) in seen:
+            continue
+        if native.pack_size(t.qtype, *t.shape) == 0:
+            continue
+        seen.add((t.qtype, t.shape))
+        rows = min(t.shape[0], 256)
+        w = np.ascontiguousarray(t.data.reshape(t.shape[0], -1)[:rows])
+        pm = native.pack(w, t.qtype)
+        np.testing.assert_array_equal(native.unpack(pm), w)
+        W = t.dequantize().reshape(t.shape)[:rows].astype(np.float64)
+        for nt in (1, 3, 12):
+            x = rng.standard_normal((nt, t.shape[1])).astype(np.float32)
+            x[:, rng.choice(t.shape[1], 4, replace=False)] *= 30
+            y = native.matmul(x, pm)
+            y0 = native.matmul(x, w, t.qtype)
+            ref = x.astype(np.float64) @ W.T
+            assert np.all(np.abs(y - ref) <= error_bound(x, W, native.matmul_path(t.qtype, nt, packed=True))), name
+            if native.matmul_path(t.qtype, nt) == "int16":  # same quantized activations on both sides
+                np.testing.assert_allclose(y, y0, rtol=0, atol=2e-5 * np.abs(ref).max())
+    assert {q for q, _ in seen} >= {"Q5_0", "Q8_0"}
+
+
+# -------------------------------------------------------------------------------- native decode layers
+
+
+def _decode_steps(llm, ids: list[int], n_steps: int, native_layers: bool, dtype=np.float32):
+    """Prefill ids[:-n_steps] then decode the rest one token at a time; (logits per step, cache)."""
+    from minirt.archs.base import Segment
+    from minirt.kv_cache import KVCache
+
+    m, c = llm.model, llm.model.cfg
+    stack = m.native_stack
+    if not native_layers:
+        m.native_stack = None
+    try:
+        cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, 128, dtype=dtype)
+        m.forward(np.array(ids[:-n_steps]), [Segment(cache, len(ids) - n_steps, "last")])
+        out = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in ids[-n_steps:]]
+    finally:
+        m.native_stack = stack
+    return np.array(out), cache
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2-bias"])
+def tiny_quant(request, tmp_path_factory):
+    """A tiny model with packable weights (128 / 256 columns, Q5_0 and Q8_0 mixed)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from tests.tiny_models import TinySpec, write_tiny
+
+    arch, bias = ("qwen2", True) if request.param == "qwen2-bias" else ("llama", False)
+    spec = TinySpec(arch=arch, bias=bias, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, qtype=QT.Q5_0, seed=9)
+    path = tmp_path_factory.mktemp("tinyq") / f"{request.param}.gguf"
+    write_tiny(path, spec)
+    llm = minirt.load(str(path), n_ctx=128, backend="native")
+    yield request.param, llm
+    llm.close()
+
+
+def test_native_layers_match_python_layers_tiny(tiny_quant):
+    name, llm = tiny_quant
+    assert llm.model.native_stack is not None, f"{name}: native decode layers not prepared"
+    ids = [1] + np.random.default_rng(3).integers(3, 290, 20).tolist()
+    a, ca = _decode_steps(llm, ids, 8, True)
+    b, cb = _decode_steps(llm, ids, 8, False)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(b).max())
+    np.testing.assert_allclose(ca.k, cb.k, rtol=0, atol=1e-4 * np.abs(cb.k).max())
+    np.testing.assert_allclose(ca.v, cb.v, rtol=0, atol=1e-4 * np.abs(cb.v).max())
+    f16, _ = _decode_steps(llm, ids, 8, True, dtype=np.float16)  # float16 caches
+    np.testing.assert_allclose(f16, b, rtol=0, atol=5e-3 * np.abs(b).max())
+
+
+def test_native_layers_batched_sequences(tiny_quant):
+    """Several sequences at different positions decoded in one step get what each gets alone."""
+    from minirt.archs.base import Segment
+    from minirt.kv_cache import KVCache
+
+    _, llm = tiny_quant
+    m, c = llm.model, llm.model.cfg
+    rng = np.random.default_rng(4)
+    prompts = [[1] + rng.integers(3, 290, n).tolist() for n in (5, 11, 2)]
+    alone = []
+    for p in prompts:
+        lg, _ = _decode_steps(llm, p + [7, 8, 9], 3, True)
+        alone.append(lg)
+    caches = [KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, 64) for _ in prompts]
+    for p, cache in zip(prompts, caches):
+        m.forward(np.array(p), [Segment(cache, len(p), "last")])
+    for step, tok in enumerate((7, 8, 9)):
+        out = m.forward(np.full(len(prompts), tok), [Segment(cc, 1, "last") for cc in caches])
+        for i, lg in enumerate(out):
+            np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=1e-5 * np.abs(lg).max())
+
+
+def test_layer_stack_refuses_unsupported(nat, tiny_quant):
+    _, llm = tiny_quant
+    specs = llm.model.native_layer_specs()
+    sp = dict(specs[0])
+    for k in ("wq", "wk", "wv", "wo", "gate", "up", "down"):
+        lin = sp[k]
+        sp[k] = (lin.w, lin.qtype, lin.bias)
+    native.LayerStack([sp])  # the ggml layout runs too
+    bad = dict(sp, wq=(np.zeros((sp["wq"][0].shape[0], 128 * 4), np.uint8), "F32", None))
+    with pytest.raises(minirt.BackendError, match="layer 0"):
+        native.LayerStack([bad])
+
+
+@pytest.mark.parametrize("model", ["qwen", "gemma"])
+def test_native_layers_real_models(model, request):
+    """Both real models: the native decode step matches the Python layers (same kernels, same
+    quantized activations; only summation order and the exp/tanh approximations differ)."""
+    path = request.getfixturevalue(f"{model}_path")
+    llm = minirt.load(str(path), n_ctx=128, backend="native")
+    try:
+        assert llm.model.native_stack is not None
+        ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. Then it ran away, far away.")
+        a, ca = _decode_steps(llm, ids, 6, True)
+        b, cb = _decode_steps(llm, ids, 6, False)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * np.abs(b).max())
+        np.testing.assert_allclose(ca.k, cb.k, rtol=0, atol=2e-3 * np.abs(cb.k).max())
+    finally:
+        llm.close()
+
+
+# -------------------------------------------------------------------------------- prefill attention, activations
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attention_prefill(nat, dtype):
+    """Causal grouped-query attention of many new queries against the numpy implementation of the
+    forward pass: windows (crossing the query blocks), softcap, caches holding older positions."""
+    from minirt.archs.base import attention
+
+    rng = np.random.default_rng(21)
+    for n, n_head, n_kv, hd, p0, window, softcap in [(1, 4, 2, 32, 0, 0, 0.0), (17, 4, 2, 32, 5, 0, 0.0),
+                                                     (40, 14, 2, 64, 100, 0, 0.0), (33, 4, 1, 256, 10, 8, 0.0),
+                                                     (20, 8, 2, 64, 3, 0, 30.0), (64, 4, 4, 16, 0, 5, 0.0)]:
+        n_ctx = p0 + n + 3
+        q = rng.standard_normal((n, n_head, hd)).astype(np.float32)
+        k = rng.standard_normal((n_kv, n_ctx, hd)).astype(dtype)
+        v = rng.standard_normal((n_kv, n_ctx, hd)).astype(dtype)
+        lo = max(0, p0 - window + 1) if window else 0
+        ref = attention(q, k[:, lo:p0 + n].astype(np.float32), v[:, lo:p0 + n].astype(np.float32), p0 - lo, 0.125,
+                        window, softcap)
+        for isa in isas_to_test():
+            for th in (1, 2):
+                y = native.attention_prefill(q, k, v, p0, 0.125, window=window, softcap=softcap, threads=th, isa=isa)
+                np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5)
+    with pytest.raises(minirt.InvalidRequestError, match="do not fit"):
+        native.attention_prefill(q, k, v, n_ctx, 1.0)
+
+
+def test_act_mul(nat):
+    from minirt.archs.base import gelu_tanh, silu
+
+    rng = np.random.default_rng(22)
+    g = (rng.standard_normal((3, 1001)) * 6).astype(np.float32)
+    g[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    u = rng.standard_normal((3, 1001)).astype(np.float32)
+    for isa in isas_to_test():
+        for act, f in (("silu", silu), ("gelu_tanh", gelu_tanh)):
+            ref = f(g.astype(np.float64)) * u
+            np.testing.assert_allclose(native.act_mul(g, u, act, isa=isa), ref, rtol=2e-6, atol=1e-6)
+    out = g.copy()
+    assert native.act_mul(out, u, "silu", out=out) is out
+    with pytest.raises(minirt.InvalidRequestError, match="act"):
+        native.act_mul(g, u, "relu")

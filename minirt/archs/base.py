@@ -360,7 +360,14 @@ class Transformer:
         self.norm = getattr(backend, "rms_norm", rms_norm)
         self.rope = getattr(backend, "rope", apply_rope)
         self._attn_decode = getattr(backend, "attention_decode", None)
+        self._attn_prefill = getattr(backend, "attention_prefill", None)
+        self._act_mul = getattr(backend, "act_mul", None)
         self._backend_forward = getattr(backend, "forward", None)
+        self._decode_layers = getattr(backend, "decode_layers", None)
+        self.native_stack: Any = None  # set by a backend that runs decode steps natively
+        prepare = getattr(backend, "prepare", None)
+        if prepare is not None:  # e.g. repack weights for the backend's kernels, once
+            prepare(self)
 
     # -- hooks ---------------------------------------------------------------------------------
     def configure(self, cfg: Config) -> None:
@@ -368,6 +375,23 @@ class Transformer:
 
     def load_block(self, i: int) -> dict[str, Any]:
         raise NotImplementedError
+
+    def native_layer_specs(self) -> list[dict[str, Any]] | None:
+        """Each block described for a backend's fused decode step (see ``LayerStack`` in
+        ``minirt.kernels.native``), or None when this architecture has no such description."""
+        return None
+
+    def _layer_spec(self, i: int, act: str, q_norm: Any = None, k_norm: Any = None, post_attn_norm: Any = None,
+                    post_ffn_norm: Any = None) -> dict[str, Any]:
+        """The common part of a block's description: sizes, RoPE/attention settings, weights."""
+        b, c = self.blocks[i], self.cfg
+        swa = c.swa_layers[i]
+        return dict(n_embd=c.n_embd, n_ff=c.n_ff, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim_k=c.head_dim_k,
+                    head_dim_v=c.head_dim_v, rope_dim=c.rope_dim, eps=c.rms_eps, attn_scale=self.scale,
+                    softcap=c.attn_softcap, window=c.sliding_window if swa else 0, rope_neox=c.rope_neox, act=act,
+                    local=swa, attn_norm=b["attn_norm"], ffn_norm=b["ffn_norm"], q_norm=q_norm, k_norm=k_norm,
+                    post_attn_norm=post_attn_norm, post_ffn_norm=post_ffn_norm, wq=b["wq"], wk=b["wk"], wv=b["wv"],
+                    wo=b["wo"], gate=b["gate"], up=b["up"], down=b["down"])
 
     def block(self, i: int, x: np.ndarray, ctx: "ForwardContext") -> np.ndarray:
         raise NotImplementedError
@@ -409,13 +433,26 @@ class Transformer:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """(T,) token ids → (T, d) float32, dequantizing only the rows used."""
-        from ..quants import dequantize
-
         rows = self.tok_embd.data[ids]
-        x = dequantize(rows, self.tok_embd.qtype, (len(ids), self.cfg.n_embd))
+        x = None
+        dq = getattr(self.backend, "dequantize_rows", None)
+        if dq is not None:
+            x = dq(rows, self.tok_embd.qtype, self.cfg.n_embd)
+        if x is None:
+            from ..quants import dequantize
+
+            x = dequantize(rows, self.tok_embd.qtype, (len(ids), self.cfg.n_embd))
         if self.cfg.embed_scale != 1.0:
             x *= np.float32(self.cfg.embed_scale)
         return x
+
+    def gated(self, g: np.ndarray, u: np.ndarray, act: str) -> np.ndarray:
+        """``act(g) * u`` of a gated MLP (act "silu" or "gelu_tanh"); may overwrite g."""
+        if self._act_mul is not None:
+            out = self._act_mul(g, u, act)
+            if out is not None:
+                return out
+        return (silu(g) if act == "silu" else gelu_tanh(g)) * u
 
     def mm(self, lin: Linear, x: np.ndarray) -> np.ndarray:
         """x (T, in) → (T, out) through the quantized kernel, plus bias."""
@@ -443,6 +480,11 @@ class Transformer:
                 if o is not None:
                     out[s0] = o.reshape(-1)
                     continue
+            elif n > 1 and self._attn_prefill is not None:
+                o = self._attn_prefill(q[s0:s0 + n], kc, vc, p0, self.scale, window, c.attn_softcap)
+                if o is not None:
+                    out[s0:s0 + n] = o
+                    continue
             lo = max(0, p0 - window + 1) if window else 0  # keys older than the window are never read
             out[s0:s0 + n] = attention(q[s0:s0 + n], kc[:, lo:p0 + n], vc[:, lo:p0 + n], p0 - lo,
                                        self.scale, window, c.attn_softcap)
@@ -461,8 +503,9 @@ class Transformer:
                 return out
         ctx = ForwardContext(self, segments)
         x = self.embed(tokens)
-        for i in range(self.cfg.n_layer):
-            x = self.block(i, x, ctx)
+        if not self._native_decode(x, ctx):
+            for i in range(self.cfg.n_layer):
+                x = self.block(i, x, ctx)
         for seg in segments:
             seg.cache.n_past += seg.n_tokens
         # only rows whose logits were asked for go through the (large) output matmul
@@ -490,6 +533,21 @@ class Transformer:
             else:
                 res.append(None)
         return res
+
+
+    def _native_decode(self, x: np.ndarray, ctx: "ForwardContext") -> bool:
+        """Decode steps (one new token per sequence): every layer in one backend call when the
+        backend offers it; x (T, d) is updated in place. False: run the Python layers."""
+        if self.native_stack is None or self._decode_layers is None:
+            return False
+        caches = []
+        for seg, _, p0 in ctx.spans:
+            k, v = getattr(seg.cache, "k", None), getattr(seg.cache, "v", None)
+            if seg.n_tokens != 1 or not isinstance(k, np.ndarray) or not isinstance(v, np.ndarray):
+                return False
+            caches.append((k, v, p0))
+        local = ctx.rope_tables(True) if any(self.cfg.swa_layers) else None
+        return bool(self._decode_layers(self, x, caches, ctx.rope_tables(False), local))
 
 
 class ForwardContext:

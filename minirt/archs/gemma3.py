@@ -65,6 +65,11 @@ class Gemma3(Transformer):
             "post_ffn_norm": vector(f, p + "post_ffw_norm.weight", c.n_embd),
         }
 
+    def native_layer_specs(self) -> list[dict[str, Any]] | None:
+        return [self._layer_spec(i, "gelu_tanh", q_norm=b["q_norm"], k_norm=b["k_norm"],
+                                 post_attn_norm=b["post_attn_norm"], post_ffn_norm=b["post_ffn_norm"])
+                for i, b in enumerate(self.blocks)]
+
     def block(self, i: int, x: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         b, c = self.blocks[i], self.cfg
         eps, T = c.rms_eps, x.shape[0]
@@ -75,5 +80,5 @@ class Gemma3(Transformer):
         a = self.mm(b["wo"], self.attend(i, q, k, v, ctx))
         x = x + self.norm(a, b["post_attn_norm"], eps)
         h = self.norm(x, b["ffn_norm"], eps)
-        m = self.mm(b["down"], gelu_tanh(self.mm(b["gate"], h)) * self.mm(b["up"], h))
+        m = self.mm(b["down"], self.gated(self.mm(b["gate"], h), self.mm(b["up"], h), "gelu_tanh"))
         return x + self.norm(m, b["post_ffn_norm"], eps)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import ForwardContext, Transformer, linear, register, silu, vector
+from .base import ForwardContext, Transformer, linear, register, vector
 
 
 @register
@@ -36,6 +36,9 @@ class Llama(Transformer):
             "down": linear(f, p + "ffn_down", c.n_embd, c.n_ff),
         }
 
+    def native_layer_specs(self) -> list[dict[str, Any]] | None:
+        return [self._layer_spec(i, "silu") for i in range(self.cfg.n_layer)]
+
     def qkv(self, b: dict[str, Any], h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Projections of the normed input h (T, d) → q (T,H,Dk), k (T,Hkv,Dk), v (T,Hkv,Dv)."""
         c, T = self.cfg, h.shape[0]
@@ -47,7 +50,7 @@ class Llama(Transformer):
     def mlp(self, b: dict[str, Any], h: np.ndarray) -> np.ndarray:
         g = self.mm(b["gate"], h)
         u = self.mm(b["up"], h)
-        return self.mm(b["down"], silu(g) * u)
+        return self.mm(b["down"], self.gated(g, u, "silu"))
 
     def block(self, i: int, x: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         b, eps = self.blocks[i], self.cfg.rms_eps

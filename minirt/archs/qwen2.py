@@ -35,6 +35,10 @@ class Qwen3(Llama):
         b["k_norm"] = vector(self.file, p + "attn_k_norm.weight", c.head_dim_k)
         return b
 
+    def native_layer_specs(self) -> list[dict[str, Any]] | None:
+        return [self._layer_spec(i, "silu", q_norm=self.blocks[i]["q_norm"], k_norm=self.blocks[i]["k_norm"])
+                for i in range(self.cfg.n_layer)]
+
     def qkv(self, b: dict[str, Any], h: np.ndarray):
         q, k, v = super().qkv(b, h)
         eps = self.cfg.rms_eps

@@ -87,7 +87,66 @@ class NativeBackend:
         self._mod = native
         self.threads = threads
 
+    def prepare(self, model: Any) -> None:
+        """Repack the model's weight matrices for the decode kernels, once, at load.
+
+        The packed copies (same bytes, reordered into tiles of 4 rows, one huge-page arena) go to
+        ``lin.backend_data``; types and shapes the layout does not cover, or that the CPU's ISA has
+        no packed kernels for, stay as they are. ``MINIRT_PACK=0`` disables it. Then, when the
+        architecture describes its blocks, the decode step is prepared to run natively
+        (``MINIRT_NATIVE_LAYERS=0`` disables that).
+        """
+        mod = self._mod
+        todo = [(lin, mod.pack_size(lin.qtype, lin.out_features, lin.in_features)) for lin in model.linears()
+                if lin.backend_data is None and mod.pack_preferred(lin.qtype)]
+        todo = [(lin, n) for lin, n in todo if n > 0]
+        if not todo or os.environ.get("MINIRT_PACK", "1") == "0":
+            self._prepare_layers(model)
+            return
+        seen: dict[int, Any] = {}  # tied weights (output = embedding) share one packed copy
+        arena = mod.PackArena(sum(n + 64 for _, n in todo))
+        for lin, _ in todo:
+            key = lin.w.__array_interface__["data"][0]
+            if key not in seen:
+                seen[key] = mod.pack(lin.w, lin.qtype, arena=arena, threads=self.threads)
+                # the file pages of the ggml copy are not read any more: keep resident memory at one copy
+                mod.release_file_pages(lin.w)
+            lin.backend_data = seen[key]
+
+        self._prepare_layers(model)
+
+    def _prepare_layers(self, model: Any) -> None:
+        """Describe the model's layers for the native decode step when the architecture says how."""
+        specs_fn = getattr(model, "native_layer_specs", None)
+        if specs_fn is None or os.environ.get("MINIRT_NATIVE_LAYERS", "1") == "0":
+            return
+        specs = specs_fn()
+        if not specs:
+            return
+        for sp in specs:
+            for k in ("wq", "wk", "wv", "wo", "gate", "up", "down"):
+                lin = sp[k]
+                pw = lin.backend_data if isinstance(lin.backend_data, self._mod.PackedMatrix) else None
+                sp[k] = (pw if pw is not None else lin.w, lin.qtype, lin.bias)
+        try:
+            model.native_stack = self._mod.LayerStack(specs)
+        except (BackendError, InvalidRequestError) as e:
+            log.info("native decode layers unavailable for this model: %s", e)
+
+    def decode_layers(self, model: Any, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
+                      rope_global: tuple[np.ndarray, np.ndarray],
+                      rope_local: tuple[np.ndarray, np.ndarray] | None) -> bool:
+        """Run every layer of a decode step natively (x updated in place); False when not prepared."""
+        stack = getattr(model, "native_stack", None)
+        if stack is None or len(caches) > 16:
+            return False
+        stack.run(x, caches, rope_global, rope_local, threads=self.threads)
+        return True
+
     def matmul(self, x: np.ndarray, lin: Any) -> np.ndarray:
+        pw = lin.backend_data
+        if pw is not None and isinstance(pw, self._mod.PackedMatrix):
+            return self._mod.matmul(x, pw, threads=self.threads)
         return self._mod.matmul(x, lin.w, lin.qtype, threads=self.threads)
 
     # the small per-layer ops: native versions avoid numpy temporaries on the decode hot path
@@ -112,6 +171,34 @@ class NativeBackend:
             return None
         return self._mod.attention_decode(q, kc, vc, n_past, scale, window=window, softcap=softcap,
                                           threads=self.threads)
+
+    def close(self) -> None:
+        """Drop the references the kernels keep for late pool workers (see ``native.drain_keepalive``)
+        so that a closed model's weights and mapping can go."""
+        self._mod.drain_keepalive()
+
+    def dequantize_rows(self, rows: np.ndarray, qtype: str, cols: int) -> np.ndarray | None:
+        """ggml rows (n, row_bytes) uint8 → float32 (n, cols); None when the type is not handled here."""
+        if qtype not in self._mod.QTYPES or rows.ndim != 2:
+            return None
+        return self._mod.dequantize(np.ascontiguousarray(rows), qtype, cols)
+
+    def act_mul(self, g: np.ndarray, u: np.ndarray, act: str) -> np.ndarray | None:
+        """``act(g) * u`` for g, u (T, n_ff) float32 (act "silu" or "gelu_tanh"), computed into g."""
+        if not (g.flags.c_contiguous and u.flags.c_contiguous and g.dtype == np.float32 and u.dtype == np.float32):
+            return None
+        return self._mod.act_mul(g, u, act, out=g)
+
+    def attention_prefill(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
+                          softcap: float) -> np.ndarray | None:
+        """Causal attention of n queries (n, H, D) at positions p0.. over a cache (Hkv, n_ctx, D) that
+        holds their keys; None when this shape is not handled."""
+        if kc.shape != vc.shape or q.shape[-1] != kc.shape[-1] or not kc.flags.c_contiguous:
+            return None
+        if not self._mod.attention_fast():  # numpy's BLAS is faster than the portable kernel
+            return None
+        return self._mod.attention_prefill(np.ascontiguousarray(q), kc, vc, p0, scale, window=window,
+                                           softcap=softcap, threads=self.threads)
 
     def info(self) -> dict[str, Any]:
         d = dict(self._mod.info())

@@ -42,6 +42,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -379,17 +380,296 @@ def _prune_keepalive(lib: Any) -> None:
         _keepalive[:] = [e for e in _keepalive if not lib.mr_pool_quiescent(e[0])]
 
 
-def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray | None = None,
+def drain_keepalive(timeout: float = 1.0) -> int:
+    """Wait (up to ``timeout`` s) for late pool workers to leave the jobs whose arrays are kept
+    alive, then drop those references; returns how many are still held (workers still inside).
+
+    Called when a model closes: without it the weight views of its last overtaken call would pin
+    the file mapping until some later native call happened to prune them."""
+    if _mod is None or not _keepalive:
+        return 0
+    lib = _mod.lib
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        _prune_keepalive(lib)
+        with _keepalive_lock:
+            left = len(_keepalive)
+        if not left or time.monotonic() >= deadline:
+            if left:
+                log.warning("%d native call(s) still have a worker inside after %.1f s", left, timeout)
+            return left
+        time.sleep(0.001)
+
+
+class PackArena:
+    """One anonymous memory region (2 MiB aligned, transparent huge pages requested) that packed
+    matrices are carved from: the decode kernels stream it with few TLB misses."""
+
+    _HUGE = 2 << 20
+
+    def __init__(self, nbytes: int) -> None:
+        import mmap
+
+        self.size = int(nbytes)
+        self._map = mmap.mmap(-1, self.size + self._HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # pragma: no cover - kernels without THP
+                pass
+        base = np.frombuffer(self._map, dtype=_U8)
+        off = (-_address(base)) % self._HUGE
+        self._buf = base[off:off + self.size]
+        self._used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A 64-byte aligned uint8 slice of ``nbytes`` bytes."""
+        start = (self._used + 63) & ~63
+        if start + nbytes > self.size:
+            raise BackendError(f"pack arena of {self.size} bytes is full")
+        self._used = start + nbytes
+        return self._buf[start:start + nbytes]
+
+
+class PackedMatrix:
+    """A quantized weight matrix (rows, cols) repacked for the native decode kernels.
+
+    Same bytes as the ggml rows, reordered into tiles of 4 rows x 128 columns (``native/pack.c``);
+    ``matmul`` accepts it in place of the ggml array and gives the same results.
+    """
+
+    __slots__ = ("data", "qtype", "rows", "cols", "__weakref__")
+
+    def __init__(self, data: np.ndarray, qtype: str, rows: int, cols: int) -> None:
+        self.data = data
+        self.qtype = qtype
+        self.rows = rows
+        self.cols = cols
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def __repr__(self) -> str:
+        return f"PackedMatrix({self.qtype}, {self.rows}x{self.cols}, {self.nbytes} bytes)"
+
+
+def pack_size(qtype: str, rows: int, cols: int) -> int:
+    """Bytes of the packed form of a (rows, cols) matrix; 0 when it cannot be packed."""
+    _, lib = _lib()
+    try:
+        _, tid, _, _ = _qtype(qtype)
+    except (UnsupportedQuantError, InvalidRequestError):
+        return 0
+    return int(lib.mr_pack_size(tid, int(rows), int(cols)))
+
+
+def _address(a: np.ndarray) -> int:
+    """Address of a's first byte. Not ``a.ctypes.data``: each ``.ctypes`` access leaves small objects
+    behind that pin pymalloc arenas across model loads."""
+    return int(a.__array_interface__["data"][0])
+
+
+def release_file_pages(a: np.ndarray) -> int:
+    """Drop this process's mapping of the file pages under ``a`` when ``a`` views a read-only
+    shared file mapping (a GGUF opened by :mod:`minirt.gguf`): after packing, the ggml copy of a
+    weight is not read any more, and the pages come back from the page cache if it is. Returns the
+    bytes released (0 when ``a`` is not such a view, e.g. an anonymous array, whose data would be lost)."""
+    import mmap
+
+    b: Any = a
+    while b is not None and not isinstance(b, memoryview):
+        b = getattr(b, "base", None)
+    mm = b.obj if isinstance(b, memoryview) else None
+    if not isinstance(mm, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or not a.flags.c_contiguous:
+        return 0
+    page = mmap.PAGESIZE
+    base = _address(np.frombuffer(mm, dtype=_U8))  # ACCESS_READ maps are read-only: this is a view
+    start = _address(a) - base
+    lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page  # whole pages inside a only
+    if not (0 <= lo < hi <= len(mm)):
+        return 0
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        return 0
+    return hi - lo
+
+
+def pack_preferred(qtype: str, isa: str | None = None) -> bool:
+    """True when the (selected) ISA has decode kernels for packed matrices of this type."""
+    _, lib = _lib()
+    try:
+        _, tid, _, _ = _qtype(qtype)
+    except (UnsupportedQuantError, InvalidRequestError):
+        return False
+    return bool(lib.mr_pack_preferred(tid, _isa_id(isa)))
+
+
+def pack(w: np.ndarray, qtype: str, arena: PackArena | None = None, threads: int | None = None) -> PackedMatrix | None:
+    """Repack ``w`` (rows, row_bytes) ggml blocks for the decode kernels; None when this type/shape
+    is not packable (or ``MINIRT_PACK=0``). ``arena``: where the bytes go (default: a new one)."""
+    ffi, lib = _lib()
+    if os.environ.get("MINIRT_PACK", "1") == "0":
+        return None
+    name, tid, bs, ts = _qtype(qtype)
+    if not isinstance(w, np.ndarray) or w.dtype != _U8 or w.ndim != 2 or not w.flags.c_contiguous:
+        raise InvalidRequestError("w must be a C-contiguous uint8 array of shape (rows, row_bytes)")
+    rows, rb = w.shape
+    if rb % ts:
+        raise InvalidRequestError(f"{name}: {rb} bytes per row is not a whole number of {ts}-byte blocks")
+    cols = rb // ts * bs
+    n = int(lib.mr_pack_size(tid, rows, cols))
+    if n <= 0:
+        return None
+    dst = (arena or PackArena(n)).take(n)
+    _check_rc(lib.mr_pack(tid, ffi.from_buffer("unsigned char[]", w), rows, cols, rb,
+                          ffi.from_buffer("unsigned char[]", dst, require_writable=True), _threads_arg(threads)), "pack")
+    return PackedMatrix(dst, name, rows, cols)
+
+
+def unpack(pm: PackedMatrix) -> np.ndarray:
+    """The ggml rows (rows, row_bytes) uint8 of a packed matrix (the inverse of :func:`pack`)."""
+    ffi, lib = _lib()
+    name, tid, bs, ts = _qtype(pm.qtype)
+    out = np.empty((pm.rows, pm.cols // bs * ts), dtype=_U8)
+    _check_rc(lib.mr_unpack(tid, ffi.from_buffer("unsigned char[]", pm.data), pm.rows, pm.cols,
+                            ffi.from_buffer("unsigned char[]", out, require_writable=True), out.shape[1]), "unpack")
+    return out
+
+
+_ACTS = {"silu": 0, "gelu_tanh": 1}
+_LAYER_NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")
+_LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
+
+
+class LayerStack:
+    """A model's decoder layers described for the native decode step (``mr_decode_layers``).
+
+    ``specs``: one dict per layer with the sizes (n_embd, n_ff, n_head, n_head_kv, head_dim_k,
+    head_dim_v, rope_dim), eps, attn_scale, softcap, window, rope_neox, act ("silu" or
+    "gelu_tanh"), local (RoPE from the sliding-window tables), the norm gains (float32 arrays or
+    None) and the weights wq..down as ``(w, qtype, bias)`` with w a ggml (rows, row_bytes) uint8 array
+    or a :class:`PackedMatrix`. Raises :class:`BackendError` when a layer cannot run natively here.
+    """
+
+    def __init__(self, specs: list[dict[str, Any]], isa: str | None = None) -> None:
+        ffi, lib = _lib()
+        self._keep: list[Any] = []
+        self.n_layer = len(specs)
+        self._layers = ffi.new("mr_layer[]", self.n_layer)
+        self._isa = _isa_id(isa)
+        # what every cache and RoPE table handed to run() must match (checked there, not in C)
+        self._kv_heads = {int(sp["n_head_kv"]) for sp in specs}
+        self._dk = {int(sp["head_dim_k"]) for sp in specs}
+        self._dv = {int(sp["head_dim_v"]) for sp in specs}
+        self._half_rope = max((int(sp["rope_dim"]) // 2 for sp in specs), default=0)
+        self._n_embd = int(specs[0]["n_embd"]) if specs else 0
+        for i, sp in enumerate(specs):
+            L = self._layers[i]
+            for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim_k", "head_dim_v", "rope_dim", "window"):
+                setattr(L, k, int(sp[k]))
+            L.eps, L.attn_scale, L.softcap = float(sp["eps"]), float(sp["attn_scale"]), float(sp["softcap"])
+            L.rope_neox, L.act, L.local = int(bool(sp["rope_neox"])), _ACTS[sp["act"]], int(bool(sp["local"]))
+            for k in _LAYER_NORMS:
+                v = sp.get(k)
+                setattr(L, k, ffi.NULL if v is None else self._f32(ffi, v))
+            for k in _LAYER_WEIGHTS:
+                w, qtype, bias = sp[k]
+                W = getattr(L, k)
+                _, tid, bs, ts = _qtype(qtype if not isinstance(w, PackedMatrix) else w.qtype)
+                W.qtype = tid
+                if isinstance(w, PackedMatrix):
+                    W.packed, W.rows, W.cols, W.row_bytes = 1, w.rows, w.cols, 0
+                    W.data = self._ptr(ffi, "unsigned char[]", w.data)
+                    self._keep.append(w)
+                else:
+                    W.packed, W.rows, W.row_bytes = 0, w.shape[0], w.shape[1]
+                    W.cols = w.shape[1] // ts * bs
+                    W.data = self._ptr(ffi, "unsigned char[]", w)
+                W.bias = ffi.NULL if bias is None else self._f32(ffi, bias)
+            rc = lib.mr_layer_check(ffi.addressof(self._layers, i), self._isa)
+            if rc != 0:
+                raise BackendError(f"layer {i} cannot run in the native decode step (code {rc})")
+
+    def _ptr(self, ffi: Any, ctype: str, a: np.ndarray) -> Any:
+        p = ffi.from_buffer(ctype, a)
+        self._keep.append((a, p))
+        return p
+
+    def _f32(self, ffi: Any, a: np.ndarray) -> Any:
+        a = np.ascontiguousarray(a, dtype=_F32)
+        return self._ptr(ffi, "float[]", a)
+
+    def run(self, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]], rope_global: tuple[np.ndarray, np.ndarray],
+            rope_local: tuple[np.ndarray, np.ndarray] | None = None, threads: int | None = None) -> None:
+        """Every layer over x (n_seq, n_embd) float32, in place; token b is the next one of the
+        sequence whose caches are ``caches[b] = (k, v, pos)`` (k, v: (n_layer, n_head_kv, n_ctx,
+        head_dim), float32 or float16; the new key/value go to position pos). rope_*: (cos, sin)
+        tables (n_seq, rope_dim / 2)."""
+        ffi, lib = _lib()
+        n = len(caches)
+        x = _f32_array(x, "x", (2,))
+        if x.shape[0] != n or x.shape[1] != self._n_embd:
+            raise InvalidRequestError(f"x has shape {x.shape}, expected ({n}, {self._n_embd})")
+        seqs = ffi.new("mr_kvseq[]", n)
+        keep = []
+        f16 = None
+        for b, (k, v, pos) in enumerate(caches):
+            if k.dtype != v.dtype or k.dtype not in (_F32, _F16) or not (k.flags.c_contiguous and v.flags.c_contiguous):
+                raise InvalidRequestError("caches must be C-contiguous float32 or float16 arrays of one dtype")
+            if (k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or k.shape[0] < self.n_layer
+                    or len(self._kv_heads) != 1 or k.shape[1] not in self._kv_heads
+                    or len(self._dk) != 1 or k.shape[3] not in self._dk
+                    or len(self._dv) != 1 or v.shape[3] not in self._dv):
+                raise InvalidRequestError(f"cache of sequence {b}: k {k.shape} / v {v.shape} do not fit the layers")
+            if not 0 <= int(pos) < k.shape[2]:
+                raise InvalidRequestError(f"cache of sequence {b}: position {pos} outside its {k.shape[2]} slots")
+            if f16 is None:
+                f16 = k.dtype == _F16
+            elif f16 != (k.dtype == _F16):
+                raise InvalidRequestError("all caches of a decode step must have the same dtype")
+            ctype = "uint16_t[]" if f16 else "float[]"
+            kp = ffi.from_buffer(ctype, k.view(np.uint16) if f16 else k, require_writable=True)
+            vp = ffi.from_buffer(ctype, v.view(np.uint16) if f16 else v, require_writable=True)
+            keep += [kp, vp]
+            s = seqs[b]
+            s.k, s.v = kp, vp
+            s.n_ctx, s.pos, s.layer_stride = k.shape[2], int(pos), k.shape[1] * k.shape[2] * k.shape[3]
+        cg, sg = (np.ascontiguousarray(t, dtype=_F32) for t in rope_global)
+        cl, sl = (cg, sg) if rope_local is None else (np.ascontiguousarray(t, dtype=_F32) for t in rope_local)
+        for t in (cg, sg, cl, sl):
+            if t.ndim != 2 or t.shape[0] != n or t.shape[1] < self._half_rope:
+                raise InvalidRequestError(f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope})")
+        rc = lib.mr_decode_layers(self._layers, self.n_layer, ffi.from_buffer("float[]", x, require_writable=True), n,
+                                  seqs, int(bool(f16)), ffi.from_buffer("float[]", cg), ffi.from_buffer("float[]", sg),
+                                  ffi.from_buffer("float[]", cl), ffi.from_buffer("float[]", sl), _threads_arg(threads),
+                                  self._isa)
+        if rc > 0:
+            with _keepalive_lock:
+                _keepalive.append((lib.mr_pool_generation(), self, (x, caches)))
+        elif rc < 0:
+            _check_rc(rc, "decode layers")
+        if _keepalive:
+            _prune_keepalive(lib)
+
+
+def matmul(x: np.ndarray, w: "np.ndarray | PackedMatrix", qtype: str | None = None, out: np.ndarray | None = None,
            threads: int | None = None, isa: str | None = None) -> np.ndarray:
     """``Y = X @ W.T`` straight from quantized blocks.
 
     x: float32 (n_tokens, cols) (or (cols,) for one token), C-contiguous.
-    w: uint8 (rows, row_bytes) ggml blocks of ``qtype``, rows C-contiguous.
+    w: uint8 (rows, row_bytes) ggml blocks of ``qtype``, rows C-contiguous; or a
+    :class:`PackedMatrix` (``qtype`` may then be omitted).
     out: float32 (n_tokens, rows) (or (rows,)), written in place when given.
     Returns out: float32 (n_tokens, rows).
     """
     m = _mod if _mod is not None else _load()
     ffi, lib = m.ffi, m.lib
+    if isinstance(w, PackedMatrix):
+        return _matmul_packed(ffi, lib, x, w, qtype, out, threads, isa)
+    if qtype is None:
+        raise InvalidRequestError("qtype is required for a ggml weight array")
     name, tid, bs, ts = _qtype(qtype)
     if not isinstance(x, np.ndarray) or x.dtype != _F32:
         raise InvalidRequestError(f"x must be a float32 numpy array, got "
@@ -427,7 +707,8 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray | None = No
     if rc > 0:
         # the caller took over rows from a descheduled worker, which may still read w and x:
         # keep them alive until it has left that job
-        _keepalive.append((lib.mr_pool_generation(), w, x))
+        with _keepalive_lock:
+            _keepalive.append((lib.mr_pool_generation(), w, x))
     elif rc < 0:
         _check_rc(rc, "matmul")
     if _keepalive:
@@ -435,12 +716,47 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray | None = No
     return out
 
 
-def matmul_path(qtype: str, n_tokens: int, isa: str | None = None) -> str:
+def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: str | None, out: np.ndarray | None,
+                   threads: int | None, isa: str | None) -> np.ndarray:
+    name, tid, _, _ = _qtype(w.qtype)
+    if qtype is not None and _qtype(qtype)[0] != name:
+        raise InvalidRequestError(f"qtype {qtype!r} does not match the packed matrix ({name})")
+    x = _f32_array(x, "x", (1, 2))
+    nt, cols = (1, x.shape[0]) if x.ndim == 1 else x.shape
+    if cols != w.cols:
+        raise InvalidRequestError(f"x has {cols} columns, the packed matrix {w.cols}")
+    shape = (nt, w.rows) if x.ndim == 2 else (w.rows,)
+    if out is None:
+        out = np.empty(shape, dtype=_F32)
+    else:
+        _out_array(out, shape)
+        if _overlaps(out, x):
+            raise InvalidRequestError("out must not overlap x")
+    if nt == 0:
+        return out
+    wd = w.data
+    rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols, ffi.from_buffer("float[]", x),
+                              nt, cols, ffi.from_buffer("float[]", out, require_writable=True), w.rows,
+                              _threads_arg(threads), _isa_id(isa))
+    if rc > 0:
+        with _keepalive_lock:
+            _keepalive.append((lib.mr_pool_generation(), wd, x))
+    elif rc < 0:
+        _check_rc(rc, "matmul")
+    if _keepalive:
+        _prune_keepalive(lib)
+    return out
+
+
+def matmul_path(qtype: str, n_tokens: int, isa: str | None = None, packed: bool = False) -> str:
     """Which code path ``matmul`` takes: 'int16' (quantized activations), 'float-dot', 'float-tile' or
     'float-panel' (the float ones dequantize the weights and compute in float32)."""
     ffi, lib = _lib()
     _, tid, _, _ = _qtype(qtype)
-    rc = lib.mr_matmul_path(tid, int(n_tokens), _isa_id(isa))
+    if packed:
+        rc = lib.mr_matmul_packed_path(tid, int(n_tokens), _isa_id(isa))
+    else:
+        rc = lib.mr_matmul_path(tid, int(n_tokens), _isa_id(isa))
     return {1: "int16", 2: "float-dot", 3: "float-tile", 4: "float-panel"}.get(rc, "none")
 
 
@@ -614,7 +930,99 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
     return out
 
 
+def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+    """``act(g) * u`` elementwise (act: "silu" or "gelu_tanh"); ``out`` may be ``g`` (in place)."""
+    ffi, lib = _lib()
+    if act not in _ACTS:
+        raise InvalidRequestError(f"act must be one of {sorted(_ACTS)}, got {act!r}")
+    g = _f32_array(g, "g", (1, 2))
+    u = _f32_array(u, "u", (1, 2))
+    if g.shape != u.shape:
+        raise InvalidRequestError(f"g {g.shape} and u {u.shape} must have the same shape")
+    if out is None:
+        out = np.empty_like(g)
+    elif out is not g:
+        _out_array(out, g.shape)
+    if g.size:
+        _check_rc(lib.mr_act_mul(ffi.from_buffer("float[]", g), ffi.from_buffer("float[]", u),
+                                 ffi.from_buffer("float[]", out, require_writable=True), g.size, _ACTS[act], _isa_id(isa)),
+                  "act_mul")
+    return out
+
+
+PROFILE_PHASES = ("qkv", "rope_kv", "attention", "attn_out", "gate_up", "down")
+
+
+def profile(enable: bool | None = None, reset: bool = False) -> dict[str, float]:
+    """Phase timing of the native decode layers: ``enable`` switches it on/off; returns seconds
+    spent per phase so far (plus ``layers``: how many layers ran), zeroed afterwards if ``reset``."""
+    ffi, lib = _lib()
+    if enable is not None:
+        lib.mr_profile_enable(int(bool(enable)))
+    buf = ffi.new("double[8]")
+    lib.mr_profile_read(buf, 8, int(bool(reset)))
+    out = {name: buf[i] * 1e-9 for i, name in enumerate(PROFILE_PHASES)}
+    out["layers"] = int(buf[6])
+    return out
+
+
+def attention_fast(isa: str | None = None) -> bool:
+    """True when the ISA has the vectorized attention kernels (AVX-512): attention_prefill then
+    beats a BLAS-based implementation; elsewhere it is correct but slower."""
+    _, lib = _lib()
+    return bool(lib.mr_attention_fast(_isa_id(isa)))
+
+
+def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p0: int, scale: float,
+                      out: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
+                      threads: int | None = None, isa: str | None = None) -> np.ndarray:
+    """Causal attention of n new queries at positions p0..p0+n-1, grouped-query.
+
+    q: (n, n_head, head_dim) float32; k_cache, v_cache: (n_kv, n_ctx, head_dim) float32 or float16
+    holding positions 0..p0+n-1 (the new keys included); query i sees the positions
+    max(0, p0+i-window+1)..p0+i (window 0: all); softcap > 0 caps the scaled scores with tanh.
+    Returns out (n, n_head * head_dim).
+    """
+    ffi, lib = _lib()
+    q = _f32_array(q, "q", (3,))
+    n, n_head, hd = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, np.ndarray) or c.dtype not in (_F32, _F16) or c.ndim != 3 or not c.flags.c_contiguous:
+            raise InvalidRequestError(f"{name} must be a C-contiguous float32 or float16 array (n_kv, n_ctx, head_dim)")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.shape[2] != hd:
+        raise InvalidRequestError(f"k_cache {k_cache.dtype}{k_cache.shape} and v_cache {v_cache.dtype}{v_cache.shape} "
+                                  f"must match each other and q's head_dim {hd}")
+    n_kv, n_ctx, _ = k_cache.shape
+    if n_kv == 0 or n_head % n_kv:
+        raise InvalidRequestError(f"n_head={n_head} must be a multiple of n_kv={n_kv}")
+    if isinstance(p0, bool) or not isinstance(p0, (int, np.integer)) or p0 < 0 or p0 + n > n_ctx:
+        raise InvalidRequestError(f"positions {p0}..{p0 + n - 1} do not fit the cache of {n_ctx}")
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise InvalidRequestError(f"window must be a non-negative integer, got {window!r}")
+    if not np.isfinite(scale) or not np.isfinite(softcap) or softcap < 0:
+        raise InvalidRequestError("scale must be finite and softcap finite and >= 0")
+    if out is None:
+        out = np.empty((n, n_head * hd), dtype=_F32)
+    else:
+        _out_array(out, (n, n_head * hd))
+    if n == 0:
+        return out
+    f16 = k_cache.dtype == _F16
+    ctype = "uint16_t[]" if f16 else "float[]"
+    kb = k_cache.view(np.uint16) if f16 else k_cache
+    vb = v_cache.view(np.uint16) if f16 else v_cache
+    _check_rc(lib.mr_attention_prefill(ffi.from_buffer("float[]", q), n, n_head, hd, ffi.from_buffer(ctype, kb),
+                                       ffi.from_buffer(ctype, vb), int(f16), n_kv, n_ctx, int(p0), float(scale),
+                                       int(window), float(softcap), ffi.from_buffer("float[]", out, require_writable=True),
+                                       _threads_arg(threads), _isa_id(isa)), "attention_prefill")
+    return out
+
+
 __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
-    "dequantize", "rmsnorm", "rope", "rope_freqs", "softmax", "attention_decode", "QTYPES", "ISA_NAMES",
+    "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
+    "LayerStack",
+    "dequantize", "rmsnorm", "rope", "rope_freqs", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul", "profile",
+    "QTYPES",
+    "ISA_NAMES",
 ]

@@ -1,0 +1,306 @@
+/* Decoder layers for decode steps (one new token per sequence), natively: the whole stack in one
+ * call, so a step costs a few thread hand-offs per layer instead of a dozen Python round trips.
+ *
+ * Per layer (Llama / Qwen2 / Qwen3 / Gemma 3 blocks):
+ *   h = rmsnorm(x) ; q, k, v = Wq h, Wk h, Wv h (+ bias)       one parallel job for the three
+ *   [q, k per-head rmsnorm] ; RoPE ; k, v -> cache              caller thread (small)
+ *   attention over each sequence's cache                        one parallel job (sequence x head)
+ *   o = Wo att [post-norm] ; x += o                              one parallel job
+ *   h = rmsnorm(x) ; a = act(Wg h) * (Wu h)                      one parallel job (gate and up rows together)
+ *   d = Wd a [post-norm] ; x += d                                one parallel job
+ * The matrix products are the integer kernels of mr_matmul / mr_matmul_packed (same activation
+ * quantization, same results); the elementwise steps are the ones of the Python forward pass. */
+#include "common.h"
+
+#include <stdlib.h>
+
+void mr_call_lock(void);
+void mr_call_unlock(void);
+unsigned long long mr_pool_steals(void);
+
+/* ---------------------------------------------------------------- multi-matrix jobs */
+
+typedef struct {
+    mr_mat m;
+    mr_xact xa;
+    const float *bias;
+    float *y; /* (nt, ys) */
+    int64_t ys, chunk, item0, nitems;
+} mj_mat;
+
+typedef struct {
+    const mr_kernels *K;
+    int nm;
+    int act; /* >= 0: mm[0] = gate, mm[1] = up over the same rows; y of mm[0] receives act(g) * u */
+    int64_t nt;
+    mj_mat mm[3];
+} mj_ctx;
+
+static const mj_mat *mj_find(const mj_ctx *c, int64_t item, int64_t *r0, int64_t *r1) {
+    int i = 0;
+    while (i + 1 < c->nm && item >= c->mm[i + 1].item0) i++;
+    const mj_mat *M = &c->mm[i];
+    *r0 = (item - M->item0) * M->chunk;
+    *r1 = *r0 + M->chunk < M->m.rows ? *r0 + M->chunk : M->m.rows;
+    return M;
+}
+
+static void mj_commit(const void *c_, int64_t item, const float *buf) {
+    const mj_ctx *c = (const mj_ctx *)c_;
+    int64_t r0, r1;
+    const mj_mat *M = mj_find(c, item, &r0, &r1);
+    const int64_t n = r1 - r0;
+    for (int64_t t = 0; t < c->nt; t++) {
+        float *y = M->y + t * M->ys + r0;
+        if (c->act >= 0) {
+            c->K->act_mul(buf + t * n, buf + (c->nt + t) * n, y, n, c->act);
+        } else if (M->bias) {
+            for (int64_t r = 0; r < n; r++) y[r] = buf[t * n + r] + M->bias[r0 + r];
+        } else {
+            memcpy(y, buf + t * n, (size_t)n * 4);
+        }
+    }
+}
+
+static void mj_task(const void *c_, int64_t item, int worker, float *buf) {
+    const mj_ctx *c = (const mj_ctx *)c_;
+    int64_t r0, r1;
+    const mj_mat *M = mj_find(c, item, &r0, &r1);
+    const int64_t n = r1 - r0;
+    float *out = buf ? buf : (float *)mr_scratch(worker, 4, (size_t)(n * c->nt * 2) * 4);
+    mr_mat_rows(c->K, &M->m, &M->xa, c->nt, r0, r1, out, n);
+    if (c->act >= 0) mr_mat_rows(c->K, &c->mm[1].m, &c->mm[1].xa, c->nt, r0, r1, out + c->nt * n, n);
+    if (!buf) mj_commit(c_, item, out);
+}
+
+static mr_mat weight_mat(const mr_weight *w) {
+    mr_mat m = {w->qtype, w->packed, w->data, w->rows, w->cols, w->row_bytes, 0, 0};
+    if (w->packed) {
+        m.tb = mr_pack_tile_bytes(w->qtype);
+        m.ntiles = w->cols / mr_pack_tile_cols(w->qtype);
+    }
+    return m;
+}
+
+/* y_i = W_i x (+ bias_i) for the n weights (same input x: nt rows of cols); act >= 0: n == 2 and
+ * y_0 = act(W_0 x) * (W_1 x). One parallel job; caller holds the call lock. */
+static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const *y, int n, int act, const float *x,
+                    int64_t nt, int threads) {
+    mj_ctx c;
+    memset(&c, 0, sizeof c);
+    c.K = K;
+    c.nm = act >= 0 ? 1 : n;
+    c.act = act;
+    c.nt = nt;
+    int layouts = 0;
+    mr_mat mats[3];
+    for (int i = 0; i < n; i++) {
+        mats[i] = weight_mat(w[i]);
+        layouts |= mr_mat_xlayout(K, &mats[i]);
+    }
+    mr_xacts xs;
+    const int rc = mr_prepare_x(K, x, nt, w[0]->cols, w[0]->cols, layouts, &xs);
+    if (rc != MR_OK) return rc;
+    int64_t items = 0, bufn = 0;
+    for (int i = 0; i < n; i++) {
+        mj_mat *M = &c.mm[i];
+        M->m = mats[i];
+        M->xa = *mr_xact_for(&xs, mr_mat_xlayout(K, &mats[i]));
+        M->bias = w[i]->bias;
+        M->y = y[i];
+        M->ys = w[i]->rows;
+        M->chunk = mr_pick_chunk(w[i]->rows, threads, 8, 256);
+        M->item0 = items;
+        M->nitems = (w[i]->rows + M->chunk - 1) / M->chunk;
+        if (act < 0 || i == 0) items += M->nitems;
+        const int64_t b = M->chunk * nt * (act >= 0 ? 2 : 1);
+        if (b > bufn) bufn = b;
+    }
+    if (act >= 0) c.mm[1].chunk = c.mm[0].chunk;
+    return mr_parallel_for(mj_task, mj_commit, &c, sizeof c, items, bufn, threads);
+}
+
+/* ---------------------------------------------------------------- the layer stack */
+
+/* Optional phase timing of mr_decode_layers (mr_profile_enable): ns per phase, summed over layers. */
+#include <time.h>
+static int prof_on;
+static double prof_ns[MR_PROF_PHASES];
+static double prof_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+#define PROF(i)                                                                                              \
+    do {                                                                                                       \
+        if (prof_on) {                                                                                         \
+            const double t_ = prof_now();                                                                      \
+            prof_ns[i] += t_ - prof_t;                                                                         \
+            prof_t = t_;                                                                                       \
+        }                                                                                                      \
+    } while (0)
+
+void mr_profile_enable(int on) { prof_on = on; }
+
+int mr_profile_read(double *out, int n, int reset) {
+    if (n > MR_PROF_PHASES) n = MR_PROF_PHASES;
+    for (int i = 0; i < n; i++) out[i] = prof_ns[i];
+    if (reset) memset(prof_ns, 0, sizeof prof_ns);
+    return MR_PROF_PHASES;
+}
+
+static float *lbuf;
+static size_t lbuf_cap;
+
+int mr_layer_check(const mr_layer *L, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    const mr_weight *ws[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down};
+    const int64_t d = L->n_embd;
+    const int64_t rows[7] = {L->n_head * L->head_dim_k, L->n_head_kv * L->head_dim_k, L->n_head_kv * L->head_dim_v, d,
+                             L->n_ff, L->n_ff, d};
+    const int64_t cols[7] = {d, d, d, L->n_head * L->head_dim_v, d, d, L->n_ff};
+    for (int i = 0; i < 7; i++) {
+        const mr_mat m = weight_mat(ws[i]);
+        if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i] || !mr_mat_xlayout(K, &m)) return MR_E_QTYPE;
+    }
+    if (L->gate.bias || L->up.bias) return MR_E_SHAPE;
+    if (L->head_dim_k != L->head_dim_v || L->n_head % L->n_head_kv || L->rope_dim > L->head_dim_k || (L->rope_dim & 1))
+        return MR_E_SHAPE;
+    if (!L->attn_norm || !L->ffn_norm || L->act < 0 || L->act > 1) return MR_E_SHAPE;
+    return MR_OK;
+}
+
+MR_INLINE void add_into(float *x, const float *o, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += o[i];
+}
+
+int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int kv_f16,
+                     const float *cos_g, const float *sin_g, const float *cos_l, const float *sin_l, int threads, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    if (n_layer <= 0 || n_seq <= 0 || n_seq > MR_PACKED_INT_MAX) return MR_E_SHAPE;
+    for (long long l = 0; l < n_layer; l++) {
+        const int rc = mr_layer_check(&layers[l], isa);
+        if (rc != MR_OK) return rc;
+    }
+    if (threads <= 0) threads = mr_pool_threads_default();
+    const mr_layer *L0 = &layers[0];
+    const int64_t d = L0->n_embd, B = n_seq;
+    int64_t qd = 0, kd = 0, ff = 0;
+    for (long long l = 0; l < n_layer; l++) {
+        const mr_layer *L = &layers[l];
+        if (L->n_embd != d) return MR_E_SHAPE;
+        if (L->n_head * L->head_dim_k > qd) qd = L->n_head * L->head_dim_k;
+        if (L->n_head_kv * L->head_dim_k > kd) kd = L->n_head_kv * L->head_dim_k;
+        if (L->n_ff > ff) ff = L->n_ff;
+    }
+    mr_call_lock();
+    int rc = MR_OK;
+    unsigned long long steals = 0;
+    /* scratch: h, o (B x d), q, att (B x qd), k, v (B x kd), a (B x ff); grow-only (late workers) */
+    const size_t need = (size_t)(B * (2 * d + 2 * qd + 2 * kd + ff) + 64);
+    if (need > lbuf_cap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
+        else {
+            lbuf = (float *)p;
+            lbuf_cap = need * 2;
+        }
+    }
+    float *h = lbuf, *o = h + B * d, *q = o + B * d, *att = q + B * qd, *k = att + B * qd, *v = k + B * kd, *a = v + B * kd;
+    for (long long l = 0; l < n_layer && rc == MR_OK; l++) {
+        const mr_layer *L = &layers[l];
+        const int64_t H = L->n_head, Hkv = L->n_head_kv, D = L->head_dim_k, half = L->rope_dim / 2;
+        const float *cs = L->local ? cos_l : cos_g, *sn = L->local ? sin_l : sin_g;
+        /* attention block */
+        double prof_t = prof_on ? prof_now() : 0.0;
+        for (int64_t b = 0; b < B; b++) K->rmsnorm(x + b * d, L->attn_norm, L->eps, d, h + b * d);
+        {
+            const mr_weight *w[3] = {&L->wq, &L->wk, &L->wv};
+            float *y[3] = {q, k, v};
+            rc = run_mats(K, w, y, 3, -1, h, B, threads);
+            steals += mr_pool_steals();
+        }
+        if (rc != MR_OK) break;
+        PROF(0);
+        for (int64_t b = 0; b < B; b++) {
+            const mr_kvseq *s = &seqs[b];
+            float *qb = q + b * H * D, *kb = k + b * Hkv * D, *vb = v + b * Hkv * D;
+            if (L->q_norm)
+                for (int64_t i = 0; i < H; i++) K->rmsnorm(qb + i * D, L->q_norm, L->eps, D, qb + i * D);
+            if (L->k_norm)
+                for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(kb + i * D, L->k_norm, L->eps, D, kb + i * D);
+            for (int64_t i = 0; i < H; i++) mr_rope_row(qb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+            for (int64_t i = 0; i < Hkv; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+            for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos of the cache */
+                const int64_t off = l * s->layer_stride + (i * s->n_ctx + s->pos) * D;
+                if (kv_f16) {
+                    uint16_t *kc = (uint16_t *)s->k + off, *vc = (uint16_t *)s->v + off;
+                    for (int64_t e = 0; e < D; e++) {
+                        kc[e] = mr_f32_to_f16(kb[i * D + e]);
+                        vc[e] = mr_f32_to_f16(vb[i * D + e]);
+                    }
+                } else {
+                    memcpy((float *)s->k + off, kb + i * D, (size_t)D * 4);
+                    memcpy((float *)s->v + off, vb + i * D, (size_t)D * 4);
+                }
+            }
+        }
+        PROF(1);
+        {
+            const void *kp[MR_PACKED_INT_MAX], *vp[MR_PACKED_INT_MAX];
+            int64_t nc[MR_PACKED_INT_MAX], st[MR_PACKED_INT_MAX], en[MR_PACKED_INT_MAX];
+            const int64_t es = kv_f16 ? 2 : 4;
+            for (int64_t b = 0; b < B; b++) {
+                kp[b] = (const uint8_t *)seqs[b].k + l * seqs[b].layer_stride * es;
+                vp[b] = (const uint8_t *)seqs[b].v + l * seqs[b].layer_stride * es;
+                nc[b] = seqs[b].n_ctx;
+                en[b] = seqs[b].pos + 1;
+                st[b] = L->window > 0 && en[b] > L->window ? en[b] - L->window : 0;
+            }
+            rc = mr_attention_decode_batch(K, q, att, B, kp, vp, nc, st, en, H, Hkv, D, kv_f16, L->attn_scale, L->softcap,
+                                           threads);
+        }
+        if (rc != MR_OK) break;
+        PROF(2);
+        {
+            const mr_weight *w[1] = {&L->wo};
+            float *y[1] = {o};
+            rc = run_mats(K, w, y, 1, -1, att, B, threads);
+            steals += mr_pool_steals();
+        }
+        if (rc != MR_OK) break;
+        for (int64_t b = 0; b < B; b++) {
+            if (L->post_attn_norm) K->rmsnorm(o + b * d, L->post_attn_norm, L->eps, d, o + b * d);
+            add_into(x + b * d, o + b * d, d);
+        }
+        PROF(3);
+        /* feed-forward block */
+        for (int64_t b = 0; b < B; b++) K->rmsnorm(x + b * d, L->ffn_norm, L->eps, d, h + b * d);
+        {
+            const mr_weight *w[2] = {&L->gate, &L->up};
+            float *y[2] = {a, a};
+            rc = run_mats(K, w, y, 2, L->act, h, B, threads);
+            steals += mr_pool_steals();
+        }
+        if (rc != MR_OK) break;
+        PROF(4);
+        {
+            const mr_weight *w[1] = {&L->down};
+            float *y[1] = {o};
+            rc = run_mats(K, w, y, 1, -1, a, B, threads);
+            steals += mr_pool_steals();
+        }
+        if (rc != MR_OK) break;
+        for (int64_t b = 0; b < B; b++) {
+            if (L->post_ffn_norm) K->rmsnorm(o + b * d, L->post_ffn_norm, L->eps, d, o + b * d);
+            add_into(x + b * d, o + b * d, d);
+        }
+        PROF(5);
+        if (prof_on) prof_ns[6] += 1.0;
+    }
+    mr_call_unlock();
+    if (rc != MR_OK) return rc;
+    return steals > 1000000ULL ? 1000000 : (int)steals;
+}

@@ -1,0 +1,743 @@
+/* AVX-512 VNNI multi-row integer kernels for decode (1..4 tokens): y[t, r] = W[r, :] . x_t.
+ *
+ * Same arithmetic as the single-row kernels of x86_avx512.c (weights unpacked to int16, int16
+ * activations per 32-block, vpdpwssd, each block's int32 sums scaled in float32) organised for speed:
+ *
+ * - several rows per pass (4 for 1..2 tokens, 2 for 3..4): the activation loads, the loop and the
+ *   final reductions are shared, and the rows' independent accumulators hide the FMA latency;
+ * - per-block scales come from a few word permutes per 16 blocks and one vector multiply by the
+ *   activation scales (no per-block f16 conversion on the shuffle port);
+ * - constant weight offsets (Q4_0's -8, Q6_K's -32) leave the inner loop: sum (q - o) * xq is
+ *   computed as sum q * xq - o * sum xq, with sum xq from the activation quantization (exact in
+ *   integers, so the result is the same as subtracting first);
+ * - Q6_K's per-16 scales multiply the float partial sums (lanes 0..7 of a vpdpwssd hold the first
+ *   16 elements) instead of the int16 weights;
+ * - the kernels can software-prefetch their rows mr_pf_dist bytes ahead (MINIRT_PF; off by default:
+ *   measured in decode on the packed layout, the hardware prefetcher keeps up with its one stream).
+ *
+ * Bounds: |w| <= 63 (Q6_K, unsigned here), |x| <= 32767: two products per int32 lane, no overflow. */
+#include "common.h"
+
+#ifdef MR_X86
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+
+MR_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(mr_rd16(p)); }
+
+/* pidx[k] = [2k x 8, 2k+1 x 8]: spreads elements 2k, 2k+1 of a 16-float vector over the two halves */
+static const int32_t pidx_tab[8][16] __attribute__((aligned(64))) = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},         {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},         {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},         {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+    {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+#define PIDX(k) _mm512_load_si512((const void *)pidx_tab[k])
+
+/* The f16 fields at byte OFF of blocks 0..n-1 (n <= 16) of BYTES bytes each -> 16 floats (0 past n).
+ * Word permutes over 128-byte windows (several blocks each) instead of a gather, which is slow on
+ * many CPUs, or 16 scalar copies, whose store-to-load forwarding fails. Masked loads never touch
+ * bytes past the n blocks. */
+MR_INLINE __m512 scales16(const uint8_t *ws, const int BYTES, const int OFF, int64_t n) {
+    const int M = (126 - OFF) / BYTES + 1; /* blocks per window */
+    const __m512i base = _mm512_mullo_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8,
+                         7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi16((short)(BYTES / 2)));
+    __m512i res = _mm512_setzero_si512();
+    for (int64_t j0 = 0; j0 < n; j0 += M) {
+        const uint8_t *p = ws + j0 * BYTES;
+        const int64_t avail = (n - j0) * BYTES;
+        const __mmask64 k0 = avail >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << avail) - 1;
+        const __mmask64 k1 = avail >= 128 ? ~(__mmask64)0 : avail <= 64 ? 0 : ((__mmask64)1 << (avail - 64)) - 1;
+        const __m512i lo = _mm512_maskz_loadu_epi8(k0, p), hi = _mm512_maskz_loadu_epi8(k1, p + 64);
+        const __m512i idx = _mm512_add_epi16(base, _mm512_set1_epi16((short)((OFF - (int)j0 * BYTES) / 2)));
+        const __mmask32 lanes = (__mmask32)((((uint32_t)1 << M) - 1) << j0);
+        res = _mm512_mask_mov_epi16(res, lanes, _mm512_permutex2var_epi16(lo, idx, hi));
+    }
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(res));
+}
+
+MR_INLINE __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* prefetch the bytes [lo, hi) of base, clipped to end */
+MR_INLINE void pf_range(const uint8_t *base, int64_t lo, int64_t hi, int64_t end) {
+    if (hi > end) hi = end;
+    for (int64_t o = lo & ~(int64_t)63; o < hi; o += 64) _mm_prefetch((const char *)base + o, _MM_HINT_T0);
+}
+
+/* ---------------------------------------------------------------- 32-element nibble types, in pairs
+ * A pair of blocks a, b unpacks to lo = [a 0..15, b 0..15], hi = [a 16..31, b 16..31] (int16), the
+ * order of xa->qp; int32 lanes 0..7 of the two dot products then belong to a, 8..15 to b. */
+enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_IQ4NL };
+
+MR_INLINE void nib_pair(const uint8_t *qa, const uint8_t *qb, __m512i *lo, __m512i *hi) {
+    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
+                                                _mm_loadu_si128((const __m128i *)qb), 1);
+    const __m512i w16 = _mm512_cvtepu8_epi16(raw);
+    *lo = _mm512_and_si512(w16, _mm512_set1_epi16(15));
+    *hi = _mm512_srli_epi16(w16, 4);
+}
+
+MR_INLINE void hbits_pair(const uint8_t *ha, const uint8_t *hb, __mmask32 *klo, __mmask32 *khi) {
+    const uint32_t a = mr_rd32(ha), b = mr_rd32(hb);
+    *klo = (__mmask32)((a & 0xffffu) | (b << 16));
+    *khi = (__mmask32)((a >> 16) | (b & 0xffff0000u));
+}
+
+MR_INLINE __m512i iq4_lut16(__m256i nib) { /* int8 codebook lookup, widened to int16 */
+    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_iq4nl);
+    return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib));
+}
+
+MR_INLINE void unpack_pair(const int KIND, const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
+    const __m512i c16 = _mm512_set1_epi16(16);
+    __mmask32 kl, kh;
+    switch (KIND) {
+    case K_Q4_0: nib_pair(a + 2, b + 2, lo, hi); break; /* raw 0..15; the -8 is folded out */
+    case K_Q4_1: nib_pair(a + 4, b + 4, lo, hi); break;
+    case K_Q5_0:
+        nib_pair(a + 6, b + 6, lo, hi);
+        hbits_pair(a + 2, b + 2, &kl, &kh);
+        *lo = _mm512_mask_sub_epi16(*lo, (__mmask32)~kl, *lo, c16); /* (q | h << 4) - 16 */
+        *hi = _mm512_mask_sub_epi16(*hi, (__mmask32)~kh, *hi, c16);
+        break;
+    case K_Q5_1:
+        nib_pair(a + 8, b + 8, lo, hi);
+        hbits_pair(a + 4, b + 4, &kl, &kh);
+        *lo = _mm512_mask_add_epi16(*lo, kl, *lo, c16);
+        *hi = _mm512_mask_add_epi16(*hi, kh, *hi, c16);
+        break;
+    default: { /* IQ4_NL */
+        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 2))),
+                                                    _mm_loadu_si128((const __m128i *)(b + 2)), 1);
+        const __m256i m4 = _mm256_set1_epi8(15);
+        *lo = iq4_lut16(_mm256_and_si256(raw, m4));
+        *hi = iq4_lut16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+    }
+    }
+}
+
+/* one block in natural order (the odd last block of a row) */
+MR_INLINE __m512i unpack_one(const int KIND, const uint8_t *b) {
+    const int qoff = KIND == K_Q4_0 || KIND == K_IQ4NL ? 2 : KIND == K_Q4_1 ? 4 : KIND == K_Q5_0 ? 6 : 8;
+    const __m128i r = _mm_loadu_si128((const __m128i *)(b + qoff));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
+    if (KIND == K_IQ4NL) return iq4_lut16(nib);
+    __m512i v = _mm512_cvtepu8_epi16(nib);
+    if (KIND == K_Q5_0)
+        v = _mm512_mask_sub_epi16(v, (__mmask32)~mr_rd32(b + 2), v, _mm512_set1_epi16(16));
+    else if (KIND == K_Q5_1)
+        v = _mm512_mask_add_epi16(v, (__mmask32)mr_rd32(b + 4), v, _mm512_set1_epi16(16));
+    return v;
+}
+
+/* R rows (row stride rb) x NT tokens over nb blocks of BYTES bytes. Corrections per block (one
+ * accumulator): types with a min add m * sum(x); Q4_0 subtracts 8 * d * sum(xq). */
+/* Combined scales sc[r][t][i] = d_w(block s0+i of row r) * d_x(t, s0+i) of one segment of n <= 16
+ * blocks, and the per-segment corrections (min * sum x, or d * sum xq for folded offsets). */
+MR_INLINE void seg_scales(const uint8_t *w, int64_t rb, int64_t s0, int64_t n, const mr_xact *xa, const int NT,
+                          const int R, const int BYTES, const int HAS_MIN, const int HAS_OFF, float sc[][MR_NT_INT][16],
+                          __m512 cor[][MR_NT_INT]) {
+    const __mmask16 k = mask16(n);
+    for (int r = 0; r < R; r++) {
+        const uint8_t *ws = w + r * rb + s0 * BYTES;
+        const __m512 dw = scales16(ws, BYTES, 0, n);
+        const __m512 mw = HAS_MIN ? scales16(ws, BYTES, 2, n) : dw;
+        for (int t = 0; t < NT; t++) {
+            const int64_t o = t * xa->bs + s0;
+            _mm512_store_ps(sc[r][t], _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(k, xa->d + o)));
+            if (HAS_MIN || HAS_OFF)
+                cor[r][t] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(k, (HAS_MIN ? xa->s : xa->sq) + o), cor[r][t]);
+        }
+    }
+}
+
+/* R rows (row stride rb) x NT tokens over nb blocks of BYTES bytes. The scales of the next segment
+ * of 16 blocks are computed before the dot products of the current one, so their latency (loads,
+ * permutes, conversion) overlaps useful work. Corrections per block (one accumulator): types with
+ * a min add m * sum(x); Q4_0 subtracts 8 * d * sum(xq). */
+MR_INLINE void gemv_pair_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr_xact *xa, float *y, int64_t ys,
+                              const int NT, const int R, const int BYTES, const int KIND) {
+    const int HAS_MIN = KIND == K_Q4_1 || KIND == K_Q5_1, HAS_OFF = KIND == K_Q4_0;
+    __m512 acc[4][MR_NT_INT], cor[4][MR_NT_INT];
+    float sc[2][4][MR_NT_INT][16] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = cor[r][t] = _mm512_setzero_ps();
+    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, BYTES, HAS_MIN, HAS_OFF, sc[0], cor);
+    int cur = 0;
+    for (int64_t s0 = 0; s0 < nb; s0 += 16, cur ^= 1) {
+        const int64_t n = nb - s0 < 16 ? nb - s0 : 16;
+        if (s0 + 16 < nb)
+            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, BYTES, HAS_MIN, HAS_OFF,
+                       sc[cur ^ 1], cor);
+        int64_t b = 0;
+        for (; b + 2 <= n; b += 2) {
+            const __m512i pidx = PIDX(b >> 1);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wb = w + r * rb + (s0 + b) * BYTES;
+                __m512i lo, hi;
+                unpack_pair(KIND, wb, wb + BYTES, &lo, &hi);
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xa->qp + t * xa->qs + 32 * (s0 + b);
+                    __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xt));
+                    p = _mm512_dpwssd_epi32(p, hi, _mm512_loadu_si512((const void *)(xt + 32)));
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                                _mm512_permutexvar_ps(pidx, _mm512_load_ps(sc[cur][r][t])), acc[r][t]);
+                }
+            }
+        }
+        if (b < n) { /* odd last block: natural order, also in xa->qp */
+            for (int r = 0; r < R; r++) {
+                const __m512i wv = unpack_one(KIND, w + r * rb + (s0 + b) * BYTES);
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xa->qp + t * xa->qs + 32 * (s0 + b);
+                    const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512((const void *)xt));
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(sc[cur][r][t][b]), acc[r][t]);
+                }
+            }
+        }
+    }
+    const float cmul = HAS_MIN ? 1.0f : -8.0f;
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++)
+            y[t * ys + r] = _mm512_reduce_add_ps(acc[r][t]) + (HAS_MIN || HAS_OFF ? cmul * _mm512_reduce_add_ps(cor[r][t]) : 0.0f);
+}
+
+/* ---------------------------------------------------------------- Q8_0: one block per step, natural order */
+MR_INLINE void gemv_q8_0_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr_xact *xa, float *y, int64_t ys,
+                              const int NT, const int R) {
+    __m512 acc[4][MR_NT_INT], cor[4][MR_NT_INT];
+    float sc[2][4][MR_NT_INT][16] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
+    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, 34, 0, 0, sc[0], cor);
+    int cur = 0;
+    for (int64_t s0 = 0; s0 < nb; s0 += 16, cur ^= 1) {
+        const int64_t n = nb - s0 < 16 ? nb - s0 : 16;
+        if (s0 + 16 < nb)
+            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, 34, 0, 0, sc[cur ^ 1], cor);
+        for (int64_t b = 0; b < n; b++) {
+            for (int r = 0; r < R; r++) {
+                const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + r * rb + (s0 + b) * 34 + 2)));
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xa->q + t * xa->qs + 32 * (s0 + b);
+                    const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512((const void *)xt));
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(sc[cur][r][t][b]), acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) y[t * ys + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* ---------------------------------------------------------------- 256-element super-blocks */
+MR_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+enum { K_Q4_K, K_Q5_K, K_Q6_K, K_IQ4XS };
+
+/* Q4_K / Q5_K 6-bit scales and mins of one super-block as floats (ggml get_scale_min_k4, on words) */
+MR_INLINE void k4_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
+    uint32_t u[3], s[2], m2[2];
+    memcpy(u, b + 4, 12);
+    s[0] = u[0] & 0x3f3f3f3fu;
+    s[1] = (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u);
+    m2[0] = u[1] & 0x3f3f3f3fu;
+    m2[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u);
+    *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
+    *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m2)));
+}
+
+/* 8 sub-blocks of int16 weights (sub-block j = elements 32j..32j+31) */
+MR_INLINE void sb_unpack(const int KIND, const uint8_t *b, __m512i wv[8]) {
+    const __m512i m4 = _mm512_set1_epi16(15);
+    if (KIND == K_Q4_K) {
+        for (int c = 0; c < 4; c++) {
+            const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
+            wv[2 * c] = _mm512_and_si512(w16, m4);
+            wv[2 * c + 1] = _mm512_srli_epi16(w16, 4);
+        }
+    } else if (KIND == K_Q5_K) {
+        const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        const __m512i c16 = _mm512_set1_epi16(16);
+        for (int c = 0; c < 4; c++) {
+            const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c)));
+            const __m512i lo = _mm512_and_si512(w16, m4), hi = _mm512_srli_epi16(w16, 4);
+            const __mmask32 k0 = _mm512_test_epi16_mask(qh, _mm512_set1_epi16((short)(1 << (2 * c))));
+            const __mmask32 k1 = _mm512_test_epi16_mask(qh, _mm512_set1_epi16((short)(1 << (2 * c + 1))));
+            wv[2 * c] = _mm512_mask_add_epi16(lo, k0, lo, c16);
+            wv[2 * c + 1] = _mm512_mask_add_epi16(hi, k1, hi, c16);
+        }
+    } else if (KIND == K_Q6_K) { /* unsigned 0..63; the -32 is folded out */
+        const __m512i m30 = _mm512_set1_epi16(0x30);
+        for (int h = 0; h < 2; h++) {
+            const __m512i A = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h)));
+            const __m512i B = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)));
+            const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+            /* ternary logic 0xF8: a | (b & c) */
+            wv[4 * h + 0] = _mm512_ternarylogic_epi32(_mm512_and_si512(A, m4), _mm512_slli_epi16(Q, 4), m30, 0xF8);
+            wv[4 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(B, m4), _mm512_slli_epi16(Q, 2), m30, 0xF8);
+            wv[4 * h + 2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), Q, m30, 0xF8);
+            wv[4 * h + 3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(Q, 2), m30, 0xF8);
+        }
+    } else { /* IQ4_XS */
+        for (int j = 0; j < 8; j++) {
+            const __m128i r = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * j));
+            wv[j] = iq4_lut16(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15)));
+        }
+    }
+}
+
+MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr_xact *xa, float *y, int64_t ys,
+                            const int NT, const int R, const int BYTES, const int KIND) {
+    const int HAS_MIN = KIND == K_Q4_K || KIND == K_Q5_K;
+    __m512 acc[4][MR_NT_INT][2], cor[4][MR_NT_INT];
+    __m256 corm[4][MR_NT_INT];
+    float sc[MR_NT_INT][16] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) {
+            acc[r][t][0] = acc[r][t][1] = cor[r][t] = _mm512_setzero_ps();
+            corm[r][t] = _mm256_setzero_ps();
+        }
+    /* dx per 32 spread over the per-16 groups: [d0, d0, d1, d1, ..., d7, d7] */
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const int64_t nsb = nb32 / 8;
+    for (int64_t ib = 0; ib < nsb; ib++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = w + r * rb + ib * BYTES;
+            __m512i wv[8];
+            if (KIND == K_Q6_K) {
+                /* S0[g] = d * scale[g] for the 16 groups of 16 */
+                const __m512 S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
+                                                _mm512_set1_ps(f16s(b + 208)));
+                for (int t = 0; t < NT; t++) {
+                    const int64_t o = t * xa->bs + 8 * ib;
+                    const __m512 dx = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(xa->d + o)));
+                    _mm512_store_ps(sc[t], _mm512_mul_ps(S0, dx));
+                    cor[r][t] = _mm512_fmadd_ps(S0, _mm512_loadu_ps(xa->sq16 + 2 * o), cor[r][t]);
+                }
+            } else {
+                __m256 s8, m8;
+                if (KIND == K_IQ4XS) {
+                    const uint16_t sh = mr_rd16(b + 2);
+                    float ls[8];
+                    for (int j = 0; j < 8; j++)
+                        ls[j] = (float)((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+                    s8 = _mm256_mul_ps(_mm256_loadu_ps(ls), _mm256_set1_ps(f16s(b)));
+                    m8 = _mm256_setzero_ps();
+                } else {
+                    k4_scales(b, &s8, &m8);
+                    s8 = _mm256_mul_ps(s8, _mm256_set1_ps(f16s(b)));
+                    m8 = _mm256_mul_ps(m8, _mm256_set1_ps(-f16s(b + 2)));
+                }
+                for (int t = 0; t < NT; t++) {
+                    const int64_t o = t * xa->bs + 8 * ib;
+                    _mm256_store_ps(sc[t], _mm256_mul_ps(s8, _mm256_loadu_ps(xa->d + o)));
+                    if (HAS_MIN) corm[r][t] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xa->s + o), corm[r][t]);
+                }
+            }
+            sb_unpack(KIND, b, wv);
+            for (int t = 0; t < NT; t++) {
+                const int16_t *xt = xa->q + t * xa->qs + 256 * ib;
+                for (int j = 0; j < 8; j++) {
+                    const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[j],
+                                                          _mm512_loadu_si512((const void *)(xt + 32 * j)));
+                    const __m512 s = KIND == K_Q6_K ? _mm512_permutexvar_ps(PIDX(j), _mm512_load_ps(sc[t]))
+                                                    : _mm512_set1_ps(sc[t][j]);
+                    acc[r][t][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[r][t][j & 1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) {
+            float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
+            if (KIND == K_Q6_K) v -= 32.0f * _mm512_reduce_add_ps(cor[r][t]);
+            else if (HAS_MIN) v += hsum8(corm[r][t]);
+            y[t * ys + r] = v;
+        }
+}
+
+/* ---------------------------------------------------------------- packed layout (pack.c): 4 rows x 128 columns per tile */
+enum { P_Q4_0, P_Q5_0, P_Q8_0 };
+
+/* ridx[r] spreads the 4 block scales of row r (elements 4r..4r+3 of a tile's 16) over 4 lanes each */
+static const int32_t ridx_tab[4][16] __attribute__((aligned(64))) = {
+    {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},         {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+    {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15},
+};
+
+/* the sums of 4 vectors */
+MR_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* the 4 int16 weight vectors of row r of a tile (vector k holds elements E(k, j), see pack.c) */
+MR_INLINE void p_unpack(const int KIND, const uint8_t *tw, int r, __m512i v[4]) {
+    if (KIND == P_Q8_0) {
+        const uint8_t *q = tw + 32 + 128 * r;
+        for (int k = 0; k < 4; k++) v[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * k)));
+        return;
+    }
+    const uint8_t *nb = tw + (KIND == P_Q5_0 ? 96 : 32) + 64 * r;
+    const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb));
+    const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb + 32)));
+    const __m512i m4 = _mm512_set1_epi16(15);
+    v[0] = _mm512_and_si512(h0, m4);
+    v[1] = _mm512_srli_epi16(h0, 4);
+    v[2] = _mm512_and_si512(h1, m4);
+    v[3] = _mm512_srli_epi16(h1, 4);
+    if (KIND == P_Q5_0) {
+        const uint8_t *mk = tw + 32 + 16 * r;
+        const __m512i c16 = _mm512_set1_epi16(16);
+        for (int k = 0; k < 4; k++) v[k] = _mm512_mask_sub_epi16(v[k], _load_mask32((__mmask32 *)(mk + 4 * k)), v[k], c16);
+    } else {
+        const __m512i c8 = _mm512_set1_epi16(8);
+        for (int k = 0; k < 4; k++) v[k] = _mm512_sub_epi16(v[k], c8);
+    }
+}
+
+/* one row group (4 rows) x NT tokens (starting at token t0) over ntiles tiles -> y[t*ys + r] */
+MR_INLINE void pg_group(const int KIND, const int TB, const uint8_t *gw, int64_t ntiles, const mr_xact *xa, int t0,
+                        const int NT, float *y, int64_t ys) {
+    __m512 acc[4][MR_NT_INT];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < ntiles; i++) {
+        const uint8_t *tw = gw + i * TB;
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tw));
+        __m512 S[MR_NT_INT];
+        for (int t = 0; t < NT; t++)
+            S[t] = _mm512_mul_ps(sw, _mm512_broadcast_f32x4(_mm_loadu_ps(xa->d + (t0 + t) * xa->bs + 4 * i)));
+        for (int r = 0; r < 4; r++) {
+            __m512i v[4];
+            p_unpack(KIND, tw, r, v);
+            const __m512i ri = _mm512_load_si512((const void *)ridx_tab[r]);
+            for (int t = 0; t < NT; t++) {
+                const int16_t *xt = xa->q + (t0 + t) * xa->qs + 128 * i;
+                __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), v[0], _mm512_loadu_si512((const void *)xt));
+                p = _mm512_dpwssd_epi32(p, v[1], _mm512_loadu_si512((const void *)(xt + 32)));
+                p = _mm512_dpwssd_epi32(p, v[2], _mm512_loadu_si512((const void *)(xt + 64)));
+                p = _mm512_dpwssd_epi32(p, v[3], _mm512_loadu_si512((const void *)(xt + 96)));
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(ri, S[t]), acc[r][t]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm_storeu_ps(y + t * ys, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+}
+
+MR_INLINE void pgemv_impl(const uint8_t *wp, int64_t ngroups, int64_t ntiles, const mr_xact *xa, int nt, float *y,
+                          int64_t ys, const int KIND, const int TB) {
+    const int64_t gb = ntiles * TB, end = ngroups * gb, pf = mr_pf_dist;
+    if (pf > 0) pf_range(wp, 0, pf, end);
+    for (int64_t g = 0; g < ngroups; g++) {
+        const uint8_t *gw = wp + g * gb;
+        if (pf > 0) pf_range(wp, g * gb + pf, (g + 1) * gb + pf, end);
+        for (int t0 = 0; t0 < nt; t0 += MR_NT_INT) {
+            float *yg = y + t0 * ys + 4 * g;
+            switch (nt - t0) {
+            case 1: pg_group(KIND, TB, gw, ntiles, xa, t0, 1, yg, ys); break;
+            case 2: pg_group(KIND, TB, gw, ntiles, xa, t0, 2, yg, ys); break;
+            case 3: pg_group(KIND, TB, gw, ntiles, xa, t0, 3, yg, ys); break;
+            default: pg_group(KIND, TB, gw, ntiles, xa, t0, 4, yg, ys); break;
+            }
+        }
+    }
+}
+
+static void pgemv_q4_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q4_0, 288);
+}
+static void pgemv_q5_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q5_0, 352);
+}
+static void pgemv_q8_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q8_0, 544);
+}
+
+/* one tile -> floats in packed column order: out[r * os + 32k + j] */
+MR_INLINE void pdq_impl(const int KIND, const uint8_t *tw, float *out, int64_t os) {
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tw));
+    for (int r = 0; r < 4; r++) {
+        __m512i v[4];
+        p_unpack(KIND, tw, r, v);
+        /* int16 lanes 0..15 belong to blocks 0, 1 and lanes 16..31 to blocks 2, 3 (8 each) */
+        const __m512 slo = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * r), PIDX(0)), sw);
+        const __m512 shi = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * r), PIDX(1)), sw);
+        for (int k = 0; k < 4; k++) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v[k])));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v[k], 1)));
+            _mm512_storeu_ps(out + r * os + 32 * k, _mm512_mul_ps(lo, slo));
+            _mm512_storeu_ps(out + r * os + 32 * k + 16, _mm512_mul_ps(hi, shi));
+        }
+    }
+}
+static void pdq_q4_0(const uint8_t *tw, float *out, int64_t os) { pdq_impl(P_Q4_0, tw, out, os); }
+static void pdq_q5_0(const uint8_t *tw, float *out, int64_t os) { pdq_impl(P_Q5_0, tw, out, os); }
+static void pdq_q8_0(const uint8_t *tw, float *out, int64_t os) { pdq_impl(P_Q8_0, tw, out, os); }
+
+/* ---------------------------------------------------------------- packed k-quants: 4 rows x 256 columns per tile */
+enum { P_Q4_K, P_Q6_K };
+
+/* 64 bytes of packed nibbles -> the 4 int16 vectors of one quad */
+MR_INLINE void pk_nib(const uint8_t *nb, __m512i v[4]) {
+    const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb));
+    const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb + 32)));
+    const __m512i m4 = _mm512_set1_epi16(15);
+    v[0] = _mm512_and_si512(h0, m4);
+    v[1] = _mm512_srli_epi16(h0, 4);
+    v[2] = _mm512_and_si512(h1, m4);
+    v[3] = _mm512_srli_epi16(h1, 4);
+}
+
+/* quad Q of row r of a packed k-quant tile -> 4 int16 vectors (Q6_K: unsigned 0..63, the -32 is folded out) */
+MR_INLINE void pk_unpack(const int KIND, const uint8_t *tw, int r, int Q, __m512i v[4]) {
+    if (KIND == P_Q4_K) {
+        pk_nib(tw + 80 + 128 * r + 64 * Q, v);
+        return;
+    }
+    pk_nib(tw + 72 + 128 * r + 64 * Q, v);
+    const __m512i H = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tw + 584 + 64 * r + 32 * Q)));
+    const __m512i m30 = _mm512_set1_epi16(0x30);
+    /* ternary logic 0xF8: a | (b & c) -- bits 2k, 2k+1 of H become bits 4, 5 of vector k */
+    v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(H, 4), m30, 0xF8);
+    v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(H, 2), m30, 0xF8);
+    v[2] = _mm512_ternarylogic_epi32(v[2], H, m30, 0xF8);
+    v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srli_epi16(H, 2), m30, 0xF8);
+}
+
+/* per-row scales of a k-quant tile: Q4_K s8 = d * scale_j, m8 = -dmin * min_j (8 sub-blocks);
+ * Q6_K S16 = d * scale_g (16 groups of 16) */
+MR_INLINE void pk_scales_q4k(const uint8_t *tw, int r, __m256 *s8, __m256 *m8) {
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tw + 16 + 16 * r))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tw + 24 + 16 * r))));
+    *s8 = _mm256_mul_ps(sc, _mm256_set1_ps(f16s(tw + 2 * r)));
+    *m8 = _mm256_mul_ps(mn, _mm256_set1_ps(-f16s(tw + 8 + 2 * r)));
+}
+MR_INLINE __m512 pk_scales_q6k(const uint8_t *tw, int r) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tw + 8 + 16 * r)))),
+                         _mm512_set1_ps(f16s(tw + 2 * r)));
+}
+
+MR_INLINE void pgk_group(const int KIND, const int TB, const uint8_t *gw, int64_t ntiles, const mr_xact *xa, int t0,
+                         const int NT, float *y, int64_t ys) {
+    __m512 acc[4][MR_NT_INT], cor[4][MR_NT_INT];
+    __m256 corm[4][MR_NT_INT];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < NT; t++) {
+            acc[r][t] = cor[r][t] = _mm512_setzero_ps();
+            corm[r][t] = _mm256_setzero_ps();
+        }
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dup8 = _mm512_add_epi32(dup, _mm512_set1_epi32(8));
+    for (int64_t i = 0; i < ntiles; i++) {
+        const uint8_t *tw = gw + i * TB;
+        for (int r = 0; r < 4; r++) {
+            __m512 Sq[2][MR_NT_INT];
+            if (KIND == P_Q4_K) {
+                __m256 s8, m8;
+                pk_scales_q4k(tw, r, &s8, &m8);
+                for (int t = 0; t < NT; t++) {
+                    const int64_t o = (t0 + t) * xa->bs + 8 * i;
+                    const __m512 S = _mm512_castps256_ps512(_mm256_mul_ps(s8, _mm256_loadu_ps(xa->d + o)));
+                    Sq[0][t] = _mm512_permutexvar_ps(_mm512_load_si512((const void *)ridx_tab[0]), S);
+                    Sq[1][t] = _mm512_permutexvar_ps(_mm512_load_si512((const void *)ridx_tab[1]), S);
+                    corm[r][t] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xa->s + o), corm[r][t]);
+                }
+            } else {
+                const __m512 S0 = pk_scales_q6k(tw, r);
+                for (int t = 0; t < NT; t++) {
+                    const int64_t o = (t0 + t) * xa->bs + 8 * i;
+                    const __m512 dx = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(xa->d + o)));
+                    const __m512 S = _mm512_mul_ps(S0, dx);
+                    Sq[0][t] = _mm512_permutexvar_ps(dup, S);
+                    Sq[1][t] = _mm512_permutexvar_ps(dup8, S);
+                    cor[r][t] = _mm512_fmadd_ps(S0, _mm512_loadu_ps(xa->sq16 + 2 * o), cor[r][t]);
+                }
+            }
+            for (int Q = 0; Q < 2; Q++) {
+                __m512i v[4];
+                pk_unpack(KIND, tw, r, Q, v);
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xa->q + (t0 + t) * xa->qs + 256 * i + 128 * Q;
+                    __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), v[0], _mm512_loadu_si512((const void *)xt));
+                    p = _mm512_dpwssd_epi32(p, v[1], _mm512_loadu_si512((const void *)(xt + 32)));
+                    p = _mm512_dpwssd_epi32(p, v[2], _mm512_loadu_si512((const void *)(xt + 64)));
+                    p = _mm512_dpwssd_epi32(p, v[3], _mm512_loadu_si512((const void *)(xt + 96)));
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), Sq[Q][t], acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        __m128 v = reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]);
+        if (KIND == P_Q4_K) {
+            v = _mm_add_ps(v, _mm_setr_ps(hsum8(corm[0][t]), hsum8(corm[1][t]), hsum8(corm[2][t]), hsum8(corm[3][t])));
+        } else {
+            v = _mm_sub_ps(v, _mm_mul_ps(_mm_set1_ps(32.0f), reduce4(cor[0][t], cor[1][t], cor[2][t], cor[3][t])));
+        }
+        _mm_storeu_ps(y + t * ys, v);
+    }
+}
+
+MR_INLINE void pgemvk_impl(const uint8_t *wp, int64_t ngroups, int64_t ntiles, const mr_xact *xa, int nt, float *y,
+                           int64_t ys, const int KIND, const int TB) {
+    const int64_t gb = ntiles * TB, end = ngroups * gb, pf = mr_pf_dist;
+    if (pf > 0) pf_range(wp, 0, pf, end);
+    for (int64_t g = 0; g < ngroups; g++) {
+        const uint8_t *gw = wp + g * gb;
+        if (pf > 0) pf_range(wp, g * gb + pf, (g + 1) * gb + pf, end);
+        for (int t0 = 0; t0 < nt; t0 += MR_NT_INT) {
+            float *yg = y + t0 * ys + 4 * g;
+            switch (nt - t0) {
+            case 1: pgk_group(KIND, TB, gw, ntiles, xa, t0, 1, yg, ys); break;
+            case 2: pgk_group(KIND, TB, gw, ntiles, xa, t0, 2, yg, ys); break;
+            case 3: pgk_group(KIND, TB, gw, ntiles, xa, t0, 3, yg, ys); break;
+            default: pgk_group(KIND, TB, gw, ntiles, xa, t0, 4, yg, ys); break;
+            }
+        }
+    }
+}
+
+static void pgemv_q4_k(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemvk_impl(wp, ng, nti, xa, nt, y, ys, P_Q4_K, 592);
+}
+static void pgemv_q6_k(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemvk_impl(wp, ng, nti, xa, nt, y, ys, P_Q6_K, 840);
+}
+
+/* one k-quant tile -> floats in packed column order: out[r * os + 128Q + 32k + j] */
+MR_INLINE void pdqk_impl(const int KIND, const uint8_t *tw, float *out, int64_t os) {
+    for (int r = 0; r < 4; r++) {
+        __m512 sc, mn = _mm512_setzero_ps();
+        if (KIND == P_Q4_K) {
+            __m256 s8, m8;
+            pk_scales_q4k(tw, r, &s8, &m8);
+            sc = _mm512_castps256_ps512(s8);
+            mn = _mm512_castps256_ps512(m8);
+        } else {
+            sc = pk_scales_q6k(tw, r);
+        }
+        for (int Q = 0; Q < 2; Q++) {
+            __m512i v[4];
+            pk_unpack(KIND, tw, r, Q, v);
+            /* int16 lanes 0..15 / 16..31: Q4_K sub-blocks (4Q, 4Q+1) / (4Q+2, 4Q+3), 8 lanes each;
+             * Q6_K groups 8Q + lane / 4 */
+            const __m512i ilo = KIND == P_Q4_K ? PIDX(2 * Q) : _mm512_load_si512((const void *)ridx_tab[2 * Q]);
+            const __m512i ihi = KIND == P_Q4_K ? PIDX(2 * Q + 1) : _mm512_load_si512((const void *)ridx_tab[2 * Q + 1]);
+            const __m512 slo = _mm512_permutexvar_ps(ilo, sc), shi = _mm512_permutexvar_ps(ihi, sc);
+            const __m512 mlo = _mm512_permutexvar_ps(ilo, mn), mhi = _mm512_permutexvar_ps(ihi, mn);
+            const __m512i off = _mm512_set1_epi32(KIND == P_Q6_K ? 32 : 0);
+            for (int k = 0; k < 4; k++) {
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v[k])), off));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v[k], 1)), off));
+                _mm512_storeu_ps(out + r * os + 128 * Q + 32 * k, _mm512_fmadd_ps(lo, slo, mlo));
+                _mm512_storeu_ps(out + r * os + 128 * Q + 32 * k + 16, _mm512_fmadd_ps(hi, shi, mhi));
+            }
+        }
+    }
+}
+static void pdq_q4_k(const uint8_t *tw, float *out, int64_t os) { pdqk_impl(P_Q4_K, tw, out, os); }
+static void pdq_q6_k(const uint8_t *tw, float *out, int64_t os) { pdqk_impl(P_Q6_K, tw, out, os); }
+
+/* ---------------------------------------------------------------- entry points: row groups + prefetch */
+
+#define GEMV_ENTRY(NAME, CALL)                                                                               \
+    static void NAME(const uint8_t *w, int64_t rb, int64_t nrows, int64_t nb32, const mr_xact *xa, int nt,    \
+                     float *y, int64_t ys) {                                                                   \
+        const int64_t end = nrows * rb, pf = mr_pf_dist;                                                       \
+        if (pf > 0) pf_range(w, 0, pf, end);                                                                   \
+        int64_t r = 0;                                                                                         \
+        if (nt <= 2) {                                                                                         \
+            for (; r + 4 <= nrows; r += 4) {                                                                   \
+                if (pf > 0) pf_range(w, r * rb + pf, (r + 4) * rb + pf, end);                                  \
+                if (nt == 1) CALL(w + r * rb, rb, nb32, xa, y + r, ys, 1, 4);                                  \
+                else CALL(w + r * rb, rb, nb32, xa, y + r, ys, 2, 4);                                          \
+            }                                                                                                  \
+        } else {                                                                                               \
+            for (; r + 2 <= nrows; r += 2) {                                                                   \
+                if (pf > 0) pf_range(w, r * rb + pf, (r + 2) * rb + pf, end);                                  \
+                if (nt == 3) CALL(w + r * rb, rb, nb32, xa, y + r, ys, 3, 2);                                  \
+                else CALL(w + r * rb, rb, nb32, xa, y + r, ys, 4, 2);                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (; r < nrows; r++) {                                                                               \
+            switch (nt) {                                                                                      \
+            case 1: CALL(w + r * rb, rb, nb32, xa, y + r, ys, 1, 1); break;                                    \
+            case 2: CALL(w + r * rb, rb, nb32, xa, y + r, ys, 2, 1); break;                                    \
+            case 3: CALL(w + r * rb, rb, nb32, xa, y + r, ys, 3, 1); break;                                    \
+            default: CALL(w + r * rb, rb, nb32, xa, y + r, ys, 4, 1); break;                                   \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+#define CALL_Q4_0(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 18, K_Q4_0)
+#define CALL_Q4_1(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 20, K_Q4_1)
+#define CALL_Q5_0(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 22, K_Q5_0)
+#define CALL_Q5_1(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 24, K_Q5_1)
+#define CALL_IQ4NL(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 18, K_IQ4NL)
+#define CALL_Q8_0(w, rb, nb, xa, y, ys, NT, R) gemv_q8_0_impl(w, rb, nb, xa, y, ys, NT, R)
+#define CALL_Q4_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 144, K_Q4_K)
+#define CALL_Q5_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 176, K_Q5_K)
+#define CALL_Q6_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 210, K_Q6_K)
+#define CALL_IQ4XS(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 136, K_IQ4XS)
+
+GEMV_ENTRY(gemv_q4_0, CALL_Q4_0)
+GEMV_ENTRY(gemv_q4_1, CALL_Q4_1)
+GEMV_ENTRY(gemv_q5_0, CALL_Q5_0)
+GEMV_ENTRY(gemv_q5_1, CALL_Q5_1)
+GEMV_ENTRY(gemv_iq4_nl, CALL_IQ4NL)
+GEMV_ENTRY(gemv_q8_0, CALL_Q8_0)
+GEMV_ENTRY(gemv_q4_k, CALL_Q4_K)
+GEMV_ENTRY(gemv_q5_k, CALL_Q5_K)
+GEMV_ENTRY(gemv_q6_k, CALL_Q6_K)
+GEMV_ENTRY(gemv_iq4_xs, CALL_IQ4XS)
+
+void mr_init_avx512_gemv(mr_kernels *k) {
+    k->gemv[GT_Q4_0] = gemv_q4_0;
+    k->gemv[GT_Q4_1] = gemv_q4_1;
+    k->gemv[GT_Q5_0] = gemv_q5_0;
+    k->gemv[GT_Q5_1] = gemv_q5_1;
+    k->gemv[GT_IQ4_NL] = gemv_iq4_nl;
+    k->gemv[GT_Q8_0] = gemv_q8_0;
+    k->gemv[GT_Q4_K] = gemv_q4_k;
+    k->gemv[GT_Q5_K] = gemv_q5_k;
+    k->gemv[GT_Q6_K] = gemv_q6_k;
+    k->gemv[GT_IQ4_XS] = gemv_iq4_xs;
+    k->pgemv[GT_Q4_0] = pgemv_q4_0;
+    k->pgemv[GT_Q5_0] = pgemv_q5_0;
+    k->pgemv[GT_Q8_0] = pgemv_q8_0;
+    k->pdq[GT_Q4_0] = pdq_q4_0;
+    k->pdq[GT_Q5_0] = pdq_q5_0;
+    k->pdq[GT_Q8_0] = pdq_q8_0;
+    k->pgemv[GT_Q4_K] = pgemv_q4_k;
+    k->pgemv[GT_Q6_K] = pgemv_q6_k;
+    k->pdq[GT_Q4_K] = pdq_q4_k;
+    k->pdq[GT_Q6_K] = pdq_q6_k;
+    k->gemv_pair[GT_Q4_0] = k->gemv_pair[GT_Q4_1] = k->gemv_pair[GT_Q5_0] = k->gemv_pair[GT_Q5_1] =
+        k->gemv_pair[GT_IQ4_NL] = 1;
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif /* MR_X86 */
