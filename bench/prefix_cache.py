@@ -25,7 +25,7 @@ TOPICS = ["rivers", "volcanoes", "compilers", "bridges", "tea", "chess", "glacie
 def history(llm: minirt.Model, target_tokens: int) -> list[dict[str, str]]:
     msgs = [{"role": "system", "content": "You are a concise assistant who answers in one sentence."}]
     i = 0
-    while len(llm.tokenizer.encode(llm.apply_chat_template(msgs))) < target_tokens:
+    while len(llm.tokenizer.encode(llm.apply_chat_template(msgs), parse_special=True)) < target_tokens:
         t = TOPICS[i % len(TOPICS)]
         msgs.append({"role": "user", "content": f"Tell me one surprising fact about {t} (question {i})."})
         msgs.append({"role": "assistant", "content": f"Here is a fact about {t}: " + ("it is remarkable " * 6).strip() + "."})

@@ -1,7 +1,8 @@
 """How much of a decode step is Python overhead?
 
 Runs a prefill, then decodes N tokens one step at a time on this thread, timing every call into
-the compute backend (matmul, RMSNorm, RoPE, attention) with perf_counter. Whatever else the step
+the compute backend (matmul, RMSNorm, RoPE, attention, or the whole native layer stack) with
+perf_counter. Whatever else the step
 spends is Python: layer plumbing, numpy glue, sampling, detokenizing, stop checks. Prints the
 share of each, per token. Target: Python ≤ 10% of decode time.
 
@@ -48,11 +49,20 @@ def main() -> int:
                 calls[name] += 1
         return wrapper
 
+    class Timed:
+        """The backend with every method call timed (the forward pass looks them up per call)."""
+
+        def __getattr__(self, name: str):
+            fn = getattr(be, name)
+            return timed(name, fn) if callable(fn) else fn
+
     model = llm.model
-    model.backend = type("Timed", (), {})()  # the forward pass looks these up per call
-    model.backend.matmul = timed("matmul", be.matmul)
-    for attr, name in (("norm", "rmsnorm"), ("rope", "rope"), ("_attn_decode", "attention")):
-        fn = getattr(model, attr)
+    model.backend = Timed()
+    # bound once at load: wrap them where the model keeps them
+    for attr, name in (("norm", "rmsnorm"), ("rope", "rope"), ("_attn_decode", "attention"),
+                       ("_attn_prefill", "attention"), ("_act_mul", "act_mul"),
+                       ("_decode_layers", "all layers (native)")):
+        fn = getattr(model, attr, None)
         if fn is not None:
             setattr(model, attr, timed(name, fn))
 
@@ -83,9 +93,9 @@ def main() -> int:
           f"median of {args.repetitions}")
     print(f"decode: {per_tok * 1e3:.2f} ms/token ({1 / per_tok:.1f} tok/s)")
     for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:10s} {v * 1e3:7.2f} ms  {100 * v / per_tok:5.1f}%   ({ncalls[k]} calls/token)")
+        print(f"  {k:20s} {v * 1e3:7.2f} ms  {100 * v / per_tok:5.1f}%   ({ncalls[k]} calls/token)")
     py = per_tok - kernel
-    print(f"  {'python':10s} {py * 1e3:7.2f} ms  {100 * py / per_tok:5.1f}%   (everything outside the backend calls)")
+    print(f"  {'python':20s} {py * 1e3:7.2f} ms  {100 * py / per_tok:5.1f}%   (everything outside the backend calls)")
     llm.close()
     return 0
 

@@ -12,7 +12,29 @@ for the attention matmul.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
+
+_SMALL = 4 << 20  # below this numpy's own zeroed allocation is fine
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """A zero-filled array whose memory becomes resident 4 KiB at a time, as it is written.
+
+    Not ``np.zeros``: numpy asks the kernel for transparent huge pages on large allocations, and a
+    cache laid out (layer, head, n_ctx, dim) touches one 2 MiB page per layer and head on its first
+    token: ~100 MB resident and ~0.3 s of page zeroing for a 32k context holding 16 tokens."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes < _SMALL or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.zeros(shape, dtype=dtype)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:  # pragma: no cover - kernels without THP
+            pass
+    return np.frombuffer(m, dtype=dtype).reshape(shape)  # the array keeps the mapping alive
 
 
 class KVCache:
@@ -24,8 +46,8 @@ class KVCache:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         self.n_ctx = n_ctx
         self.n_layer = n_layer
-        self.k = np.zeros((n_layer, n_head_kv, n_ctx, head_dim_k), dtype=dtype)
-        self.v = np.zeros((n_layer, n_head_kv, n_ctx, head_dim_v), dtype=dtype)
+        self.k = lazy_zeros((n_layer, n_head_kv, n_ctx, head_dim_k), dtype)
+        self.v = lazy_zeros((n_layer, n_head_kv, n_ctx, head_dim_v), dtype)
         self.n_past = 0
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
         # repetition penalties see the history

@@ -440,6 +440,22 @@ def _trie_regex(words: Iterable[str]) -> str:
 # the tokenizer
 # ---------------------------------------------------------------------------------------------
 
+def _split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
+    """``"left right"`` merge rules → (left, right), split as llama.cpp does: at the first space after
+    the first character. Raises TokenizerError naming a rule without one."""
+    joined = "\n".join(merges)
+    if "\n" not in "".join(merges) and joined.count(" ") == len(merges) and not joined.startswith(" ") \
+            and "\n " not in joined:
+        # every rule has exactly one space, not at its start: split them all at C speed
+        parts = joined.replace(" ", "\n").split("\n")
+        return list(zip(parts[0::2], parts[1::2]))
+    pos = [m.find(" ", 1) for m in merges]
+    if pos and min(pos) < 0:
+        r = pos.index(-1)
+        raise TokenizerError(f"tokenizer.ggml.merges[{r}] {merges[r]!r} is not of the form 'left right'")
+    return [(m[:p], m[p + 1:]) for m, p in zip(merges, pos)]
+
+
 class Tokenizer:
     """A llama.cpp-compatible tokenizer built from GGUF metadata (SPM ``llama`` or BPE ``gpt2``).
 
@@ -474,11 +490,14 @@ class Tokenizer:
         if not isinstance(tokens, (list, tuple)) or not tokens:
             raise TokenizerError("tokenizer.ggml.tokens is missing or empty")
         n = len(tokens)
-        texts: list[str] = []
-        for i, t in enumerate(tokens):
-            if not isinstance(t, str):
-                raise TokenizerError(f"tokenizer.ggml.tokens[{i}] is not a string")
-            texts.append(t if t else f"[EMPTY_{i}]")  # llama.cpp renames empty entries the same way
+        if set(map(type, tokens)) - {str}:  # C-speed check of 150k+ entries; the loop names the culprit
+            bad = next(i for i, t in enumerate(tokens) if not isinstance(t, str))
+            raise TokenizerError(f"tokenizer.ggml.tokens[{bad}] is not a string")
+        texts: list[str] = list(tokens)
+        if "" in texts:
+            for i, t in enumerate(texts):
+                if not t:
+                    texts[i] = f"[EMPTY_{i}]"  # llama.cpp renames empty entries the same way
         self._texts = texts
         self._tok2id: dict[str, int] = {t: i for i, t in enumerate(texts)}
         if len(self._tok2id) != n:
@@ -650,7 +669,7 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.add_eos_token is set but the vocabulary has no EOS token id")
 
         # special tokens the partition looks for: (text, id), longest text first
-        specials = [i for i, a in enumerate(attrs) if a & _ATTR_SPECIAL]
+        specials = np.flatnonzero(np.asarray(attrs, dtype=np.int64) & _ATTR_SPECIAL).tolist()
         specials.sort(key=lambda i: (-len(texts[i]), i))
         self._specials_all = [(texts[i], i) for i in specials]
         self._specials_user = [(texts[i], i) for i in specials if not attrs[i] & _ATTR_HIDDEN]
@@ -689,14 +708,10 @@ class Tokenizer:
         merges = md.get("tokenizer.ggml.merges")
         if not isinstance(merges, (list, tuple)):
             raise TokenizerError("tokenizer.ggml.merges is missing: a 'gpt2' (BPE) vocabulary needs it")
-        bad = next((r for r, m in enumerate(merges) if not isinstance(m, str)), None)
-        if bad is not None:
+        if set(map(type, merges)) - {str}:
+            bad = next(r for r, m in enumerate(merges) if not isinstance(m, str))
             raise TokenizerError(f"tokenizer.ggml.merges[{bad}] is not a string")
-        pos = [m.find(" ", 1) for m in merges]  # llama.cpp: the first space after the first character
-        if pos and min(pos) < 0:
-            r = pos.index(-1)
-            raise TokenizerError(f"tokenizer.ggml.merges[{r}] {merges[r]!r} is not of the form 'left right'")
-        self._merge_pairs = [(m[:p], m[p + 1:]) for m, p in zip(merges, pos)]
+        self._merge_pairs = _split_merges(merges)
         self._ranks_cache: dict[tuple[str, str], int] | None = None
         assert self._spec is not None
         self._ignore_merges = self._spec.ignore_merges
@@ -714,7 +729,7 @@ class Tokenizer:
             return
         try:
             # a repeated pair keeps its first (lowest) rank, as in llama.cpp (HF would keep the last)
-            bpe = _hf_models.BPE(vocab=dict(self._tok2id), merges=list(dict.fromkeys(self._merge_pairs)),
+            bpe = _hf_models.BPE(vocab=self._tok2id, merges=list(dict.fromkeys(self._merge_pairs)),
                                  ignore_merges=self._ignore_merges)
         except Exception as e:  # HF rejects merges naming unknown tokens: report which one
             self._validate_merges()

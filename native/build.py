@@ -69,8 +69,13 @@ def make_ffi(module_name: str = "minirt._native", relative_to: Path | None = Non
     return ffi
 
 
-# cffi_modules-style entry point ("native/build.py:ffibuilder")
-ffibuilder = make_ffi()
+def __getattr__(name: str):
+    """``ffibuilder``: the cffi_modules-style entry point ("native/build.py:ffibuilder"), made on
+    first access only: the runtime imports this file just to hash the sources, and building the FFI
+    parses every declaration with pycparser (~80 ms of each model load)."""
+    if name == "ffibuilder":
+        return make_ffi()
+    raise AttributeError(name)
 
 
 if __name__ == "__main__":

@@ -103,15 +103,37 @@ class NativeBackend:
         if not todo or os.environ.get("MINIRT_PACK", "1") == "0":
             self._prepare_layers(model)
             return
-        seen: dict[int, Any] = {}  # tied weights (output = embedding) share one packed copy
-        arena = mod.PackArena(sum(n + 64 for _, n in todo))
+        # tied weights (output = embedding) share one packed copy
+        unique: dict[int, tuple[Any, int]] = {}
+        for lin, n in todo:
+            unique.setdefault(lin.w.__array_interface__["data"][0], (lin, n))
+        total = sum(n + 64 for _, n in unique.values())
+        path = getattr(getattr(model, "file", None), "path", None)
+        cache = (mod.PackCache.for_model(path, [(lin.w, lin.qtype, n) for lin, n in unique.values()], total)
+                 if path else None)
+        packed: dict[int, Any] = {}
+        mapped = cache.open_mapped() if cache is not None else None
+        if mapped is not None:
+            # the same sizes taken in the same order give the same offsets as when it was written
+            arena = mod.PackArena.over(mapped)
+            for key, (lin, n) in unique.items():
+                packed[key] = mod.PackedMatrix(arena.take(n), lin.qtype, lin.out_features, lin.in_features)
+            if all(mod.spot_check_packed(pm, unique[k][0].w) for k, pm in packed.items()):
+                for lin, _ in unique.values():  # the GGUF copy is not read: drop its pages
+                    mod.release_file_pages(lin.w)
+            else:
+                log.warning("pack cache %s does not match the model's weights; repacking", cache.path)
+                packed.clear()
+        if not packed:
+            arena = mod.PackArena(total)
+            for key, (lin, _) in unique.items():
+                # the file pages of the ggml copy are not read any more: released as packing goes,
+                # resident memory stays at one copy
+                packed[key] = mod.pack(lin.w, lin.qtype, arena=arena, threads=self.threads, stream_file_pages=True)
+            if cache is not None:
+                cache.store(arena.buffer)
         for lin, _ in todo:
-            key = lin.w.__array_interface__["data"][0]
-            if key not in seen:
-                seen[key] = mod.pack(lin.w, lin.qtype, arena=arena, threads=self.threads)
-                # the file pages of the ggml copy are not read any more: keep resident memory at one copy
-                mod.release_file_pages(lin.w)
-            lin.backend_data = seen[key]
+            lin.backend_data = packed[lin.w.__array_interface__["data"][0]]
 
         self._prepare_layers(model)
 
