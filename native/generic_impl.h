@@ -81,14 +81,20 @@ static void MR_SFX(dq_q8_0)(const uint8_t *b, float *y, int64_t nb) {
 /* Q2_K: scales[16] (lo nibble scale, hi nibble min) | qs[64] | d f16 | dmin f16.
  * Element 128*h + 32*s + l = (qs[32*h + l] >> 2s) & 3, group of 16 = element / 16. */
 static void MR_SFX(dq_q2_k)(const uint8_t *b, float *y, int64_t nb) {
+    /* loops ordered so that the innermost runs over 16 consecutive elements sharing one scale and
+     * one shift: it vectorizes (the per-element form ran ~10x slower); same products, same order */
     for (int64_t i = 0; i < nb; i++, b += 84, y += 256) {
         const float d = mr_rdf16(b + 80), dmin = mr_rdf16(b + 82);
-        for (int e = 0; e < 256; e++) {
-            const int h = e >> 7, s = (e >> 5) & 3, l = e & 31;
-            const uint8_t sc = b[e >> 4];
-            const int q = (b[16 + 32 * h + l] >> (2 * s)) & 3;
-            y[e] = d * (float)(sc & 15) * (float)q - dmin * (float)(sc >> 4);
-        }
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int half = 0; half < 2; half++) {
+                    const int e0 = 128 * h + 32 * s + 16 * half;
+                    const uint8_t sc = b[e0 >> 4];
+                    const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
+                    const uint8_t *q = b + 16 + 32 * h + 16 * half;
+                    float *o = y + e0;
+                    for (int l = 0; l < 16; l++) o[l] = dl * (float)((q[l] >> (2 * s)) & 3) - ml;
+                }
     }
 }
 
@@ -104,12 +110,16 @@ static void MR_SFX(dq_q3_k)(const uint8_t *b, float *y, int64_t nb) {
             const int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
             dl[g] = d * (float)((lo | (hi << 4)) - 32);
         }
-        for (int e = 0; e < 256; e++) {
-            const int h = e >> 7, s = (e >> 5) & 3, l = e & 31;
-            const int low = (b[32 + 32 * h + l] >> (2 * s)) & 3;
-            const int hb = (b[l] >> (e >> 5)) & 1;
-            y[e] = dl[e >> 4] * (float)(low - (hb ? 0 : 4));
-        }
+        for (int h = 0; h < 2; h++)  /* innermost over 16 elements of one scale: vectorizes */
+            for (int s = 0; s < 4; s++)
+                for (int half = 0; half < 2; half++) {
+                    const int e0 = 128 * h + 32 * s + 16 * half, bit = 4 * h + s;
+                    const float scale = dl[e0 >> 4];
+                    const uint8_t *q = b + 32 + 32 * h + 16 * half, *hm = b + 16 * half;
+                    float *o = y + e0;
+                    for (int l = 0; l < 16; l++)
+                        o[l] = scale * (float)(((q[l] >> (2 * s)) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4));
+                }
     }
 }
 

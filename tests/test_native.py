@@ -800,3 +800,31 @@ def test_act_mul(nat):
     assert native.act_mul(out, u, "silu", out=out) is out
     with pytest.raises(minirt.InvalidRequestError, match="act"):
         native.act_mul(g, u, "relu")
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_backend_decodes_q2k_q3k_through_numba_and_prefills_natively(nat, qtype, monkeypatch):
+    """NativeBackend sends few-token Q2_K/Q3_K matmuls to the numba kernels (faster than the native
+    dequantize-and-dot path) and many-token ones to native; both agree with the float64 reference."""
+    from minirt.kernels import NUMBA_DECODE_TYPES, NativeBackend, numba_backend
+
+    assert qtype in NUMBA_DECODE_TYPES
+    rng = np.random.default_rng(7)
+    w = random_weights(rng, qtype, 70, 512)
+
+    class Lin:
+        backend_data = None
+
+    lin = Lin()
+    lin.w, lin.qtype = w, qtype
+    be = NativeBackend(2)
+    used = []
+    real = numba_backend.matmul
+    monkeypatch.setattr(numba_backend, "matmul", lambda *a, **k: used.append(a[0].shape[0]) or real(*a, **k))
+    ref_w = ref_weights(w, qtype, 512)
+    for nt in (1, 3, 9):
+        x = rng.standard_normal((nt, 512)).astype(np.float32)
+        y = be.matmul(x, lin)
+        ref = x.astype(np.float64) @ ref_w.T
+        assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert used == [1, 3]

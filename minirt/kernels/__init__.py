@@ -51,6 +51,12 @@ class ReferenceBackend:
         return {"backend": self.name}
 
 
+# Types whose native decode path dequantizes rows to float and dots them (no integer kernel yet):
+# numba's fused per-block loop reads them ~2x faster (bench/kernels.py: Q2_K 1.5 vs 0.4-0.6 GB/s,
+# Q3_K 1.9 vs 0.6-0.8), so a few-token matmul of these goes there and the native layer stack is not used.
+NUMBA_DECODE_TYPES = frozenset({"Q2_K", "Q3_K"})
+
+
 class NumbaBackend:
     """numba kernels over the raw blocks (``minirt.kernels.numba_backend``)."""
 
@@ -145,6 +151,10 @@ class NativeBackend:
         specs = specs_fn()
         if not specs:
             return
+        if any(sp[k].qtype in NUMBA_DECODE_TYPES for sp in specs for k in ("wq", "wk", "wv", "wo", "gate", "up", "down")):
+            log.info("native decode layers not used: the model has %s weights (numba decodes them faster)",
+                     "/".join(sorted(NUMBA_DECODE_TYPES)))
+            return
         for sp in specs:
             for k in ("wq", "wk", "wv", "wo", "gate", "up", "down"):
                 lin = sp[k]
@@ -169,6 +179,10 @@ class NativeBackend:
         pw = lin.backend_data
         if pw is not None and isinstance(pw, self._mod.PackedMatrix):
             return self._mod.matmul(x, pw, threads=self.threads)
+        if lin.qtype in NUMBA_DECODE_TYPES and x.ndim == 2 and x.shape[0] <= 4:
+            from . import numba_backend
+
+            return numba_backend.matmul(x, lin.w, lin.qtype)
         return self._mod.matmul(x, lin.w, lin.qtype, threads=self.threads)
 
     # the small per-layer ops: native versions avoid numpy temporaries on the decode hot path
