@@ -515,7 +515,14 @@ def _file_pages(a: np.ndarray, whole_pages_inside: bool) -> tuple[Any, int, int]
     return mm, lo, hi - lo
 
 
-_MADV_POPULATE_READ = 22  # Linux 5.14+; not in Python's mmap module before 3.13
+# Linux 5.14+; not in Python's mmap module before 3.13. The number means this only on Linux.
+_MADV_POPULATE_READ = 22 if sys.platform.startswith("linux") else None
+
+
+def _populate_read_advice() -> int | None:
+    import mmap
+
+    return getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ)
 
 
 def prefault_file_pages(a: np.ndarray) -> bool:
@@ -528,7 +535,7 @@ def prefault_file_pages(a: np.ndarray) -> bool:
     if r is None:
         return False
     mm, off, n = r
-    for adv in (getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ), getattr(mmap, "MADV_WILLNEED", None)):
+    for adv in (_populate_read_advice(), getattr(mmap, "MADV_WILLNEED", None)):
         if adv is None:
             continue
         try:
@@ -695,7 +702,7 @@ class PackCache:
         except (OSError, ValueError) as e:
             log.warning("cannot map pack cache %s (%s); repacking", self.path, e)
             return None
-        for adv in (getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ), getattr(mmap, "MADV_WILLNEED", None)):
+        for adv in (_populate_read_advice(), getattr(mmap, "MADV_WILLNEED", None)):
             if adv is not None:
                 try:
                     mm.madvise(adv)
