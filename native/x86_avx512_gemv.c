@@ -443,35 +443,6 @@ MR_INLINE void pg_group(const int KIND, const int TB, const uint8_t *gw, int64_t
     for (int t = 0; t < NT; t++) _mm_storeu_ps(y + t * ys, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
 }
 
-MR_INLINE void pgemv_impl(const uint8_t *wp, int64_t ngroups, int64_t ntiles, const mr_xact *xa, int nt, float *y,
-                          int64_t ys, const int KIND, const int TB) {
-    const int64_t gb = ntiles * TB, end = ngroups * gb, pf = mr_pf_dist;
-    if (pf > 0) pf_range(wp, 0, pf, end);
-    for (int64_t g = 0; g < ngroups; g++) {
-        const uint8_t *gw = wp + g * gb;
-        if (pf > 0) pf_range(wp, g * gb + pf, (g + 1) * gb + pf, end);
-        for (int t0 = 0; t0 < nt; t0 += MR_NT_INT) {
-            float *yg = y + t0 * ys + 4 * g;
-            switch (nt - t0) {
-            case 1: pg_group(KIND, TB, gw, ntiles, xa, t0, 1, yg, ys); break;
-            case 2: pg_group(KIND, TB, gw, ntiles, xa, t0, 2, yg, ys); break;
-            case 3: pg_group(KIND, TB, gw, ntiles, xa, t0, 3, yg, ys); break;
-            default: pg_group(KIND, TB, gw, ntiles, xa, t0, 4, yg, ys); break;
-            }
-        }
-    }
-}
-
-static void pgemv_q4_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
-    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q4_0, 288);
-}
-static void pgemv_q5_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
-    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q5_0, 352);
-}
-static void pgemv_q8_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
-    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q8_0, 544);
-}
-
 /* one tile -> floats in packed column order: out[r * os + 32k + j] */
 MR_INLINE void pdq_impl(const int KIND, const uint8_t *tw, float *out, int64_t os) {
     const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tw));
@@ -494,7 +465,7 @@ static void pdq_q5_0(const uint8_t *tw, float *out, int64_t os) { pdq_impl(P_Q5_
 static void pdq_q8_0(const uint8_t *tw, float *out, int64_t os) { pdq_impl(P_Q8_0, tw, out, os); }
 
 /* ---------------------------------------------------------------- packed k-quants: 4 rows x 256 columns per tile */
-enum { P_Q4_K, P_Q6_K };
+enum { P_Q4_K = 16, P_Q6_K }; /* distinct from the P_Q4_0.. kinds: p_group tells them apart */
 
 /* 64 bytes of packed nibbles -> the 4 int16 vectors of one quad */
 MR_INLINE void pk_nib(const uint8_t *nb, __m512i v[4]) {
@@ -597,8 +568,18 @@ MR_INLINE void pgk_group(const int KIND, const int TB, const uint8_t *gw, int64_
     }
 }
 
-MR_INLINE void pgemvk_impl(const uint8_t *wp, int64_t ngroups, int64_t ntiles, const mr_xact *xa, int nt, float *y,
-                           int64_t ys, const int KIND, const int TB) {
+/* One 4-row group of any packed type: the k-quant kinds have their own group kernel (KIND is a
+ * compile-time constant in every caller, so the branch folds away). */
+MR_INLINE void p_group(const int KIND, const int TB, const uint8_t *gw, int64_t ntiles, const mr_xact *xa, int t0,
+                       const int NT, float *y, int64_t ys) {
+    if (KIND == P_Q4_K || KIND == P_Q6_K)
+        pgk_group(KIND, TB, gw, ntiles, xa, t0, NT, y, ys);
+    else
+        pg_group(KIND, TB, gw, ntiles, xa, t0, NT, y, ys);
+}
+
+MR_INLINE void pgemv_impl(const uint8_t *wp, int64_t ngroups, int64_t ntiles, const mr_xact *xa, int nt, float *y,
+                          int64_t ys, const int KIND, const int TB) {
     const int64_t gb = ntiles * TB, end = ngroups * gb, pf = mr_pf_dist;
     if (pf > 0) pf_range(wp, 0, pf, end);
     for (int64_t g = 0; g < ngroups; g++) {
@@ -607,20 +588,29 @@ MR_INLINE void pgemvk_impl(const uint8_t *wp, int64_t ngroups, int64_t ntiles, c
         for (int t0 = 0; t0 < nt; t0 += MR_NT_INT) {
             float *yg = y + t0 * ys + 4 * g;
             switch (nt - t0) {
-            case 1: pgk_group(KIND, TB, gw, ntiles, xa, t0, 1, yg, ys); break;
-            case 2: pgk_group(KIND, TB, gw, ntiles, xa, t0, 2, yg, ys); break;
-            case 3: pgk_group(KIND, TB, gw, ntiles, xa, t0, 3, yg, ys); break;
-            default: pgk_group(KIND, TB, gw, ntiles, xa, t0, 4, yg, ys); break;
+            case 1: p_group(KIND, TB, gw, ntiles, xa, t0, 1, yg, ys); break;
+            case 2: p_group(KIND, TB, gw, ntiles, xa, t0, 2, yg, ys); break;
+            case 3: p_group(KIND, TB, gw, ntiles, xa, t0, 3, yg, ys); break;
+            default: p_group(KIND, TB, gw, ntiles, xa, t0, 4, yg, ys); break;
             }
         }
     }
 }
 
+static void pgemv_q4_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q4_0, 288);
+}
+static void pgemv_q5_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q5_0, 352);
+}
+static void pgemv_q8_0(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q8_0, 544);
+}
 static void pgemv_q4_k(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
-    pgemvk_impl(wp, ng, nti, xa, nt, y, ys, P_Q4_K, 592);
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q4_K, 592);
 }
 static void pgemv_q6_k(const uint8_t *wp, int64_t ng, int64_t nti, const mr_xact *xa, int nt, float *y, int64_t ys) {
-    pgemvk_impl(wp, ng, nti, xa, nt, y, ys, P_Q6_K, 840);
+    pgemv_impl(wp, ng, nti, xa, nt, y, ys, P_Q6_K, 840);
 }
 
 /* one k-quant tile -> floats in packed column order: out[r * os + 128Q + 32k + j] */
