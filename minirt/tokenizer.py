@@ -444,7 +444,7 @@ def _split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
     """``"left right"`` merge rules → (left, right), split as llama.cpp does: at the first space after
     the first character. Raises TokenizerError naming a rule without one."""
     joined = "\n".join(merges)
-    if "\n" not in "".join(merges) and joined.count(" ") == len(merges) and not joined.startswith(" ") \
+    if joined.count("\n") == len(merges) - 1 and joined.count(" ") == len(merges) and not joined.startswith(" ") \
             and "\n " not in joined:
         # every rule has exactly one space, not at its start: split them all at C speed
         parts = joined.replace(" ", "\n").split("\n")

@@ -515,25 +515,14 @@ class Transformer:
                 rows.extend(range(s0, s0 + seg.n_tokens))
             elif seg.logits == "last":
                 rows.append(s0 + seg.n_tokens - 1)
-        res: list[np.ndarray | None] = []
+        logits = None
         if rows:
             h = self.norm(x[rows], self.output_norm, self.cfg.rms_eps)
             logits = self.mm(self.output, h)
             if self.cfg.final_softcap:
                 sc = np.float32(self.cfg.final_softcap)
                 logits = np.tanh(logits / sc) * sc
-        j = 0
-        for seg, _, _ in ctx.spans:
-            if seg.logits == "all":
-                res.append(logits[j:j + seg.n_tokens])
-                j += seg.n_tokens
-            elif seg.logits == "last":
-                res.append(logits[j])
-                j += 1
-            else:
-                res.append(None)
-        return res
-
+        return split_logits(ctx.spans, logits)
 
     def _native_decode(self, x: np.ndarray, ctx: "ForwardContext") -> bool:
         """Decode steps (one new token per sequence): every layer in one backend call when the
@@ -548,6 +537,23 @@ class Transformer:
             caches.append((k, v, p0))
         local = ctx.rope_tables(True) if any(self.cfg.swa_layers) else None
         return bool(self._decode_layers(self, x, caches, ctx.rope_tables(False), local))
+
+
+def split_logits(spans: Sequence[tuple[Any, int, int]], out: np.ndarray | None) -> list[np.ndarray | None]:
+    """Each segment's share of ``out``, the logits of the rows asked for, in span order: (n, V) for
+    ``logits="all"``, (V,) for ``"last"``, None for segments that asked for none."""
+    res: list[np.ndarray | None] = []
+    j = 0
+    for seg, _, _ in spans:
+        if seg.logits == "all":
+            res.append(out[j:j + seg.n_tokens])
+            j += seg.n_tokens
+        elif seg.logits == "last":
+            res.append(out[j])
+            j += 1
+        else:
+            res.append(None)
+    return res
 
 
 class ForwardContext:

@@ -103,16 +103,20 @@ class NativeBackend:
         (``MINIRT_NATIVE_LAYERS=0`` disables that).
         """
         mod = self._mod
-        todo = [(lin, mod.pack_size(lin.qtype, lin.out_features, lin.in_features)) for lin in model.linears()
-                if lin.backend_data is None and mod.pack_preferred(lin.qtype)]
-        todo = [(lin, n) for lin, n in todo if n > 0]
-        if not todo or os.environ.get("MINIRT_PACK", "1") == "0":
+        if os.environ.get("MINIRT_PACK", "1") == "0":
             self._prepare_layers(model)
             return
-        # tied weights (output = embedding) share one packed copy
+        # (linear, address of its ggml bytes, packed size); tied weights (output = embedding) have one
+        # address and share one packed copy
+        todo = [(lin, mod._address(lin.w), mod.pack_size(lin.qtype, lin.out_features, lin.in_features))
+                for lin in model.linears() if lin.backend_data is None and mod.pack_preferred(lin.qtype)]
+        todo = [t for t in todo if t[2] > 0]
+        if not todo:
+            self._prepare_layers(model)
+            return
         unique: dict[int, tuple[Any, int]] = {}
-        for lin, n in todo:
-            unique.setdefault(lin.w.__array_interface__["data"][0], (lin, n))
+        for lin, key, n in todo:
+            unique.setdefault(key, (lin, n))
         total = sum(n + 64 for _, n in unique.values())
         path = getattr(getattr(model, "file", None), "path", None)
         cache = (mod.PackCache.for_model(path, [(lin.w, lin.qtype, n) for lin, n in unique.values()], total)
@@ -138,8 +142,8 @@ class NativeBackend:
                 packed[key] = mod.pack(lin.w, lin.qtype, arena=arena, threads=self.threads, stream_file_pages=True)
             if cache is not None:
                 cache.store(arena.buffer)
-        for lin, _ in todo:
-            lin.backend_data = packed[lin.w.__array_interface__["data"][0]]
+        for lin, key, _ in todo:
+            lin.backend_data = packed[key]
 
         self._prepare_layers(model)
 

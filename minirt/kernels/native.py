@@ -33,8 +33,10 @@ release the GIL (cffi API mode).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import mmap
 import os
 import platform
 import subprocess
@@ -408,8 +410,6 @@ class PackArena:
     _HUGE = 2 << 20
 
     def __init__(self, nbytes: int) -> None:
-        import mmap
-
         self.size = int(nbytes)
         self._map = mmap.mmap(-1, self.size + self._HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -438,10 +438,6 @@ class PackArena:
     def buffer(self) -> np.ndarray:
         """The whole region (``size`` bytes), e.g. to fill from or write to a file."""
         return self._buf
-
-    def reset(self) -> None:
-        """Forget every slice taken (their contents are overwritten by later takes)."""
-        self._used = 0
 
     def take(self, nbytes: int) -> np.ndarray:
         """A 64-byte aligned uint8 slice of ``nbytes`` bytes."""
@@ -495,8 +491,6 @@ def _file_pages(a: np.ndarray, whole_pages_inside: bool) -> tuple[Any, int, int]
     """(mmap, offset, length) of the pages under ``a`` when ``a`` views a read-only shared file
     mapping (a GGUF opened by :mod:`minirt.gguf`), else None. ``whole_pages_inside``: only pages that
     lie entirely inside ``a`` (for dropping them), else every page ``a`` touches."""
-    import mmap
-
     b: Any = a
     while b is not None and not isinstance(b, memoryview):
         b = getattr(b, "base", None)
@@ -519,23 +513,20 @@ def _file_pages(a: np.ndarray, whole_pages_inside: bool) -> tuple[Any, int, int]
 _MADV_POPULATE_READ = 22 if sys.platform.startswith("linux") else None
 
 
-def _populate_read_advice() -> int | None:
-    import mmap
-
-    return getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ)
-
-
 def prefault_file_pages(a: np.ndarray) -> bool:
     """Map the file pages under ``a`` in one call before a kernel streams them: many threads
     faulting page by page on one mapping contend on the kernel's mm lock (on a cold load this cost
     more than the packing itself). Falls back to MADV_WILLNEED; False when ``a`` is no file view."""
-    import mmap
-
     r = _file_pages(a, whole_pages_inside=False)
     if r is None:
         return False
-    mm, off, n = r
-    for adv in (_populate_read_advice(), getattr(mmap, "MADV_WILLNEED", None)):
+    return _advise_read(*r)
+
+
+def _advise_read(mm: Any, off: int, n: int) -> bool:
+    """Ask the kernel to map ``n`` bytes of ``mm`` at ``off`` now (MADV_POPULATE_READ), or at least
+    to read them ahead (MADV_WILLNEED, for kernels before 5.14); False when neither is available."""
+    for adv in (getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ), getattr(mmap, "MADV_WILLNEED", None)):
         if adv is None:
             continue
         try:
@@ -551,8 +542,6 @@ def release_file_pages(a: np.ndarray) -> int:
     shared file mapping (a GGUF opened by :mod:`minirt.gguf`): after packing, the ggml copy of a
     weight is not read any more, and the pages come back from the page cache if it is. Returns the
     bytes released (0 when ``a`` is not such a view, e.g. an anonymous array, whose data would be lost)."""
-    import mmap
-
     r = _file_pages(a, whole_pages_inside=True)
     if r is None or not hasattr(mmap, "MADV_DONTNEED"):
         return 0
@@ -574,6 +563,18 @@ def pack_preferred(qtype: str, isa: str | None = None) -> bool:
     return bool(lib.mr_pack_preferred(tid, _isa_id(isa)))
 
 
+def _ggml_rows(w: np.ndarray, qtype: str) -> tuple[str, int, int, int, int]:
+    """Check ``w`` is a C-contiguous (rows, row_bytes) uint8 array of whole ``qtype`` blocks;
+    returns (type name, type id, rows, row_bytes, columns)."""
+    name, tid, bs, ts = _qtype(qtype)
+    if not isinstance(w, np.ndarray) or w.dtype != _U8 or w.ndim != 2 or not w.flags.c_contiguous:
+        raise InvalidRequestError("w must be a C-contiguous uint8 array of shape (rows, row_bytes)")
+    rows, rb = w.shape
+    if rb % ts:
+        raise InvalidRequestError(f"{name}: {rb} bytes per row is not a whole number of {ts}-byte blocks")
+    return name, tid, rows, rb, rb // ts * bs
+
+
 _PACK_CHUNK = 8 << 20  # bytes of packed output per native call when streaming file pages
 
 
@@ -590,13 +591,7 @@ def pack(w: np.ndarray, qtype: str, arena: PackArena | None = None, threads: int
     ffi, lib = _lib()
     if os.environ.get("MINIRT_PACK", "1") == "0":
         return None
-    name, tid, bs, ts = _qtype(qtype)
-    if not isinstance(w, np.ndarray) or w.dtype != _U8 or w.ndim != 2 or not w.flags.c_contiguous:
-        raise InvalidRequestError("w must be a C-contiguous uint8 array of shape (rows, row_bytes)")
-    rows, rb = w.shape
-    if rb % ts:
-        raise InvalidRequestError(f"{name}: {rb} bytes per row is not a whole number of {ts}-byte blocks")
-    cols = rb // ts * bs
+    name, tid, rows, rb, cols = _ggml_rows(w, qtype)
     n = int(lib.mr_pack_size(tid, rows, cols))
     if n <= 0:
         return None
@@ -684,8 +679,6 @@ class PackCache:
         Mapped, not read into fresh memory: on a warm page cache this costs page-table updates only
         (~20 ms for 400 MB), where new anonymous memory costs 0.05-0.7 s to fault in on the machines
         measured."""
-        import mmap
-
         try:
             with open(self.path, "rb") as f:
                 head = f.read(self.HEADER)
@@ -702,13 +695,7 @@ class PackCache:
         except (OSError, ValueError) as e:
             log.warning("cannot map pack cache %s (%s); repacking", self.path, e)
             return None
-        for adv in (_populate_read_advice(), getattr(mmap, "MADV_WILLNEED", None)):
-            if adv is not None:
-                try:
-                    mm.madvise(adv)
-                    break
-                except (OSError, ValueError):
-                    continue
+        _advise_read(mm, 0, len(mm))
         try:
             os.utime(self.path)  # least recently used goes first
         except OSError:
@@ -748,28 +735,23 @@ class PackCache:
             pass
 
 
+@functools.lru_cache(maxsize=None)
 def _pack_code_hash() -> str:
     """Hash of the packing code (its layout is what the cache stores)."""
     import hashlib
 
-    global _PACK_HASH
-    if _PACK_HASH is None:
-        src = _native_src_dir()
-        h = hashlib.sha256()
-        for name in ("pack.c", "common.h"):
-            try:
-                h.update((src / name).read_bytes() if src is not None else b"")
-            except OSError:
-                pass
-        if src is None:  # no sources beside the extension: its identity stands in for them
-            from .. import __version__
+    src = _native_src_dir()
+    h = hashlib.sha256()
+    for name in ("pack.c", "common.h"):
+        try:
+            h.update((src / name).read_bytes() if src is not None else b"")
+        except OSError:
+            pass
+    if src is None:  # no sources beside the extension: its identity stands in for them
+        from .. import __version__
 
-            h.update(f"{__version__}|{getattr(_mod, '__file__', '')}".encode())
-        _PACK_HASH = h.hexdigest()[:16]
-    return _PACK_HASH
-
-
-_PACK_HASH: str | None = None
+        h.update(f"{__version__}|{getattr(_mod, '__file__', '')}".encode())
+    return h.hexdigest()[:16]
 
 
 def spot_check_packed(pm: PackedMatrix, w: np.ndarray) -> bool:
@@ -1009,13 +991,7 @@ def matmul_path(qtype: str, n_tokens: int, isa: str | None = None, packed: bool 
 def dequantize(w: np.ndarray, qtype: str, cols: int | None = None) -> np.ndarray:
     """Dequantize ``w`` (rows, row_bytes) uint8 blocks to float32 (rows, cols)."""
     ffi, lib = _lib()
-    name, tid, bs, ts = _qtype(qtype)
-    if not isinstance(w, np.ndarray) or w.dtype != _U8 or w.ndim != 2 or not w.flags.c_contiguous:
-        raise InvalidRequestError("w must be a C-contiguous uint8 array of shape (rows, row_bytes)")
-    rows, rb = w.shape
-    if rb % ts:
-        raise InvalidRequestError(f"{name}: {rb} bytes per row is not a whole number of {ts}-byte blocks")
-    n = rb // ts * bs
+    name, tid, rows, rb, n = _ggml_rows(w, qtype)
     if cols is not None and cols != n:
         raise InvalidRequestError(f"{name}: {rb} bytes per row hold {n} values, not {cols}")
     out = np.empty((rows, n), dtype=_F32)

@@ -39,6 +39,7 @@ import numpy as np
 
 from numba import cuda
 
+from ...archs.base import split_logits
 from ...errors import BackendError, ContextOverflowError
 from . import simulator_active
 from .kernels import LaunchConfig, get_kernels
@@ -664,7 +665,7 @@ class CudaBackend:
             self._d2h(b.stage[:T], b.stage_host[:T])
             self._sync()
             self._write_back(p, b, spans, mirrors)
-            return self._split(spans, results_rows)
+            return split_logits(spans, results_rows)
 
     def _h2d(self, dev: Any, host: np.ndarray) -> None:
         if self.sim:
@@ -793,21 +794,6 @@ class CudaBackend:
             m.tokens[p0:p0 + n] = cache.tokens[p0:p0 + n]
             m.n_valid = p0 + n
             cache.n_past = p0 + n
-
-    @staticmethod
-    def _split(spans: list, out: np.ndarray | None) -> list[np.ndarray | None]:
-        res: list[np.ndarray | None] = []
-        j = 0
-        for seg, _, _ in spans:
-            if seg.logits == "all":
-                res.append(out[j:j + seg.n_tokens])
-                j += seg.n_tokens
-            elif seg.logits == "last":
-                res.append(out[j])
-                j += 1
-            else:
-                res.append(None)
-        return res
 
     # -- device-side helpers exposed for callers and benchmarks --------------------------------------
     def argmax(self, logits: np.ndarray) -> np.ndarray:
