@@ -22,14 +22,7 @@
 
 mr_kernels mr_kernels_avx512;
 
-MR_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(mr_rd16(p)); }
-
-MR_INLINE float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "x86_avx512_inl.h"
 
 /* 16 bytes of packed nibbles -> 32 bytes [low nibbles (elements 0..15), high nibbles (16..31)] */
 MR_INLINE __m256i nib32(const uint8_t *p) {
@@ -110,39 +103,25 @@ MR_INLINE void combine_scales(const float *d, const float *m, int64_t n, const f
     }
 }
 
-/* Pair unpackers for the nibble types: blocks a, b -> lo = [a 0..15, b 0..15], hi = [a 16..31, b 16..31]
- * as int16 (the activations are interleaved the same way, see xpair). */
-MR_INLINE void pair_nib(const uint8_t *qa, const uint8_t *qb, __m512i *lo, __m512i *hi) {
-    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
-                                                _mm_loadu_si128((const __m128i *)qb), 1);
-    const __m512i w16 = _mm512_cvtepu8_epi16(raw);
-    *lo = _mm512_and_si512(w16, _mm512_set1_epi16(15));
-    *hi = _mm512_srli_epi16(w16, 4);
-}
-/* the 5th bits of a pair, split like the nibbles: bits 0..15 of each -> lo mask, 16..31 -> hi mask */
-MR_INLINE void pair_hbits(const uint8_t *ha, const uint8_t *hb, __mmask32 *klo, __mmask32 *khi) {
-    const uint32_t a = mr_rd32(ha), b = mr_rd32(hb);
-    *klo = (__mmask32)((a & 0xffffu) | (b << 16));
-    *khi = (__mmask32)((a >> 16) | (b & 0xffff0000u));
-}
+/* Pair unpackers for the nibble types (nib_pair, hbits_pair: x86_avx512_inl.h). */
 MR_INLINE void pr_q4_0(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
-    pair_nib(a + 2, b + 2, lo, hi);
+    nib_pair(a + 2, b + 2, lo, hi);
     *lo = _mm512_sub_epi16(*lo, _mm512_set1_epi16(8));
     *hi = _mm512_sub_epi16(*hi, _mm512_set1_epi16(8));
 }
-MR_INLINE void pr_q4_1(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) { pair_nib(a + 4, b + 4, lo, hi); }
+MR_INLINE void pr_q4_1(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) { nib_pair(a + 4, b + 4, lo, hi); }
 MR_INLINE void pr_q5_0(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
     __mmask32 kl, kh;
-    pair_nib(a + 6, b + 6, lo, hi);
-    pair_hbits(a + 2, b + 2, &kl, &kh);
+    nib_pair(a + 6, b + 6, lo, hi);
+    hbits_pair(a + 2, b + 2, &kl, &kh);
     const __m512i c16 = _mm512_set1_epi16(16);
     *lo = _mm512_mask_sub_epi16(*lo, (__mmask32)~kl, *lo, c16);   /* (q | h << 4) - 16 */
     *hi = _mm512_mask_sub_epi16(*hi, (__mmask32)~kh, *hi, c16);
 }
 MR_INLINE void pr_q5_1(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
     __mmask32 kl, kh;
-    pair_nib(a + 8, b + 8, lo, hi);
-    pair_hbits(a + 4, b + 4, &kl, &kh);
+    nib_pair(a + 8, b + 8, lo, hi);
+    hbits_pair(a + 4, b + 4, &kl, &kh);
     const __m512i c16 = _mm512_set1_epi16(16);
     *lo = _mm512_mask_add_epi16(*lo, kl, *lo, c16);
     *hi = _mm512_mask_add_epi16(*hi, kh, *hi, c16);
@@ -357,7 +336,7 @@ MR_INLINE void sb_iq4_xs(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn
             }                                                                                                  \
         }                                                                                                      \
         for (int t = 0; t < NT; t++)                                                                           \
-            out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) + (HAS_MIN ? hsum256(accm[t]) : 0.0f); \
+            out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) + (HAS_MIN ? hsum8(accm[t]) : 0.0f); \
     }                                                                                                          \
     NT_SWITCH(NAME)
 

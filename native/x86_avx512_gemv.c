@@ -28,7 +28,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #endif
 
-MR_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(mr_rd16(p)); }
+#include "x86_avx512_inl.h"
 
 /* pidx[k] = [2k x 8, 2k+1 x 8]: spreads elements 2k, 2k+1 of a 16-float vector over the two halves */
 static const int32_t pidx_tab[8][16] __attribute__((aligned(64))) = {
@@ -76,20 +76,6 @@ MR_INLINE void pf_range(const uint8_t *base, int64_t lo, int64_t hi, int64_t end
  * A pair of blocks a, b unpacks to lo = [a 0..15, b 0..15], hi = [a 16..31, b 16..31] (int16), the
  * order of xa->qp; int32 lanes 0..7 of the two dot products then belong to a, 8..15 to b. */
 enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_IQ4NL };
-
-MR_INLINE void nib_pair(const uint8_t *qa, const uint8_t *qb, __m512i *lo, __m512i *hi) {
-    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
-                                                _mm_loadu_si128((const __m128i *)qb), 1);
-    const __m512i w16 = _mm512_cvtepu8_epi16(raw);
-    *lo = _mm512_and_si512(w16, _mm512_set1_epi16(15));
-    *hi = _mm512_srli_epi16(w16, 4);
-}
-
-MR_INLINE void hbits_pair(const uint8_t *ha, const uint8_t *hb, __mmask32 *klo, __mmask32 *khi) {
-    const uint32_t a = mr_rd32(ha), b = mr_rd32(hb);
-    *klo = (__mmask32)((a & 0xffffu) | (b << 16));
-    *khi = (__mmask32)((a >> 16) | (b & 0xffff0000u));
-}
 
 MR_INLINE __m512i iq4_lut16(__m256i nib) { /* int8 codebook lookup, widened to int16 */
     const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_iq4nl);
@@ -239,13 +225,6 @@ MR_INLINE void gemv_q8_0_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr
 }
 
 /* ---------------------------------------------------------------- 256-element super-blocks */
-MR_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 enum { K_Q4_K, K_Q5_K, K_Q6_K, K_IQ4XS };
 
 /* Q4_K / Q5_K 6-bit scales and mins of one super-block as floats (ggml get_scale_min_k4, on words) */

@@ -1,0 +1,33 @@
+/* Small AVX-512 helpers shared by x86_avx512.c and x86_avx512_gemv.c. Include after the target
+ * pragma of the including file (the functions take its instruction set) and after immintrin.h. */
+#ifndef MR_X86_AVX512_INL_H
+#define MR_X86_AVX512_INL_H
+
+MR_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(mr_rd16(p)); }
+
+/* horizontal sum of 8 floats */
+MR_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The nibbles of two 32-element blocks a, b -> lo = [a 0..15, b 0..15], hi = [a 16..31, b 16..31]
+ * as int16 (the activations are interleaved the same way). */
+MR_INLINE void nib_pair(const uint8_t *qa, const uint8_t *qb, __m512i *lo, __m512i *hi) {
+    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)qa)),
+                                                _mm_loadu_si128((const __m128i *)qb), 1);
+    const __m512i w16 = _mm512_cvtepu8_epi16(raw);
+    *lo = _mm512_and_si512(w16, _mm512_set1_epi16(15));
+    *hi = _mm512_srli_epi16(w16, 4);
+}
+
+/* the 5th bits of a pair, split like the nibbles: bits 0..15 of each -> lo mask, 16..31 -> hi mask */
+MR_INLINE void hbits_pair(const uint8_t *ha, const uint8_t *hb, __mmask32 *klo, __mmask32 *khi) {
+    const uint32_t a = mr_rd32(ha), b = mr_rd32(hb);
+    *klo = (__mmask32)((a & 0xffffu) | (b << 16));
+    *khi = (__mmask32)((a >> 16) | (b & 0xffff0000u));
+}
+
+#endif
