@@ -539,6 +539,21 @@ class Transformer:
         return bool(self._decode_layers(self, x, caches, ctx.rope_tables(False), local))
 
 
+def batch_spans(segments: Sequence["Segment"]) -> list[tuple["Segment", int, int]]:
+    """(segment, row offset in the batch, first position) of each segment, in order; raises
+    ContextOverflowError when a segment's new tokens do not fit its cache."""
+    spans = []
+    s0 = 0
+    for seg in segments:
+        p0 = seg.cache.n_past
+        if p0 + seg.n_tokens > seg.cache.n_ctx:
+            raise ContextOverflowError(
+                f"{seg.n_tokens} new tokens at position {p0} exceed the context of {seg.cache.n_ctx} tokens")
+        spans.append((seg, s0, p0))
+        s0 += seg.n_tokens
+    return spans
+
+
 def split_logits(spans: Sequence[tuple[Any, int, int]], out: np.ndarray | None) -> list[np.ndarray | None]:
     """Each segment's share of ``out``, the logits of the rows asked for, in span order: (n, V) for
     ``logits="all"``, (V,) for ``"last"``, None for segments that asked for none."""
@@ -561,17 +576,8 @@ class ForwardContext:
 
     def __init__(self, model: Transformer, segments: Sequence[Segment]) -> None:
         self.model = model
-        self.spans: list[tuple[Segment, int, int]] = []  # (segment, row offset in batch, first position)
-        pos: list[np.ndarray] = []
-        s0 = 0
-        for seg in segments:
-            p0 = seg.cache.n_past
-            if p0 + seg.n_tokens > seg.cache.n_ctx:
-                raise ContextOverflowError(
-                    f"{seg.n_tokens} new tokens at position {p0} exceed the context of {seg.cache.n_ctx} tokens")
-            self.spans.append((seg, s0, p0))
-            pos.append(np.arange(p0, p0 + seg.n_tokens))
-            s0 += seg.n_tokens
+        self.spans = batch_spans(segments)  # (segment, row offset in batch, first position)
+        pos = [np.arange(p0, p0 + seg.n_tokens) for seg, _, p0 in self.spans]
         self.positions = np.concatenate(pos) if pos else np.zeros(0, dtype=np.int64)
         self._rope: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
 

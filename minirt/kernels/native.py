@@ -382,6 +382,18 @@ def _prune_keepalive(lib: Any) -> None:
         _keepalive[:] = [e for e in _keepalive if not lib.mr_pool_quiescent(e[0])]
 
 
+def _after_call(lib: Any, rc: int, what: str, a: Any, b: Any) -> None:
+    """After a pool call: rc > 0 means the caller took over work from a descheduled worker, which
+    may still read ``a`` and ``b``: keep them alive until it has left that job. rc < 0 raises."""
+    if rc > 0:
+        with _keepalive_lock:
+            _keepalive.append((lib.mr_pool_generation(), a, b))
+    elif rc < 0:
+        _check_rc(rc, what)
+    if _keepalive:
+        _prune_keepalive(lib)
+
+
 def drain_keepalive(timeout: float = 1.0) -> int:
     """Wait (up to ``timeout`` s) for late pool workers to leave the jobs whose arrays are kept
     alive, then drop those references; returns how many are still held (workers still inside).
@@ -873,13 +885,7 @@ class LayerStack:
                                   seqs, int(bool(f16)), ffi.from_buffer("float[]", cg), ffi.from_buffer("float[]", sg),
                                   ffi.from_buffer("float[]", cl), ffi.from_buffer("float[]", sl), _threads_arg(threads),
                                   self._isa)
-        if rc > 0:
-            with _keepalive_lock:
-                _keepalive.append((lib.mr_pool_generation(), self, (x, caches)))
-        elif rc < 0:
-            _check_rc(rc, "decode layers")
-        if _keepalive:
-            _prune_keepalive(lib)
+        _after_call(lib, rc, "decode layers", self, (x, caches))
 
 
 def matmul(x: np.ndarray, w: "np.ndarray | PackedMatrix", qtype: str | None = None, out: np.ndarray | None = None,
@@ -932,15 +938,7 @@ def matmul(x: np.ndarray, w: "np.ndarray | PackedMatrix", qtype: str | None = No
     rc = lib.mr_matmul(tid, ffi.from_buffer("unsigned char[]", w), rows, cols, row_bytes,
                        ffi.from_buffer("float[]", x), nt, cols, ffi.from_buffer("float[]", out, require_writable=True),
                        rows, _threads_arg(threads), _isa_id(isa))
-    if rc > 0:
-        # the caller took over rows from a descheduled worker, which may still read w and x:
-        # keep them alive until it has left that job
-        with _keepalive_lock:
-            _keepalive.append((lib.mr_pool_generation(), w, x))
-    elif rc < 0:
-        _check_rc(rc, "matmul")
-    if _keepalive:
-        _prune_keepalive(lib)
+    _after_call(lib, rc, "matmul", w, x)
     return out
 
 
@@ -966,13 +964,7 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
     rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols, ffi.from_buffer("float[]", x),
                               nt, cols, ffi.from_buffer("float[]", out, require_writable=True), w.rows,
                               _threads_arg(threads), _isa_id(isa))
-    if rc > 0:
-        with _keepalive_lock:
-            _keepalive.append((lib.mr_pool_generation(), wd, x))
-    elif rc < 0:
-        _check_rc(rc, "matmul")
-    if _keepalive:
-        _prune_keepalive(lib)
+    _after_call(lib, rc, "matmul", wd, x)
     return out
 
 

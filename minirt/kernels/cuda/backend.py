@@ -39,8 +39,8 @@ import numpy as np
 
 from numba import cuda
 
-from ...archs.base import split_logits
-from ...errors import BackendError, ContextOverflowError
+from ...archs.base import batch_spans, split_logits
+from ...errors import BackendError
 from . import simulator_active
 from .kernels import LaunchConfig, get_kernels
 from .quant import SUPPORTED_TYPES, TYPE_SIZES
@@ -613,17 +613,10 @@ class CudaBackend:
                 return None
             tokens = np.asarray(tokens).reshape(-1)
             T = int(tokens.shape[0])
-            spans = []
-            s0 = 0
-            for seg in segments:
-                p0 = seg.cache.n_past
-                if p0 + seg.n_tokens > seg.cache.n_ctx:
-                    raise ContextOverflowError(
-                        f"{seg.n_tokens} new tokens at position {p0} exceed the context of {seg.cache.n_ctx} tokens")
-                spans.append((seg, s0, p0))
-                s0 += seg.n_tokens
-            if s0 != T:
-                raise ValueError(f"segments hold {s0} tokens but {T} were given")
+            spans = batch_spans(segments)
+            n = sum(seg.n_tokens for seg in segments)
+            if n != T:
+                raise ValueError(f"segments hold {n} tokens but {T} were given")
             if T == 0:
                 return [None if seg.logits == "none" else np.zeros((0, p.V), np.float32) for seg in segments]
             if tokens.min() < 0 or tokens.max() >= p.V:
