@@ -142,6 +142,14 @@ def test_submit_handle_result_and_cancel(llm):
 
 
 def test_astream_does_not_block_the_loop(llm):
+    # The generation holds at its prefill until the loop has ticked a few times: if astream ran it on
+    # the loop, the ticker could not run and the wait would time out with ticks still low. (Timing
+    # the ticker against a free-running generation of a tiny model failed when 8 tokens took < 3 ms.)
+    ticked = threading.Event()
+
+    def hold(done, total):
+        ticked.wait(timeout=5)
+
     async def main():
         ticks = 0
         stop = asyncio.Event()
@@ -150,10 +158,12 @@ def test_astream_does_not_block_the_loop(llm):
             nonlocal ticks
             while not stop.is_set():
                 ticks += 1
+                if ticks > 3:
+                    ticked.set()
                 await asyncio.sleep(0.001)
 
         t = asyncio.create_task(ticker())
-        evs = [ev async for ev in llm.astream(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)]
+        evs = [ev async for ev in llm.astream(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True, progress=hold)]
         stop.set()
         await t
         return evs, ticks
