@@ -118,12 +118,17 @@ class Sampler:
         self._bias_vals = np.fromiter(b.values(), dtype=np.float32) if b else None
 
     def adjust(self, logits: np.ndarray, history: np.ndarray) -> np.ndarray:
-        """Logit bias and repetition penalties → a new float32 array (V,)."""
+        """Logit bias and repetition penalties → float32 (V,): a new array when either applies,
+        else ``logits`` itself (never modified)."""
         p = self.params
+        penalize = (p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty) and len(history) \
+            and p.penalty_last_n
+        if self._bias_ids is None and not penalize:
+            return np.ascontiguousarray(logits, dtype=np.float32)  # 600 KB copy per token saved
         x = np.array(logits, dtype=np.float32, copy=True)
         if self._bias_ids is not None:
             x[self._bias_ids] += self._bias_vals
-        if (p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty) and len(history) and p.penalty_last_n:
+        if penalize:
             recent = history if p.penalty_last_n < 0 else history[-p.penalty_last_n:]
             ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
             ids_ok = ids < self.n_vocab
@@ -139,31 +144,30 @@ class Sampler:
         """Choose the next token from ``logits`` (V,) given the ids seen so far."""
         p = self.params
         x = self.adjust(logits, history if history is not None else np.zeros(0, np.int64))
-        m = float(np.max(x))
+        # the candidates top-k keeps (when few enough to rank in one pass) and the reported alternatives
+        rank_top_k = p.temperature > 0.0 and 0 < p.top_k <= TOPK_MAX
+        m, lse, ids, vals = logit_stats(x, max(1, p.top_logprobs, p.top_k if rank_top_k else 0))
         if not math.isfinite(m):
             # every token banned (or the model produced non-finite values): nothing sane to draw
             raise InvalidRequestError("no token can be sampled: all logits are -inf or not finite")
-        lse = m + math.log(float(np.sum(np.exp(x - m, dtype=np.float32), dtype=np.float64)))
         if p.temperature <= 0.0:
-            tok = int(np.argmax(x))
+            tok = int(ids[0])  # argmax, the lowest id among equal logits
         else:
-            tok = self._draw(x)
-        top: list[tuple[int, float]] = []
-        if p.top_logprobs:
-            k = min(p.top_logprobs, self.n_vocab)
-            idx = np.argpartition(-x, k - 1)[:k]
-            idx = idx[np.argsort(-x[idx], kind="stable")]
-            top = [(int(i), float(x[i]) - lse) for i in idx]
+            tok = self._draw(x, ids[: p.top_k] if rank_top_k else None)
+        top = [(int(i), float(v) - lse) for i, v in zip(ids[: p.top_logprobs], vals[: p.top_logprobs])]
         return Sampled(tok, float(x[tok]) - lse, top)
 
-    def _draw(self, x: np.ndarray) -> int:
+    def _draw(self, x: np.ndarray, ranked: np.ndarray | None) -> int:
+        """Draw from ``x`` through the chain; ``ranked``: the top-k ids, best first, when known."""
         p = self.params
-        # candidates sorted by logit, descending
-        if 0 < p.top_k < x.size:
-            idx = np.argpartition(-x, p.top_k - 1)[: p.top_k]
-        else:
-            idx = np.arange(x.size)
-        idx = idx[np.argsort(-x[idx], kind="stable")]
+        if ranked is not None:
+            idx = ranked
+        else:  # candidates sorted by logit, descending
+            if 0 < p.top_k < x.size:
+                idx = np.argpartition(-x, p.top_k - 1)[: p.top_k]
+            else:
+                idx = np.arange(x.size)
+            idx = idx[np.argsort(-x[idx], kind="stable")]
         lg = x[idx].astype(np.float64)
         lg = lg[np.isfinite(lg)] if not np.all(np.isfinite(lg)) else lg
         idx = idx[: lg.size]
@@ -188,6 +192,43 @@ class Sampler:
             idx, lg = idx[keep], lg[keep]
         probs = _softmax(lg / max(p.temperature, 1e-6))
         return int(idx[self.rng.choice(idx.size, p=probs)])
+
+
+TOPK_MAX = 64  # most entries the native logit_stats ranks (minirt.kernels.native.TOPK_MAX)
+
+
+def logit_stats(x: np.ndarray, k: int) -> tuple[float, float, np.ndarray, np.ndarray]:
+    """``(max, logsumexp, top ids, top values)`` of float32 logits ``x`` (V,) in one pass.
+
+    The top ``min(k, V)`` entries come value descending, lowest id first among equal values. With a
+    NaN in ``x`` max and logsumexp are NaN, with an infinite maximum both are that infinity, and no
+    entries are returned. Uses the native kernel when the native extension is already loaded (it
+    is, under the native backend) and ``k <= TOPK_MAX``, else :func:`logit_stats_numpy`.
+    """
+    if k <= TOPK_MAX:
+        from .kernels import native
+
+        if native.loaded():
+            return native.logit_stats(x, k)
+    return logit_stats_numpy(x, k)
+
+
+def logit_stats_numpy(x: np.ndarray, k: int) -> tuple[float, float, np.ndarray, np.ndarray]:
+    """numpy specification of :func:`logit_stats` (any ``k``)."""
+    none = (np.zeros(0, np.int64), np.zeros(0, np.float32))
+    if np.isnan(x).any():
+        return math.nan, math.nan, *none
+    m = float(np.max(x))
+    if not math.isfinite(m):
+        return m, m, *none
+    lse = m + math.log(float(np.sum(np.exp(x - m, dtype=np.float32), dtype=np.float64)))
+    k = min(int(k), x.size)
+    if k <= 0:
+        return m, lse, *none
+    kth = x[np.argpartition(-x, k - 1)[k - 1]]  # the k-th largest value
+    cand = np.flatnonzero(x >= kth)  # every tie of it, in id order
+    ids = cand[np.argsort(-x[cand], kind="stable")][:k].astype(np.int64)
+    return m, lse, ids, x[ids].astype(np.float32)
 
 
 def _softmax(lg: np.ndarray) -> np.ndarray:

@@ -119,6 +119,13 @@ int mr_rope_cs(float *x, long long n_tokens, long long n_heads, long long head_d
 /* In-place softmax of each row of x (rows, n). */
 int mr_softmax(float *x, long long rows, long long n, int isa);
 
+/* Sampler statistics of one row of logits x (n): *out_max, *out_lse = log(sum e^x), and the k
+ * (0 <= k <= 64) largest elements, value descending (index ascending among equal values), in
+ * top_idx / top_val. Returns how many were written (min(k, n)); 0 with NaN in both outputs when
+ * x holds a NaN, 0 with the infinite maximum in both when the maximum is not finite; < 0 = error. */
+int mr_logit_stats(const float *x, long long n, int k, float *out_max, double *out_lse, long long *top_idx,
+                   float *top_val, int isa);
+
 /* Grouped-query attention for one query position over a KV cache.
  * q (n_head, head_dim); k, v: (n_kv, n_ctx, head_dim) float32 (kv_f16 = 0) or float16 bits (kv_f16 = 1);
  * positions [start, n_past) attended, start = max(0, n_past - window) when window > 0;

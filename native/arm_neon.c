@@ -8,6 +8,7 @@
 #include <arm_neon.h>
 
 #define MR_SFX(name) name##_neon
+#define MR_VLEN 4
 #include "generic_impl.h"
 
 mr_kernels mr_kernels_neon;

@@ -45,6 +45,8 @@ enum {
 /* Packed weights: tokens up to which the integer kernels are used (4 per pass over a row group held
  * in L1); also the most sequences mr_decode_layers takes at once. */
 #define MR_PACKED_INT_MAX 16
+/* Most elements mr_logit_stats ranks (a sampler's top-k / top_logprobs beyond this use numpy). */
+#define MR_TOPK_MAX 64
 /* phases timed by mr_profile_enable (layer.c), plus a layer count */
 #define MR_PROF_PHASES 8
 
@@ -207,6 +209,9 @@ typedef struct {
     void (*act_mul)(const float *g, const float *u, float *out, int64_t n, int act);
     /* x[i] = e^x[i] in place (e^-inf = 0). */
     void (*vexp)(float *x, int64_t n);
+    /* Sampler statistics of one row (mr_logit_stats in api.h); returns how many top entries. */
+    int (*logit_stats)(const float *x, int64_t n, int k, float *out_max, double *out_lse, int64_t *ti, float *tv,
+                       void (*vexp)(float *, int64_t));
     /* Attention of up to 16 queries (SIMD lanes) over nk keys (attn_block in generic_impl.h);
      * ml != NULL: Ot left unnormalized, ml[0..15] = per-lane max score, ml[16..31] = sum of e^(s - max). */
     void (*attn_block)(const float *Qt, const float *Kr, const float *Vr, int64_t D, int64_t nk, const int64_t *first,

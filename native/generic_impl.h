@@ -307,6 +307,101 @@ MR_INLINE void MR_SFX(softmax_with)(float *x, int64_t n, void (*vexp)(float *, i
 
 static void MR_SFX(softmax)(float *x, int64_t n) { MR_SFX(softmax_with)(x, n, MR_SFX(vexp)); }
 
+/* ---------------- sampler statistics of one row of logits (mr_logit_stats) ----------------
+ * Written on GCC/clang vectors of the including unit's width (MR_VLEN floats): plain loops with a
+ * select or a NaN test stay scalar without -ffast-math, and wider vectors than the unit's ISA has
+ * are lowered element by element. */
+#ifndef MR_VLEN
+#define MR_VLEN 4
+#endif
+typedef float MR_SFX(vf) __attribute__((vector_size(4 * MR_VLEN)));
+typedef int32_t MR_SFX(vi) __attribute__((vector_size(4 * MR_VLEN)));
+
+MR_INLINE MR_SFX(vf) MR_SFX(vload)(const float *p) {
+    MR_SFX(vf) v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+MR_INLINE int MR_SFX(vany)(MR_SFX(vi) m) {
+    uint32_t w[MR_VLEN], a = 0;
+    memcpy(w, &m, sizeof w);
+    for (int j = 0; j < MR_VLEN; j++) a |= w[j];
+    return a != 0;
+}
+
+/* insert (v, i) into the k best so far, value descending, index ascending among equal values (the
+ * scan visits indices in increasing order, so an equal value never moves ahead of an earlier one) */
+MR_INLINE void MR_SFX(topk_insert)(float v, int64_t i, int *cnt, int k, int64_t *ti, float *tv) {
+    int p = *cnt < k ? (*cnt)++ : k - 1;
+    for (; p > 0 && tv[p - 1] < v; p--) {
+        tv[p] = tv[p - 1];
+        ti[p] = ti[p - 1];
+    }
+    tv[p] = v;
+    ti[p] = i;
+}
+
+/* x (n): *out_max, *out_lse = log(sum e^x) and the k largest (see api.h); returns how many */
+static int MR_SFX(logit_stats)(const float *x, int64_t n, int k, float *out_max, double *out_lse, int64_t *ti,
+                               float *tv, void (*vexp)(float *, int64_t)) {
+    typedef MR_SFX(vf) vf;
+    typedef MR_SFX(vi) vi;
+    enum { L = MR_VLEN, CHUNK = 2048, BLK = 4 * MR_VLEN };
+    /* maximum and NaN test */
+    vf m = (vf){0} - INFINITY;
+    vi bad = (vi){0};
+    int64_t i = 0;
+    for (; i + L <= n; i += L) {
+        const vf v = MR_SFX(vload)(x + i);
+        const vi gt = v > m;
+        m = (vf)(((vi)v & gt) | ((vi)m & ~gt));
+        bad |= v != v;
+    }
+    float mx = -INFINITY;
+    int nan = MR_SFX(vany)(bad);
+    for (int j = 0; j < L; j++) mx = m[j] > mx ? m[j] : mx;
+    for (; i < n; i++) {
+        mx = x[i] > mx ? x[i] : mx;
+        nan |= x[i] != x[i];
+    }
+    if (nan || !isfinite(mx)) { /* nothing sane to sample: the caller reports it */
+        *out_max = nan ? NAN : mx;
+        *out_lse = nan ? NAN : mx;
+        return 0;
+    }
+    *out_max = mx;
+    /* log-sum-exp: e^(x - max) through the ISA's vectorized exponential, a chunk at a time (in L1) */
+    float buf[CHUNK] __attribute__((aligned(64)));
+    double sum = 0.0;
+    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+        const int64_t nn = n - i0 < CHUNK ? n - i0 : CHUNK;
+        for (int64_t j = 0; j < nn; j++) buf[j] = x[i0 + j] - mx;
+        vexp(buf, nn);
+        vf s = (vf){0};
+        int64_t j = 0;
+        for (; j + L <= nn; j += L) s += MR_SFX(vload)(buf + j);
+        for (int q = 0; q < L; q++) sum += s[q];
+        for (; j < nn; j++) sum += buf[j];
+    }
+    *out_lse = (double)mx + log(sum);
+    /* top k: a block is looked at element by element only when one of its values beats the k-th best */
+    int cnt = 0;
+    if (k <= 0) return 0;
+    for (int64_t b = 0; b < n; b += BLK) {
+        const int64_t e = n - b < BLK ? n : b + BLK;
+        if (cnt == k && e - b == BLK) {
+            const vf thr = (vf){0} + tv[k - 1];
+            if (!MR_SFX(vany)((MR_SFX(vload)(x + b) > thr) | (MR_SFX(vload)(x + b + L) > thr) |
+                              (MR_SFX(vload)(x + b + 2 * L) > thr) | (MR_SFX(vload)(x + b + 3 * L) > thr)))
+                continue;
+        }
+        for (int64_t j = b; j < e; j++)
+            if (cnt < k || x[j] > tv[k - 1]) MR_SFX(topk_insert)(x[j], j, &cnt, k, ti, tv);
+    }
+    return cnt;
+}
+
 /* Attention of nq <= 16 queries held as SIMD lanes. Qt (D x 16): query i in lane i, pre-scaled;
  * keys / values: rows j < nk of D floats (Kr, Vr); query i sees keys first[i] <= j <= last[i]
  * (lanes past nq: first > last). S: scratch (nk x 16). Ot (D x 16): the softmax-weighted values,
@@ -426,5 +521,6 @@ void MR_SFX(mr_fill_generic)(mr_kernels *k) {
     k->f16_to_f32 = MR_SFX(f16_to_f32);
     k->act_mul = MR_SFX(act_mul);
     k->vexp = MR_SFX(vexp);
+    k->logit_stats = MR_SFX(logit_stats);
     k->attn_block = MR_SFX(attn_block);
 }

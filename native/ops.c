@@ -76,6 +76,20 @@ int mr_softmax(float *x, long long rows, long long n, int isa) {
     return MR_OK;
 }
 
+/* Sampler statistics of one row of logits (the kernel: logit_stats in generic_impl.h). One call
+ * per sampled token replaces numpy's max, exp, sum and argpartition over the whole vocabulary
+ * (~151k entries: 0.3-0.7 ms per token in numpy, a tenth of a 16-stream decode step). */
+int mr_logit_stats(const float *x, long long n, int k, float *out_max, double *out_lse, long long *top_idx,
+                   float *top_val, int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    if (n <= 0 || k < 0 || k > MR_TOPK_MAX) return MR_E_SHAPE;
+    int64_t ti[MR_TOPK_MAX];
+    const int cnt = K->logit_stats(x, n, k, out_max, out_lse, ti, top_val, K->vexp);
+    for (int j = 0; j < cnt; j++) top_idx[j] = ti[j];
+    return cnt;
+}
+
 int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16, long long n_head, long long n_kv,
                         long long n_ctx, long long head_dim, long long n_past, float scale, long long window,
                         float softcap, float *out, int threads, int isa) {

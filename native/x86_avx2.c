@@ -15,6 +15,7 @@
 #endif
 
 #define MR_SFX(name) name##_avx2
+#define MR_VLEN 8
 #include "generic_impl.h"
 
 mr_kernels mr_kernels_avx2;

@@ -18,6 +18,7 @@
 #endif
 
 #define MR_SFX(name) name##_avx512
+#define MR_VLEN 16
 #include "generic_impl.h"
 
 mr_kernels mr_kernels_avx512;

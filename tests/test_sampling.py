@@ -8,9 +8,23 @@ import numpy as np
 import pytest
 
 from minirt import InvalidRequestError
+from minirt import sampling
+from minirt.kernels import native
 from minirt.sampling import Sampler, SamplingParams
 
 V = 50
+
+
+@pytest.fixture(autouse=True, params=["numpy", "native"])
+def stats_path(request, monkeypatch):
+    """Every sampler test runs on both implementations of the logit statistics."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sampling, "logit_stats", sampling.logit_stats_numpy)
+    elif not native.available():
+        pytest.skip("native kernels unavailable")
+    else:
+        monkeypatch.setattr(sampling, "logit_stats", native.logit_stats)
+    return request.param
 
 
 def logits(seed: int = 0) -> np.ndarray:
@@ -129,3 +143,81 @@ def test_invalid_parameters_raise_typed_errors(kw):
 def test_unknown_option_rejected():
     with pytest.raises(InvalidRequestError, match="bogus"):
         SamplingParams.from_kwargs(bogus=1)
+
+
+def test_greedy_picks_the_lowest_id_among_tied_best():
+    x = np.zeros(V, np.float32)
+    x[[7, 3, 30]] = 2.5
+    assert Sampler(SamplingParams(temperature=0.0), V).sample(x).token_id == 3
+
+
+def _reference_stats(x: np.ndarray, k: int):
+    order = np.lexsort((np.arange(x.size), -x.astype(np.float64)))  # value descending, id ascending
+    m = float(x.max())
+    lse = m + math.log(float(np.sum(np.exp(x.astype(np.float64) - m))))
+    return m, lse, order[:k]
+
+
+@pytest.mark.parametrize("n", [1, 3, 15, 16, 17, 63, 64, 65, 1000, 151936])
+@pytest.mark.parametrize("kind", ["normal", "ties", "half_banned", "ascending", "one_finite"])
+def test_logit_stats_against_a_full_sort(stats_path, n, kind):
+    """max, logsumexp and the top k (value descending, lowest id first among equal values) of
+    both implementations against a float64 computation and a full lexicographic sort."""
+    rng = np.random.default_rng(n)
+    x = rng.normal(0, 4, n).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x).astype(np.float32)
+    elif kind == "half_banned":
+        x[rng.random(n) < 0.5] = -np.inf
+        x[rng.integers(n)] = 1.0
+    elif kind == "ascending":  # the scan's worst case: every element enters the top k
+        x = np.sort(x)
+    elif kind == "one_finite":
+        x[:] = -np.inf
+        x[rng.integers(n)] = -3.0
+    for k in (0, 1, 5, 40, 64):
+        m, lse, ids, vals = sampling.logit_stats(x, k)
+        rm, rlse, rids = _reference_stats(x, k)
+        assert m == rm and math.isclose(lse, rlse, rel_tol=1e-6, abs_tol=1e-6)
+        assert ids.tolist() == rids.tolist() and np.array_equal(vals, x[rids])
+
+
+@pytest.mark.parametrize("bad,want", [(np.nan, "nan"), (np.inf, "inf"), (None, "-inf")])
+def test_logit_stats_non_finite(stats_path, bad, want):
+    x = np.random.default_rng(0).normal(0, 1, 4000).astype(np.float32)
+    if bad is None:
+        x[:] = -np.inf
+    else:
+        x[1234] = bad
+    m, lse, ids, vals = sampling.logit_stats(x, 10)
+    assert str(m) == want and str(lse) == want and ids.size == 0 and vals.size == 0
+    with pytest.raises(InvalidRequestError, match="no token can be sampled"):
+        Sampler(SamplingParams(temperature=0.0), x.size).sample(x)
+
+
+def test_native_logit_stats_every_isa_and_bad_arguments():
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    x = np.random.default_rng(3).normal(0, 3, 5001).astype(np.float32)
+    want = sampling.logit_stats_numpy(x, 40)
+    for isa in native.supported_isas():
+        m, lse, ids, vals = native.logit_stats(x, 40, isa=isa)
+        assert m == want[0] and math.isclose(lse, want[1], rel_tol=1e-6), isa
+        assert np.array_equal(ids, want[2]) and np.array_equal(vals, want[3]), isa
+    for k in (-1, native.TOPK_MAX + 1, 2.0):
+        with pytest.raises(InvalidRequestError, match="k must be"):
+            native.logit_stats(x, k)
+    with pytest.raises(InvalidRequestError):
+        native.logit_stats(x.astype(np.float64), 4)
+    with pytest.raises(InvalidRequestError):
+        native.logit_stats(np.zeros(0, np.float32), 4)
+    assert sampling.TOPK_MAX == native.TOPK_MAX
+
+
+def test_large_top_k_and_top_logprobs_fall_back_to_numpy():
+    x = np.random.default_rng(4).normal(0, 3, 300).astype(np.float32)
+    r = Sampler(SamplingParams(temperature=0.0, top_logprobs=20), 300).sample(x)
+    assert [i for i, _ in r.top] == np.argsort(-x, kind="stable")[:20].tolist()
+    got = {Sampler(SamplingParams(temperature=3.0, top_k=100, top_p=1.0, min_p=0.0, seed=s), 300).sample(x).token_id
+           for s in range(200)}
+    assert got <= set(np.argsort(-x)[:100].tolist()) and len(got) > 20

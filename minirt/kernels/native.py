@@ -241,6 +241,11 @@ def _load() -> Any:
         return mod
 
 
+def loaded() -> bool:
+    """True when the extension is already loaded in this process (never builds or imports it)."""
+    return _mod is not None
+
+
 def available() -> bool:
     """True when the native kernels load (building them on first use if needed)."""
     try:
@@ -1095,6 +1100,31 @@ def softmax(x: np.ndarray, out: np.ndarray | None = None, isa: str | None = None
         _check_rc(lib.mr_softmax(ffi.from_buffer("float[]", out, require_writable=True), rows, out.shape[-1],
                                  _isa_id(isa)), "softmax")
     return out
+
+
+TOPK_MAX = 64  # MR_TOPK_MAX: most elements logit_stats ranks
+
+
+def logit_stats(x: np.ndarray, k: int, isa: str | None = None) -> tuple[float, float, np.ndarray, np.ndarray]:
+    """Sampler statistics of one row of logits ``x`` (V,) float32: ``(max, logsumexp, top_ids, top_values)``.
+
+    The top ``min(k, V)`` entries (0 <= k <= TOPK_MAX) come value descending, index ascending among
+    equal values. When ``x`` holds a NaN, max and logsumexp are NaN and no entries are returned;
+    when its maximum is infinite, both are that infinity and no entries are returned.
+    """
+    ffi, lib = _lib()
+    x = _f32_array(x, "x", (1,))
+    if x.size == 0:
+        raise InvalidRequestError("x must not be empty")
+    if not isinstance(k, (int, np.integer)) or not 0 <= k <= TOPK_MAX:
+        raise InvalidRequestError(f"k must be an integer in [0, {TOPK_MAX}], got {k!r}")
+    mx, lse = ffi.new("float *"), ffi.new("double *")
+    idx, val = np.empty(max(int(k), 1), np.int64), np.empty(max(int(k), 1), np.float32)
+    n = lib.mr_logit_stats(ffi.from_buffer("float[]", x), x.size, int(k), mx, lse,
+                           ffi.cast("long long *", _address(idx)), ffi.cast("float *", _address(val)), _isa_id(isa))
+    if n < 0:
+        _check_rc(n, "logit_stats")
+    return float(mx[0]), float(lse[0]), idx[:n], val[:n]
 
 
 def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, scale: float,
