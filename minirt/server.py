@@ -631,7 +631,8 @@ def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
                              f"max_tokens) but the server's whole KV budget is {budget}; lower max_tokens",
                         param="max_tokens", code="kv_budget_exceeded")
     try:
-        h = llm.submit(ids, on_token=on_token, max_tokens=max_tokens, **req.options)
+        # a streaming request's on_token posts to the event loop: deliver it from the scheduler thread
+        h = llm.submit(ids, on_token=on_token, max_tokens=max_tokens, _inline=on_token is not None, **req.options)
     except ContextOverflowError as e:
         raise HTTPError(400, str(e), param="messages" if req.kind == "chat" else "prompt",
                         code="context_length_exceeded") from e
