@@ -14,6 +14,8 @@ Phases (each bounded in request count and time):
 2. load: N concurrent streaming clients (default 16): aggregate decode tok/s, per-client tok/s,
    TTFT and ITL p50/p95, failures, and the aggregate / single-stream ratio (continuous batching
    should give well over 1; the project's target is ≥ 3× at 16 streams on Qwen2.5-0.5B).
+   Phases 1 and 2 alternate for ``--repetitions`` rounds (default 3); the ratios of every round
+   and their medians are reported.
 3. with ``--disconnect-fraction F``: ``--disconnect-clients`` clients (default 100) at once, a
    fraction F of them chosen at random dropping the connection mid-stream after a random number
    of tokens. Checks that the server stays up, that every other request completes, that the
@@ -337,23 +339,47 @@ def print_summary(title: str, s: dict[str, Any]) -> None:
 
 
 def throughput(url: str, args: argparse.Namespace, deadline: float, headers: dict[str, str]) -> dict[str, Any]:
-    """Warm-up, single-stream baseline, then N concurrent streams."""
-    out: dict[str, Any] = {}
+    """Warm-up, then ``--repetitions`` rounds of a single-stream baseline followed by N concurrent
+    streams; the ratios of each round and their medians."""
+    out: dict[str, Any] = {"rounds": []}
     asyncio.run(run_clients(url, 1, argparse.Namespace(**{**vars(args), "max_tokens": 4}), deadline,
                             headers=headers))  # warm-up: compile / page in
-    res, wall = asyncio.run(run_clients(url, 1, args, deadline, headers=headers, seed=args.seed))
-    out["single"] = summarize(res, wall)
-    print_summary("1 stream ", out["single"])
-    res, wall = asyncio.run(run_clients(url, args.clients, args, deadline, headers=headers, seed=args.seed))
-    out["load"] = summarize(res, wall)
-    print_summary(f"{args.clients} streams", out["load"])
-    a, b = out["load"]["decode_tok_s"], out["single"]["decode_tok_s"]
-    out["ratio"] = a / b if a and b else None
-    c = out["load"].get("steady_decode_tok_s")
-    out["steady_ratio"] = c / b if c and b else None
-    print(f"  aggregate / single-stream decode: {fmt_s(out['ratio'], '')}× from the first stream's first token to "
-          f"the last stream's last (prompt processing included); {fmt_s(out['steady_ratio'], '')}× in the steady "
-          f"state" + (" (target ≥ 3× at 16 streams)" if args.clients == 16 else ""))
+    for rep in range(args.repetitions):
+        rnd: dict[str, Any] = {}
+        res, wall = asyncio.run(run_clients(url, 1, args, deadline, headers=headers, seed=args.seed + rep))
+        rnd["single"] = summarize(res, wall)
+        res, wall = asyncio.run(run_clients(url, args.clients, args, deadline, headers=headers, seed=args.seed + rep))
+        rnd["load"] = summarize(res, wall)
+        a, b = rnd["load"]["decode_tok_s"], rnd["single"]["decode_tok_s"]
+        rnd["ratio"] = a / b if a and b else None
+        c = rnd["load"].get("steady_decode_tok_s")
+        rnd["steady_ratio"] = c / b if c and b else None
+        out["rounds"].append(rnd)
+        print(f" round {rep + 1}/{args.repetitions}")
+        print_summary("1 stream ", rnd["single"])
+        print_summary(f"{args.clients} streams", rnd["load"])
+        print(f"    aggregate / single-stream decode: {fmt_s(rnd['ratio'], '')}× (prompt processing included), "
+              f"{fmt_s(rnd['steady_ratio'], '')}× steady state")
+    rounds = out["rounds"]
+
+    def med(get: Any) -> float | None:
+        xs = [v for v in (get(r) for r in rounds) if v]
+        return statistics.median(xs) if xs else None
+
+    out["single"], out["load"] = rounds[-1]["single"], rounds[-1]["load"]
+    out["load"]["failures"] = [f for r in rounds for f in r["load"]["failures"]]
+    out["median"] = {"single_decode_tok_s": med(lambda r: r["single"]["decode_tok_s"]),
+                     "load_decode_tok_s": med(lambda r: r["load"]["decode_tok_s"]),
+                     "steady_decode_tok_s": med(lambda r: r["load"].get("steady_decode_tok_s")),
+                     "ratio": med(lambda r: r["ratio"]), "steady_ratio": med(lambda r: r["steady_ratio"])}
+    out["ratio"], out["steady_ratio"] = out["median"]["ratio"], out["median"]["steady_ratio"]
+    m = out["median"]
+    print(f"  median of {len(rounds)} rounds: single stream {fmt_s(m['single_decode_tok_s'], 'tok/s')}, "
+          f"{args.clients} streams {fmt_s(m['load_decode_tok_s'], 'tok/s')} "
+          f"(steady {fmt_s(m['steady_decode_tok_s'], 'tok/s')})")
+    print(f"  aggregate / single-stream decode, median: {fmt_s(out['ratio'], '')}× from the first stream's first "
+          f"token to the last stream's last (prompt processing included); {fmt_s(out['steady_ratio'], '')}× in "
+          f"the steady state" + (" (target ≥ 3× at 16 streams)" if args.clients == 16 else ""))
     return out
 
 
@@ -439,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-name", help="'model' field to send (default: none, the server's model)")
     ap.add_argument("-n", "--clients", type=int, default=16, help="concurrent streaming clients (default 16)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    ap.add_argument("-r", "--repetitions", type=int, default=3,
+                    help="rounds of (1 stream, N streams); ratios are reported per round and as medians (default 3)")
     ap.add_argument("--prompt-pad", type=int, default=0, help="repeat a filler sentence this many times in prompts")
     ap.add_argument("--parallel", type=int, help="server slots (default: --clients)")
     ap.add_argument("-c", "--ctx", type=int, default=1024, help="context per sequence (default 1024)")
@@ -461,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     from minirt import registry
 
     args.model = args.model or registry.DEFAULT_MODEL
-    if args.clients < 1 or args.max_tokens < 2 or not 0 <= args.disconnect_fraction < 1:
-        print("error: need --clients ≥ 1, --max-tokens ≥ 2, 0 ≤ --disconnect-fraction < 1", file=sys.stderr)
+    if args.clients < 1 or args.max_tokens < 2 or args.repetitions < 1 or not 0 <= args.disconnect_fraction < 1:
+        print("error: need --clients ≥ 1, --max-tokens ≥ 2, --repetitions ≥ 1, 0 ≤ --disconnect-fraction < 1",
+              file=sys.stderr)
         return 2
     if args.url:
         host = args.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
@@ -522,10 +551,10 @@ def main(argv: list[str] | None = None) -> int:
             peer.wait_ready(args.startup_timeout)
             print(f"llama-server at {peer.url} (-np {n_par})")
             report["llama_server"] = throughput(peer.url, args, deadline, {})
-            m, p = report.get("minirt", {}).get("load", {}), report["llama_server"]["load"]
-            if m.get("decode_tok_s") and p.get("decode_tok_s"):
-                print(f"  minirt / llama-server aggregate decode at {args.clients} streams: "
-                      f"{m['decode_tok_s'] / p['decode_tok_s']:.2f}×")
+            m, p = report.get("minirt", {}).get("median", {}), report["llama_server"]["median"]
+            if m.get("load_decode_tok_s") and p.get("load_decode_tok_s"):
+                print(f"  minirt / llama-server aggregate decode at {args.clients} streams (medians): "
+                      f"{m['load_decode_tok_s'] / p['load_decode_tok_s']:.2f}×")
         except RuntimeError as e:
             print(f"llama-server: failed to run ({e})")
             report["llama_server"] = f"failed: {e}"

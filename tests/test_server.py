@@ -565,7 +565,7 @@ def test_serve_load_bench_smoke(tiny_path, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MINIRT_LLAMA_SERVER", None)
     p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", tiny_path, "-n", "4",
-                        "--max-tokens", "8", "-c", "96", "--disconnect-fraction", "0.34", "--disconnect-clients", "12",
+                        "--max-tokens", "8", "-c", "96", "-r", "2", "--disconnect-fraction", "0.34", "--disconnect-clients", "12",
                         "--time-limit", "240", "--log-dir", str(tmp_path), "--json", str(out)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -573,6 +573,10 @@ def test_serve_load_bench_smoke(tiny_path, tmp_path):
     load = rep["minirt"]["load"]
     assert load["completed"] == 4 and load["tokens"] == 4 * 8 and not load["failures"]
     assert rep["minirt"]["single"]["tokens"] == 8 and rep["minirt"]["ratio"] > 0
+    rounds = rep["minirt"]["rounds"]
+    assert len(rounds) == 2 and all(r["load"]["completed"] == 4 and r["ratio"] > 0 for r in rounds)
+    assert rep["minirt"]["ratio"] == pytest.approx(sum(r["ratio"] for r in rounds) / 2)  # median of two
+    assert "median of 2 rounds" in p.stdout
     assert load["ttft_p50_s"] > 0 and load["itl_p95_s"] >= load["itl_p50_s"] > 0
     dc = rep["disconnect"]
     assert dc["ok"] and 1 <= dc["dropped"] <= 4 and dc["kept"] == 8 and dc["drained"] and dc["rss_ok"]
