@@ -37,7 +37,7 @@ def bench(qtype: str, rows: int, cols: int, nt: int, threads: int, regime: str, 
     y = np.zeros((nt, rows), np.float32)
     xp, yp = ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", y, require_writable=True)
     if packed:
-        arena = native.PackArena(sum(m.nbytes + 4096 for m in mats))
+        arena = native.PackArena(len(mats) * (native.pack_size(qtype, rows, cols) + 4096))
         pms = [native.pack(m, qtype, arena=arena) for m in mats]
         if pms[0] is None:
             raise SystemExit(f"{qtype} {rows}x{cols} cannot be packed")
@@ -55,6 +55,11 @@ def bench(qtype: str, rows: int, cols: int, nt: int, threads: int, regime: str, 
             assert rc >= 0
         dt = (time.perf_counter() - t0) / len(wps)
         best = min(best, dt)
+    # a worker the caller overtook may still be reading x and the weights (see mr_matmul in api.h):
+    # they must outlive it, or freeing the pack arena here crashes the process
+    gen = lib.mr_pool_generation()
+    while not lib.mr_pool_quiescent(gen):
+        time.sleep(0.001)
     return one.nbytes / best / 1e9
 
 

@@ -42,8 +42,8 @@ enum {
 
 /* The integer path handles up to MR_NT_INT tokens per pass over a weight row. */
 #define MR_NT_INT 4
-/* Packed weights: tokens up to which the integer kernels are used (4 per pass over a row group held
- * in L1); also the most sequences mr_decode_layers takes at once. */
+/* Packed weights: tokens up to which the integer kernels are used (all of them in one pass over each
+ * row group); also the most sequences mr_decode_layers takes at once. */
 #define MR_PACKED_INT_MAX 16
 /* Most elements mr_logit_stats ranks (a sampler's top-k / top_logprobs beyond this use numpy). */
 #define MR_TOPK_MAX 64
@@ -159,9 +159,9 @@ typedef void (*mr_gemv_fn)(const uint8_t *w, int64_t rb, int64_t nrows, int64_t 
 
 /* Packed kernels (pack.c, layout "P4": tiles of 4 rows x mr_pack_tile_cols columns):
  * y[t*ys + 4g + r] for the 4 rows r of each of ngroups row groups (padding rows included: y must
- * have room), t < nt (any count: tokens are taken 4 at a time while a row group is in L1). xa->q
- * holds the activations permuted within each 128-column quad (mr_pack_perm); xa->d, s, sq, sq16
- * keep the natural order. */
+ * have room), t < nt (any count: up to MR_NT_INT tokens with accumulators in registers, more up to
+ * MR_PACKED_INT_MAX at a time per row group with accumulators in L1). xa->q holds the activations
+ * permuted within each 128-column quad (mr_pack_perm); xa->d, s, sq, sq16 keep the natural order. */
 #define MR_P4_COLS 128
 typedef void (*mr_pgemv_fn)(const uint8_t *wp, int64_t ngroups, int64_t ntiles, const mr_xact *xa, int nt, float *y,
                             int64_t ys);

@@ -1,4 +1,5 @@
-/* AVX-512 VNNI multi-row integer kernels for decode (1..4 tokens): y[t, r] = W[r, :] . x_t.
+/* AVX-512 VNNI multi-row integer kernels for decode (1..4 tokens a pass; packed layout: 1..16):
+ * y[t, r] = W[r, :] . x_t.
  *
  * Same arithmetic as the single-row kernels of x86_avx512.c (weights unpacked to int16, int16
  * activations per 32-block, vpdpwssd, each block's int32 sums scaled in float32) organised for speed:
@@ -547,6 +548,110 @@ MR_INLINE void pgk_group(const int KIND, const int TB, const uint8_t *gw, int64_
     }
 }
 
+/* ---------------------------------------------------------------- packed, 5..16 tokens
+ * One pass over a row group for up to MR_PACKED_INT_MAX tokens (the 1..4-token kernels above, taking
+ * 4 at a time, unpacked every weight 4 times for 16 tokens and loaded every activation vector once
+ * per row). Per 128-column quad the 4 rows' weights are unpacked once into 16 registers, then each
+ * token's 4 activation vectors are loaded once and serve the 4 rows; the accumulators acc[r][t] (too
+ * many for registers) live in a small L1 buffer: their load and store go to the load/store ports,
+ * which this loop barely uses otherwise, while the vector units stay the bottleneck: 7 of their
+ * uops per (row, token, quad) (4 dot products, conversion, scale product, FMA) plus the unpacking
+ * once per (row, quad), against about 10 before (measured: 1.2-1.5x faster at 16 tokens).
+ *
+ * The combined per-lane scale of (row r, token t, quad) is split as row part x token part, each
+ * permuted once (per row and quad / per token and quad) instead of once per (row, token): for every
+ * kind, lane l of a quad covers activation block 4q + l / 4 (q: quad index in the row), and its
+ * product with the weight scale of that lane is the same float product as in the kernels above,
+ * which accumulate in the same order: the results are bit-identical to the 1..4-token kernels. */
+
+/* The row part of the scales of tile tw, row r: pg: the tile's 16 block scales d (row r: lanes
+ * 4r..4r+3); Q4_K: d * scale of the 8 sub-blocks (lanes 0..7; *m8 = -dmin * min); Q6_K: d * scale
+ * of the 16 groups. pw_ridx(KIND, r, Q) spreads it over the lanes of quad Q. */
+MR_INLINE __m512 pw_row_scales(const int KIND, const uint8_t *tw, int r, __m256 *m8) {
+    if (KIND == P_Q4_K) {
+        __m256 s8;
+        pk_scales_q4k(tw, r, &s8, m8);
+        return _mm512_castps256_ps512(s8);
+    }
+    *m8 = _mm256_setzero_ps();
+    if (KIND == P_Q6_K) return pk_scales_q6k(tw, r);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tw));
+}
+MR_INLINE __m512i pw_ridx(const int KIND, int r, int Q) {
+    if (KIND == P_Q6_K) /* groups 8Q..8Q+7, 2 lanes each */
+        return _mm512_add_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_set1_epi32(8 * Q));
+    return _mm512_load_si512((const void *)ridx_tab[KIND == P_Q4_K ? Q : r]);
+}
+
+/* one row group (4 rows, ntiles tiles of TB bytes, NQ quads each) x nt (<= MR_PACKED_INT_MAX) tokens
+ * starting at token t0 -> y[t*ys + r] */
+MR_INLINE void pw_group(const int KIND, const int TB, const uint8_t *gw, int64_t ntiles, const mr_xact *xa, int t0,
+                        int nt, float *y, int64_t ys) {
+    const int NQ = KIND == P_Q4_K || KIND == P_Q6_K ? 2 : 1, KQ = NQ == 2;
+    float acc[4][MR_PACKED_INT_MAX][16] __attribute__((aligned(64)));
+    float cor[4][MR_PACKED_INT_MAX][16] __attribute__((aligned(64))); /* k-quants: min / offset sums */
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < nt; t++) {
+            _mm512_store_ps(acc[r][t], _mm512_setzero_ps());
+            if (KQ) _mm512_store_ps(cor[r][t], _mm512_setzero_ps());
+        }
+    const __m512i ri0 = _mm512_load_si512((const void *)ridx_tab[0]);
+    for (int64_t i = 0; i < ntiles; i++) {
+        const uint8_t *tw = gw + i * TB;
+        __m512 rsc[4];
+        __m256 m8[4];
+        for (int r = 0; r < 4; r++) rsc[r] = pw_row_scales(KIND, tw, r, &m8[r]);
+        for (int Q = 0; Q < NQ; Q++) {
+            const int64_t q = NQ * i + Q;
+            __m512 rs[4];
+            __m512i v[4][4];
+            for (int r = 0; r < 4; r++) {
+                rs[r] = _mm512_permutexvar_ps(pw_ridx(KIND, r, Q), rsc[r]);
+                if (KQ) pk_unpack(KIND, tw, r, Q, v[r]);
+                else p_unpack(KIND, tw, r, v[r]);
+            }
+            for (int t = 0; t < nt; t++) {
+                const int16_t *xt = xa->q + (t0 + t) * xa->qs + 128 * q;
+                const __m512i x0 = _mm512_loadu_si512((const void *)xt), x1 = _mm512_loadu_si512((const void *)(xt + 32));
+                const __m512i x2 = _mm512_loadu_si512((const void *)(xt + 64)), x3 = _mm512_loadu_si512((const void *)(xt + 96));
+                /* lane l: activation scale of block 4q + l / 4 */
+                const __m512 ts = _mm512_permutexvar_ps(ri0, _mm512_castps128_ps512(_mm_loadu_ps(xa->d + (t0 + t) * xa->bs + 4 * q)));
+                for (int r = 0; r < 4; r++) {
+                    /* vpmaddwd = vpdpwssd into zero (both wrap), without a zeroed register to copy */
+                    __m512i p = _mm512_madd_epi16(v[r][0], x0);
+                    p = _mm512_dpwssd_epi32(p, v[r][1], x1);
+                    p = _mm512_dpwssd_epi32(p, v[r][2], x2);
+                    p = _mm512_dpwssd_epi32(p, v[r][3], x3);
+                    _mm512_store_ps(acc[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(rs[r], ts),
+                                                               _mm512_load_ps(acc[r][t])));
+                }
+            }
+        }
+        if (KIND == P_Q4_K) {
+            for (int r = 0; r < 4; r++)
+                for (int t = 0; t < nt; t++)
+                    _mm256_store_ps(cor[r][t], _mm256_fmadd_ps(m8[r], _mm256_loadu_ps(xa->s + (t0 + t) * xa->bs + 8 * i),
+                                                               _mm256_load_ps(cor[r][t])));
+        } else if (KIND == P_Q6_K) {
+            for (int r = 0; r < 4; r++)
+                for (int t = 0; t < nt; t++)
+                    _mm512_store_ps(cor[r][t], _mm512_fmadd_ps(rsc[r], _mm512_loadu_ps(xa->sq16 + 2 * ((t0 + t) * xa->bs + 8 * i)),
+                                                               _mm512_load_ps(cor[r][t])));
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        __m128 s = reduce4(_mm512_load_ps(acc[0][t]), _mm512_load_ps(acc[1][t]), _mm512_load_ps(acc[2][t]),
+                           _mm512_load_ps(acc[3][t]));
+        if (KIND == P_Q4_K)
+            s = _mm_add_ps(s, _mm_setr_ps(hsum8(_mm256_load_ps(cor[0][t])), hsum8(_mm256_load_ps(cor[1][t])),
+                                          hsum8(_mm256_load_ps(cor[2][t])), hsum8(_mm256_load_ps(cor[3][t]))));
+        else if (KIND == P_Q6_K)
+            s = _mm_sub_ps(s, _mm_mul_ps(_mm_set1_ps(32.0f), reduce4(_mm512_load_ps(cor[0][t]), _mm512_load_ps(cor[1][t]),
+                                                                     _mm512_load_ps(cor[2][t]), _mm512_load_ps(cor[3][t]))));
+        _mm_storeu_ps(y + t * ys, s);
+    }
+}
+
 /* One 4-row group of any packed type: the k-quant kinds have their own group kernel (KIND is a
  * compile-time constant in every caller, so the branch folds away). */
 MR_INLINE void p_group(const int KIND, const int TB, const uint8_t *gw, int64_t ntiles, const mr_xact *xa, int t0,
@@ -564,6 +669,12 @@ MR_INLINE void pgemv_impl(const uint8_t *wp, int64_t ngroups, int64_t ntiles, co
     for (int64_t g = 0; g < ngroups; g++) {
         const uint8_t *gw = wp + g * gb;
         if (pf > 0) pf_range(wp, g * gb + pf, (g + 1) * gb + pf, end);
+        if (nt > MR_NT_INT) {
+            for (int t0 = 0; t0 < nt; t0 += MR_PACKED_INT_MAX)
+                pw_group(KIND, TB, gw, ntiles, xa, t0, nt - t0 < MR_PACKED_INT_MAX ? nt - t0 : MR_PACKED_INT_MAX,
+                         y + t0 * ys + 4 * g, ys);
+            continue;
+        }
         for (int t0 = 0; t0 < nt; t0 += MR_NT_INT) {
             float *yg = y + t0 * ys + 4 * g;
             switch (nt - t0) {

@@ -593,13 +593,32 @@ def test_pack_roundtrip_and_matmul(nat, qtype):
         assert pm is not None and (pm.rows, pm.cols, pm.qtype) == (rows, cols, qtype)
         np.testing.assert_array_equal(native.unpack(pm), w)
         for isa in isas_to_test():
-            for nt, th in [(1, 1), (2, 2), (3, 3), (4, 2), (5, 1), (16, 2), (17, 3), (40, 2)]:
+            for nt, th in [(1, 1), (2, 2), (3, 3), (4, 2), (5, 1), (8, 2), (11, 3), (16, 2), (17, 3), (40, 2)]:
                 x = rng.standard_normal((nt, cols)).astype(np.float32)
                 y = native.matmul(x, pm, threads=th, isa=isa)
                 ref = x.astype(np.float64) @ W.T
                 bound = error_bound(x, W, native.matmul_path(qtype, nt, isa=isa, packed=True))
                 err = np.abs(y - ref)
                 assert np.all(err <= bound), (qtype, rows, cols, isa, nt, th, float((err / bound).max()))
+
+
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_packed_int_batch_matches_each_token(nat, qtype):
+    """The packed integer kernels give every token of a batch (5..16 tokens: one pass over each row
+    group for all of them) bit for bit what it gets alone (1 token: the single-stream kernels)."""
+    rng = np.random.default_rng(7 + PACKABLE.index(qtype))
+    unit = _pack_unit(qtype)
+    for rows, nq in [(37, 3), (64, 1)]:
+        cols = nq * unit
+        pm = native.pack(random_weights(rng, qtype, rows, cols), qtype)
+        for isa in isas_to_test():
+            if native.matmul_path(qtype, 16, isa=isa, packed=True) != "int16":
+                continue
+            x = rng.standard_normal((16, cols)).astype(np.float32)
+            alone = np.stack([native.matmul(x[t], pm, threads=1, isa=isa) for t in range(16)])
+            for nt in range(5, 17):
+                y = native.matmul(x[:nt], pm, threads=2, isa=isa)
+                np.testing.assert_array_equal(y, alone[:nt], err_msg=f"{qtype} rows={rows} cols={cols} {isa} nt={nt}")
 
 
 def test_pack_unsupported_and_validation(nat):
