@@ -97,6 +97,7 @@ class BenchConfig:
     rss_gen: int = 256
     busy: bool = True
     busy_repetitions: int = 2
+    batch: int = 0                        # sequences decoded together in the batched test (0: not run)
     bandwidth: bool = True
     bandwidth_mb: int = 512
     bandwidth_gbs: float | None = None    # given by the user instead of measured
@@ -508,6 +509,14 @@ class WorkerRunner:
             raise BenchError(f"{self.label}: generated {r['n_gen']} tokens instead of {n_gen}")
         return r
 
+    def tgb(self, prompts: list[list[int]], n_gen: int) -> float:
+        """Aggregate decode tok/s of ``len(prompts)`` sequences decoded together (one forward pass
+        per step for all of them), ``n_gen`` greedy tokens each, after their prompts."""
+        r = self.request("tgb", prompts=prompts, n_gen=n_gen)
+        if r["n_gen"] != len(prompts) * n_gen:
+            raise BenchError(f"{self.label}: generated {r['n_gen']} tokens instead of {len(prompts) * n_gen}")
+        return r["decode_tok_s"]
+
     def close(self) -> None:
         try:
             if self.proc.poll() is None and self.proc.stdin:
@@ -553,6 +562,9 @@ class LlamaBenchRunner:
     def pp(self, ids: list[int]) -> float:
         rows = self._run(["-p", str(len(ids)), "-n", "0"])
         return _llama_bench_ts(rows, n_prompt=len(ids), n_gen=0)
+
+    def tgb(self, prompts: list[list[int]], n_gen: int) -> float:
+        raise BenchError("llama-bench has no batched decode of separate sequences here; use llama-cpp-python")
 
     def tg(self, ids: list[int], n_gen: int) -> dict[str, Any]:
         if self.depth_ok:
@@ -811,12 +823,38 @@ def _steady_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runne
     if agree:
         row.extra["greedy_agreement_tokens"] = agree  # leading generated tokens identical on both sides
     report.rows.append(row)
+    if cfg.batch:
+        _batch_tests(cfg, report, bank, runners, sides, samples, say)
     if cfg.bandwidth and report.bandwidth:
         floor = report.bandwidth["floor_tok_s"]
         share = {s: [v / floor for v in vals] for s, vals in samples.items() if vals}
         report.rows.append(_row(f"tg{cfg.n_gen} / floor", "share", "higher", share,
                                 note=f"floor {floor:.1f} tok/s = {report.bandwidth['gbs']:.1f} GB/s / "
                                      f"{_fmt_bytes(report.bandwidth['bytes_per_token'])} per token"))
+
+
+def _batch_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runners: dict[str, Any], sides: list[str],
+                  single: dict[str, list[float]], say: Progress) -> None:
+    """Batched decode: cfg.batch sequences with their own prompts decoded together, aggregate tok/s,
+    and each runtime's scaling over its own single-sequence decode (the tg row, same minutes)."""
+    agg: dict[str, list[float]] = {s: [] for s in sides}
+    for rep in range(cfg.repetitions):
+        say(f"tg{cfg.n_gen} x{cfg.batch} sequences rep {rep + 1}/{cfg.repetitions}")
+        prompts = [bank.draw(cfg.tg_prompt) for _ in range(cfg.batch)]
+        got = _sample_pair(rep, {s: (lambda s=s: runners[s].tgb(prompts, cfg.n_gen)) for s in sides}, report,
+                           f"tg x{cfg.batch}")
+        for s, v in got.items():
+            if v is not None:
+                agg[s].append(v)
+    row = _row(f"tg{cfg.n_gen} x{cfg.batch} seqs", "tok/s", "higher", agg,
+               note=f"aggregate decode of {cfg.batch} sequences sharing each forward pass")
+    row.extra["scaling_over_single"] = {s.replace("llama", "llama_cpp"): statistics.median(agg[s]) / statistics.median(single[s])
+                                        for s in sides if agg[s] and single.get(s)}
+    report.rows.append(row)
+    sc = row.extra["scaling_over_single"]
+    if sc:
+        report.notes.append(f"{cfg.batch} sequences decoded together vs one: "
+                            + ", ".join(f"{k} {v:.2f}×" for k, v in sc.items()))
 
 
 def _row(test: str, unit: str, better: str, samples: dict[str, list[float]], note: str = "") -> Row:
@@ -1072,6 +1110,8 @@ def add_arguments(p: argparse.ArgumentParser, model_args: bool = True) -> None:
     p.add_argument("--quick", action="store_true", help="one repetition, pp128 only, shorter decode (a smoke run)")
     p.add_argument("--markdown", action="store_true", help="also print a block for bench/RESULTS.md")
     p.add_argument("--skip", default="", help="comma list of tests to skip: cold, busy, bandwidth")
+    p.add_argument("--batch", type=int, default=0,
+                   help="also decode this many sequences together (aggregate tok/s and scaling; 0: not run)")
     p.add_argument("--bandwidth-gbs", type=float, help="use this memory bandwidth instead of measuring it")
     p.add_argument("--llama-python", help=f"Python with llama-cpp-python (default ${ENV_LLAMA_PYTHON})")
     p.add_argument("--llama-bench", help=f"llama-bench binary (default ${ENV_LLAMA_BENCH})")
@@ -1118,6 +1158,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise InvalidRequestError(f"--skip: unknown test(s) {', '.join(sorted(unknown))}; choose from cold, busy, bandwidth")
     cfg.cold, cfg.busy, cfg.bandwidth = "cold" not in skip, "busy" not in skip, "bandwidth" not in skip
     cfg.bandwidth_gbs = g("bandwidth_gbs")
+    cfg.batch = g("batch", 0) or 0
+    if not isinstance(cfg.batch, int) or not 0 <= cfg.batch <= 64:
+        raise InvalidRequestError(f"--batch must be an integer in [0, 64], got {cfg.batch!r}")
     cfg.llama_python, cfg.llama_bench = g("llama_python"), g("llama_bench")
     for name, v in (("threads", cfg.threads), ("n_gen", cfg.n_gen), ("repetitions", cfg.repetitions)):
         if not isinstance(v, int) or v <= 0:
@@ -1183,6 +1226,29 @@ class _MinirtSide:
         return {"prompt_s": c.timings["prompt_s"], "gen_tok_s": c.timings["generated_tokens_per_s"],
                 "n_gen": len(c.token_ids), "ids": list(c.token_ids), "cached": c.usage.get("cached_tokens", 0)}
 
+    def tgb(self, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
+        # the engine the scheduler drives, without the scheduler thread: every step is one forward
+        # pass over all the sequences (prompt chunks first, then one token each)
+        llm = self.llm
+        seqs = [llm._sequence(ids, max_tokens=n_gen, stop=None, ignore_eos=True, on_token=None, cancel=None,
+                              progress=None, trace=None, context_overflow="stop", n_keep=None,
+                              sampling={"temperature": 0.0}) for ids in prompts]
+        try:
+            for s in seqs:
+                llm.attach_cache(s)
+            while any(s.in_prefill for s in seqs):
+                llm.engine.step(seqs)
+            n0 = sum(len(s.generated) for s in seqs)  # first tokens come from the prompts' logits
+            t0 = time.perf_counter()
+            while not all(s.done for s in seqs):
+                llm.engine.step(seqs)
+            dt = time.perf_counter() - t0
+        finally:
+            for s in seqs:
+                llm.release_cache(s)
+        n = sum(len(s.generated) for s in seqs)
+        return {"decode_tok_s": (n - n0) / dt if dt > 0 else float("nan"), "n_gen": n}
+
     def once(self, ids: list[int], n_gen: int) -> dict[str, Any]:
         first: list[float] = []
 
@@ -1237,6 +1303,50 @@ class _LlamaSide:
             out.append(self._greedy())
         return {"prompt_s": prompt_s, "gen_tok_s": (n_gen - 1) / gen_s if gen_s > 0 else float("nan"),
                 "n_gen": len(out), "ids": out, "cached": 0}
+
+    def tgb(self, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
+        # llama.cpp's own batching (what llama-server and batched-bench do): a context with one KV
+        # sequence per prompt, a llama_batch holding one token of every sequence per decode call
+        lc, np, B = self.lc, self.np, len(prompts)
+        n_prompt = max(len(p) for p in prompts)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = B * (n_prompt + n_gen + 8)
+        cp.n_batch = cp.n_ubatch = max(512, n_prompt)
+        cp.n_seq_max = B
+        cp.n_threads, cp.n_threads_batch = self.llm.n_threads, self.llm.n_threads_batch
+        ctx = lc.llama_init_from_model(self.llm.model, cp)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context for the batched test")
+        batch = lc.llama_batch_init(max(B, n_prompt), 0, B)
+
+        def fill(items: list[tuple[int, int, int, bool]]) -> None:  # (token, pos, seq, want logits)
+            batch.n_tokens = len(items)
+            for j, (tok, pos, seq, want) in enumerate(items):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos, 1
+                batch.seq_id[j][0], batch.logits[j] = seq, want
+
+        def greedy(j: int) -> int:
+            return int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, j), shape=(self.n_vocab,)).argmax())
+
+        try:
+            last: list[int] = []
+            for sq, ids in enumerate(prompts):  # prompts one sequence at a time, like minirt's chunks
+                fill([(t, i, sq, i == len(ids) - 1) for i, t in enumerate(ids)])
+                if lc.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed on a prompt")
+                last.append(greedy(len(ids) - 1))
+            n, t0 = B, time.perf_counter()
+            for step in range(n_gen - 1):
+                fill([(last[sq], len(prompts[sq]) + step, sq, True) for sq in range(B)])
+                if lc.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed while decoding")
+                last = [greedy(sq) for sq in range(B)]
+                n += B
+            dt = time.perf_counter() - t0
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
+        return {"decode_tok_s": (n - B) / dt if dt > 0 else float("nan"), "n_gen": n}
 
     def once(self, ids: list[int], n_gen: int) -> dict[str, Any]:
         self.llm.reset()
@@ -1315,6 +1425,8 @@ def worker_main(argv: Sequence[str]) -> int:
                 reply(**side.pp(req["ids"]))
             elif op == "tg":
                 reply(**side.tg(req["ids"], int(req["n_gen"])))
+            elif op == "tgb":
+                reply(**side.tgb(req["prompts"], int(req["n_gen"])))
             elif op == "info":
                 reply(**side.info())
             else:

@@ -166,6 +166,19 @@ def test_cold_run_rss_is_the_childs_own_not_the_parents(tiny_path):
     del ballast
 
 
+def test_batched_decode_row_on_tiny_model(tiny_path):
+    """--batch N: N sequences decoded together; aggregate tok/s and the scaling over the same
+    runtime's single-sequence decode of the same run."""
+    cfg = _tiny_config(tiny_path, cold=False, busy=False, bandwidth=False, batch=3)
+    report = bench.run_benchmark(cfg, peer=_missing_peer())
+    assert [r.test for r in report.rows] == ["pp16", "pp32", "tg4", "tg4 x3 seqs"]
+    row = report.row("tg4 x3 seqs")
+    assert row.llama is None and len(row.minirt.samples) == 2 and all(v > 0 for v in row.minirt.samples)
+    assert row.extra["scaling_over_single"]["minirt"] == pytest.approx(
+        row.minirt.median / report.row("tg4").minirt.median)
+    assert any("3 sequences decoded together vs one: minirt" in n for n in report.notes)
+
+
 def test_config_rejects_bad_flags(tiny_path):
     ns = lambda **kw: argparse.Namespace(model=str(tiny_path), **kw)  # noqa: E731
     with pytest.raises(InvalidRequestError, match="unknown test"):
@@ -174,6 +187,8 @@ def test_config_rejects_bad_flags(tiny_path):
         bench.config_from_args(ns(n_gen=1))
     with pytest.raises(InvalidRequestError, match="too small"):
         bench.config_from_args(ns(ctx=64, n_prompt=[128]))
+    with pytest.raises(InvalidRequestError, match="--batch"):
+        bench.config_from_args(ns(batch=65))
     q = bench.config_from_args(ns(quick=True))
     assert q.repetitions == 1 and q.n_prompt == [128] and q.resolved_n_ctx() >= q.needed_n_ctx()
 
@@ -228,8 +243,9 @@ def test_harness_with_llama_cpp_peer_on_tiny_model(tiny_path):
     peer = bench.find_peer(True)
     if peer.kind != "python":
         pytest.skip(f"llama-cpp-python not reachable: {peer.reason}")
-    cfg = _tiny_config(tiny_path, busy=False, bandwidth=False, n_gen=8)
+    cfg = _tiny_config(tiny_path, busy=False, bandwidth=False, n_gen=8, batch=2)
     report = bench.run_benchmark(cfg, peer=peer)
+    assert set(report.row("tg8 x2 seqs").extra["scaling_over_single"]) == {"minirt", "llama_cpp"}
     assert not [n for n in report.notes if "failed" in n], report.notes
     for r in report.rows:
         assert r.minirt is not None and r.llama is not None, r.test
