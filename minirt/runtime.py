@@ -605,8 +605,14 @@ class Model:
         took ~5% of a 2-core machine's CPU from the forward passes. The callback's exceptions and
         ``False`` end the request as on the worker thread (``Sequence._emit``)."""
 
+        submitted = threading.Event()
+        box: list[Any] = []
+
         def done(_ev: TokenEvent) -> None:  # the scheduler's last call for this request
-            err = req.error if req.error is not None else seq.error
+            # a request cancelled from the start can end before submit() below has returned
+            submitted.wait()
+            req = box[0] if box else None
+            err = req.error if req is not None and req.error is not None else seq.error
             if err is not None:
                 h._error = err
             else:
@@ -614,7 +620,10 @@ class Model:
             h._set_done()
 
         seq.sink = getattr(seq, "user_sink", None)
-        req = self.scheduler.submit(seq, done)  # a full queue raises CapacityError here, on the caller's thread
+        try:
+            box.append(self.scheduler.submit(seq, done))  # a full queue raises CapacityError here
+        finally:
+            submitted.set()
 
     async def astream(self, prompt: str | Seq[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                       **kw: Any) -> AsyncIterator[TokenEvent]:

@@ -173,6 +173,37 @@ def test_astream_does_not_block_the_loop(llm):
     assert ticks > 3
 
 
+def test_inline_delivery_events_errors_and_early_cancel(llm):
+    """Model._submit_inline (the server's streaming path and astream): events arrive on the
+    scheduler thread in order and equal a plain generation; a request cancelled before it starts
+    still completes its handle; a failing callback ends its own request with that error."""
+    want = greedy(llm, n=6)
+    got, threads = [], set()
+
+    def on_token(ev):
+        got.append(ev)
+        threads.add(threading.current_thread().name)
+
+    h = llm.submit(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, on_token=on_token, _inline=True)
+    c = h.result(timeout=60)
+    assert c.token_ids == want.token_ids and c.text == want.text and h.thread is None
+    assert [e.token_id for e in got if e.token_id is not None] == want.token_ids
+    assert got[-1].finish_reason == "length" and threads == {"minirt-scheduler"}
+    for _ in range(20):  # cancelled before admission: the scheduler may finish it before submit() returns
+        ev = threading.Event()
+        ev.set()
+        c = llm.submit(PROMPT, max_tokens=6, on_token=lambda e: None, cancel=ev, _inline=True).result(timeout=10)
+        assert c.finish_reason == "cancelled" and c.token_ids == []
+
+    def boom(ev):
+        raise RuntimeError("callback failed")
+
+    h = llm.submit(PROMPT, max_tokens=6, temperature=0.0, on_token=boom, _inline=True)
+    with pytest.raises(RuntimeError, match="callback failed"):
+        h.result(timeout=60)
+    assert greedy(llm, n=6).token_ids == want.token_ids  # the model serves the next request
+
+
 def test_threads_get_sequential_results(llm):
     prompts = [f"{PROMPT} {w}" for w in ("a", "the", "Paris", "of", "e", "th", "t", "?")]
     expected = {p: greedy(llm, p, n=6).token_ids for p in prompts}
