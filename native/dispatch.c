@@ -395,6 +395,12 @@ void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_
     }
 }
 
+/* the success return of the matmul entry points: chunks the caller recomputed (see api.h), clamped */
+static int steals_rc(void) {
+    const unsigned long long st = mr_pool_steals();
+    return st > 1000000ULL ? 1000000 : (int)st;
+}
+
 static int choose_path(const mr_kernels *K, int qtype, int64_t nt) {
     if (!mr_type_ok(qtype) || !K->dq[qtype]) return PATH_NONE;
     if (K->vint[qtype] && nt <= MR_INT_MAX_TOKENS) return PATH_INT;
@@ -463,10 +469,7 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
     } else {
         rc = run_float(&c, threads);
     }
-    if (rc == MR_OK) {
-        const unsigned long long st = mr_pool_steals();
-        rc = st > 1000000ULL ? 1000000 : (int)st;
-    }
+    if (rc == MR_OK) rc = steals_rc();
     mr_call_unlock();
     return rc;
 }
@@ -533,10 +536,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
             rc = run_float(&c, threads);
         }
     }
-    if (rc == MR_OK) {
-        const unsigned long long st = mr_pool_steals();
-        rc = st > 1000000ULL ? 1000000 : (int)st;
-    }
+    if (rc == MR_OK) rc = steals_rc();
     mr_call_unlock();
     return rc;
 }

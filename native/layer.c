@@ -171,8 +171,12 @@ int mr_layer_check(const mr_layer *L, int isa) {
     return MR_OK;
 }
 
-MR_INLINE void add_into(float *x, const float *o, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] += o[i];
+/* residual stream of B rows of d: x += norm(o) (Gemma's post-block norm, in place in o) or x += o */
+MR_INLINE void residual(const mr_kernels *K, float *x, float *o, const float *norm, float eps, int64_t B, int64_t d) {
+    for (int64_t b = 0; b < B; b++) {
+        if (norm) K->rmsnorm(o + b * d, norm, eps, d, o + b * d);
+        for (int64_t i = 0; i < d; i++) x[b * d + i] += o[b * d + i];
+    }
 }
 
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int kv_f16,
@@ -271,10 +275,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
-        for (int64_t b = 0; b < B; b++) {
-            if (L->post_attn_norm) K->rmsnorm(o + b * d, L->post_attn_norm, L->eps, d, o + b * d);
-            add_into(x + b * d, o + b * d, d);
-        }
+        residual(K, x, o, L->post_attn_norm, L->eps, B, d);
         PROF(3);
         /* feed-forward block */
         for (int64_t b = 0; b < B; b++) K->rmsnorm(x + b * d, L->ffn_norm, L->eps, d, h + b * d);
@@ -293,10 +294,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
-        for (int64_t b = 0; b < B; b++) {
-            if (L->post_ffn_norm) K->rmsnorm(o + b * d, L->post_ffn_norm, L->eps, d, o + b * d);
-            add_into(x + b * d, o + b * d, d);
-        }
+        residual(K, x, o, L->post_ffn_norm, L->eps, B, d);
         PROF(5);
         if (prof_on) prof_ns[6] += 1.0;
     }

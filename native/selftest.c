@@ -63,6 +63,22 @@ static void fill_weights(const tinfo *t, uint8_t *w, int64_t rows, int64_t cols)
     }
 }
 
+/* worst |y - W x| / sum |W x| over the nt x rows outputs against a float64 reference (1e9 for a NaN) */
+static double worst_rel_err(const float *W, const float *x, const float *y, int64_t rows, int64_t cols, int64_t nt) {
+    double worst = 0.0;
+    for (int64_t tt = 0; tt < nt; tt++)
+        for (int64_t r = 0; r < rows; r++) {
+            double ref = 0.0, absd = 0.0;
+            for (int64_t c = 0; c < cols; c++) {
+                ref += (double)W[r * cols + c] * x[tt * cols + c];
+                absd += fabs((double)W[r * cols + c] * x[tt * cols + c]);
+            }
+            const double e = fabs(y[tt * rows + r] - ref) / (absd + 1e-30);
+            if (e > worst || e != e) worst = e != e ? 1e9 : e;
+        }
+    return worst;
+}
+
 static void test_matmul(int isa, const tinfo *t, int64_t rows, int64_t cols, int64_t nt, int threads) {
     const mr_type_info ti = mr_types[t->id];
     const int64_t rb = cols / ti.block * ti.bytes;
@@ -73,17 +89,7 @@ static void test_matmul(int isa, const tinfo *t, int64_t rows, int64_t cols, int
     for (int64_t i = 0; i < nt * cols; i++) x[i] = frand() * 3.0f;
     int ok = mr_dequantize(t->id, w, rows * cols, W) == 0;
     ok = ok && mr_matmul(t->id, w, rows, cols, rb, x, nt, cols, y, rows, threads, isa) >= 0;
-    double worst = 0.0;
-    for (int64_t tt = 0; ok && tt < nt; tt++)
-        for (int64_t r = 0; r < rows; r++) {
-            double ref = 0.0, absd = 0.0;
-            for (int64_t c = 0; c < cols; c++) {
-                ref += (double)W[r * cols + c] * x[tt * cols + c];
-                absd += fabs((double)W[r * cols + c] * x[tt * cols + c]);
-            }
-            const double e = fabs(y[tt * rows + r] - ref) / (absd + 1e-30);
-            if (e > worst || e != e) worst = e != e ? 1e9 : e;
-        }
+    const double worst = ok ? worst_rel_err(W, x, y, rows, cols, nt) : 0.0;
     char what[160];
     snprintf(what, sizeof what, "matmul isa=%d %s rows=%lld cols=%lld nt=%lld threads=%d: rel err %.3g", isa,
              t->name, (long long)rows, (long long)cols, (long long)nt, threads, worst);
@@ -105,17 +111,7 @@ static void test_packed(int isa, const tinfo *t, int64_t rows, int64_t cols, int
     int ok = mr_dequantize(t->id, w, rows * cols, W) == 0 && mr_pack(t->id, w, rows, cols, rb, p, threads) == 0;
     ok = ok && mr_unpack(t->id, p, rows, cols, w2, rb) == 0 && memcmp(w, w2, (size_t)(rows * rb)) == 0;
     ok = ok && mr_matmul_packed(t->id, p, rows, cols, x, nt, cols, y, rows, threads, isa) >= 0;
-    double worst = 0.0;
-    for (int64_t tt = 0; ok && tt < nt; tt++)
-        for (int64_t r = 0; r < rows; r++) {
-            double ref = 0.0, absd = 0.0;
-            for (int64_t c = 0; c < cols; c++) {
-                ref += (double)W[r * cols + c] * x[tt * cols + c];
-                absd += fabs((double)W[r * cols + c] * x[tt * cols + c]);
-            }
-            const double e = fabs(y[tt * rows + r] - ref) / (absd + 1e-30);
-            if (e > worst || e != e) worst = e != e ? 1e9 : e;
-        }
+    const double worst = ok ? worst_rel_err(W, x, y, rows, cols, nt) : 0.0;
     char what[160];
     snprintf(what, sizeof what, "packed isa=%d %s rows=%lld cols=%lld nt=%lld threads=%d: rel err %.3g", isa, t->name,
              (long long)rows, (long long)cols, (long long)nt, threads, worst);

@@ -369,14 +369,8 @@ MR_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* the 4 int16 weight vectors of row r of a tile (vector k holds elements E(k, j), see pack.c) */
-MR_INLINE void p_unpack(const int KIND, const uint8_t *tw, int r, __m512i v[4]) {
-    if (KIND == P_Q8_0) {
-        const uint8_t *q = tw + 32 + 128 * r;
-        for (int k = 0; k < 4; k++) v[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * k)));
-        return;
-    }
-    const uint8_t *nb = tw + (KIND == P_Q5_0 ? 96 : 32) + 64 * r;
+/* 64 bytes of packed nibbles -> the 4 int16 vectors of one quad (both packed layouts) */
+MR_INLINE void pk_nib(const uint8_t *nb, __m512i v[4]) {
     const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb));
     const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb + 32)));
     const __m512i m4 = _mm512_set1_epi16(15);
@@ -384,6 +378,16 @@ MR_INLINE void p_unpack(const int KIND, const uint8_t *tw, int r, __m512i v[4]) 
     v[1] = _mm512_srli_epi16(h0, 4);
     v[2] = _mm512_and_si512(h1, m4);
     v[3] = _mm512_srli_epi16(h1, 4);
+}
+
+/* the 4 int16 weight vectors of row r of a tile (vector k holds elements E(k, j), see pack.c) */
+MR_INLINE void p_unpack(const int KIND, const uint8_t *tw, int r, __m512i v[4]) {
+    if (KIND == P_Q8_0) {
+        const uint8_t *q = tw + 32 + 128 * r;
+        for (int k = 0; k < 4; k++) v[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * k)));
+        return;
+    }
+    pk_nib(tw + (KIND == P_Q5_0 ? 96 : 32) + 64 * r, v);
     if (KIND == P_Q5_0) {
         const uint8_t *mk = tw + 32 + 16 * r;
         const __m512i c16 = _mm512_set1_epi16(16);
@@ -446,17 +450,6 @@ static void pdq_q8_0(const uint8_t *tw, float *out, int64_t os) { pdq_impl(P_Q8_
 
 /* ---------------------------------------------------------------- packed k-quants: 4 rows x 256 columns per tile */
 enum { P_Q4_K = 16, P_Q6_K }; /* distinct from the P_Q4_0.. kinds: p_group tells them apart */
-
-/* 64 bytes of packed nibbles -> the 4 int16 vectors of one quad */
-MR_INLINE void pk_nib(const uint8_t *nb, __m512i v[4]) {
-    const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb));
-    const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb + 32)));
-    const __m512i m4 = _mm512_set1_epi16(15);
-    v[0] = _mm512_and_si512(h0, m4);
-    v[1] = _mm512_srli_epi16(h0, 4);
-    v[2] = _mm512_and_si512(h1, m4);
-    v[3] = _mm512_srli_epi16(h1, 4);
-}
 
 /* quad Q of row r of a packed k-quant tile -> 4 int16 vectors (Q6_K: unsigned 0..63, the -32 is folded out) */
 MR_INLINE void pk_unpack(const int KIND, const uint8_t *tw, int r, int Q, __m512i v[4]) {

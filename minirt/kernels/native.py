@@ -932,18 +932,23 @@ def matmul(x: np.ndarray, w: "np.ndarray | PackedMatrix", qtype: str | None = No
     if row_bytes != cols // bs * ts:
         raise InvalidRequestError(f"{name}: w has {row_bytes} bytes per row, {cols} columns need {cols // bs * ts}")
     shape = (nt, rows) if x.ndim == 2 else (rows,)
-    if out is None:
-        out = np.empty(shape, dtype=_F32)
-    else:
-        _out_array(out, shape)
-        if _overlaps(out, x):
-            raise InvalidRequestError("out must not overlap x")
+    out = _matmul_out(out, shape, x)
     if rows == 0 or nt == 0:
         return out
     rc = lib.mr_matmul(tid, ffi.from_buffer("unsigned char[]", w), rows, cols, row_bytes,
                        ffi.from_buffer("float[]", x), nt, cols, ffi.from_buffer("float[]", out, require_writable=True),
                        rows, _threads_arg(threads), _isa_id(isa))
     _after_call(lib, rc, "matmul", w, x)
+    return out
+
+
+def _matmul_out(out: np.ndarray | None, shape: tuple[int, ...], x: np.ndarray) -> np.ndarray:
+    """The matmul's float32 output: a new array, or ``out`` checked (shape, dtype, no overlap with x)."""
+    if out is None:
+        return np.empty(shape, dtype=_F32)
+    _out_array(out, shape)
+    if _overlaps(out, x):
+        raise InvalidRequestError("out must not overlap x")
     return out
 
 
@@ -957,12 +962,7 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
     if cols != w.cols:
         raise InvalidRequestError(f"x has {cols} columns, the packed matrix {w.cols}")
     shape = (nt, w.rows) if x.ndim == 2 else (w.rows,)
-    if out is None:
-        out = np.empty(shape, dtype=_F32)
-    else:
-        _out_array(out, shape)
-        if _overlaps(out, x):
-            raise InvalidRequestError("out must not overlap x")
+    out = _matmul_out(out, shape, x)
     if nt == 0:
         return out
     wd = w.data
