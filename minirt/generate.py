@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence as Seq
 
 import numpy as np
 
-from .archs.base import Segment, Transformer
+from .forward import Segment, Transformer
 from .errors import ContextOverflowError, InvalidRequestError
 from .kv_cache import KVCache
 from .sampling import Sampled, Sampler, SamplingParams

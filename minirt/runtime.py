@@ -24,7 +24,8 @@ import numpy as np
 
 from . import gguf as gguf_mod
 from . import registry
-from .archs.base import Segment, build
+from .archs import build
+from .forward import Segment
 from .errors import BackendError, InvalidRequestError, ModelClosedError, TokenizerError
 from .generate import (Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop)
 from .kv_cache import KVCache
@@ -218,29 +219,9 @@ class Model:
 
     # -- setup -------------------------------------------------------------------------------------
     def _pick_backend(self, device: str, backend: str | None, threads: int | None) -> tuple[str, Any]:
-        from .kernels import get_backend
+        from .kernels import select_backend
 
-        if device not in ("auto", "cpu", "cuda"):
-            raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-        if device in ("cuda", "auto"):
-            try:
-                from .kernels import cuda
-
-                if cuda.available():
-                    b = cuda.CudaBackend(self.file)
-                    log.info("device: cuda (%s)", b.info().get("name", "GPU"))
-                    return "cuda", b
-                if device == "cuda":
-                    raise BackendError(f"device='cuda' requested but no usable GPU: {cuda.unavailable_reason()}")
-            except (ImportError, BackendError) as e:
-                if device == "cuda":
-                    if isinstance(e, BackendError):
-                        raise
-                    raise BackendError(f"device='cuda' requested but the CUDA backend cannot load: {e}") from e
-                log.warning("CUDA unavailable (%s); using the CPU", e)
-        b = get_backend(backend, threads)
-        log.info("device: cpu (%s backend)", b.name)
-        return "cpu", b
+        return select_backend(device, backend, threads, self.file)
 
     def _pick_n_ctx(self, n_ctx: int | None) -> int:
         cfg = self.model.cfg

@@ -61,9 +61,15 @@ typedef struct {
 typedef struct {
     long long n_embd, n_ff, n_head, n_head_kv, head_dim_k, head_dim_v, rope_dim;
     float eps, attn_scale, softcap;
+    float residual_scale;       /* x += residual_scale * block output (Granite); 1 otherwise */
     long long window;           /* > 0: each query sees only the last `window` positions */
-    int rope_neox, act, local;  /* act: 0 SiLU, 1 GELU (tanh); local: RoPE from the second table pair */
+    int rope_neox, act;         /* act: 0 SiLU, 1 GELU (tanh) */
+    int rope_table;             /* index of this layer's cos/sin table pair; -1: no RoPE (NoPE layer) */
+    int norm_kind;              /* attn/ffn/post norms: 0 RMSNorm, 1 LayerNorm (with optional biases) */
+    int qk_norm_full;           /* q/k norms over the whole projection (H*D) instead of each head */
+    int parallel;               /* x += attn(n(x)) + mlp(n(x)) with the one attn_norm (Cohere) */
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* NULL: none */
+    const float *attn_norm_b, *ffn_norm_b; /* LayerNorm biases or NULL */
     mr_weight wq, wk, wv, wo, gate, up, down;
 } mr_layer;
 
@@ -77,10 +83,10 @@ int mr_layer_check(const mr_layer *L, int isa);
 
 /* Runs n_layer layers over x (n_seq, n_embd), in place: token b belongs to sequence seqs[b], its key
  * and value are written at seqs[b].pos of each layer's cache (float32, or f16 bits when kv_f16).
- * cos/sin: (n_seq, rope_dim / 2) tables, *_g for layers with local == 0, *_l for the others.
- * Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed, see mr_pool_quiescent). */
+ * cos_t[i] / sin_t[i]: (n_seq, rope_dim / 2) tables of table pair i (n_tables of them; a layer reads
+ * pair rope_table). Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed, see mr_pool_quiescent). */
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs,
-                     int kv_f16, const float *cos_g, const float *sin_g, const float *cos_l, const float *sin_l,
+                     int kv_f16, const float *const *cos_t, const float *const *sin_t, int n_tables,
                      int threads, int isa);
 
 

@@ -783,7 +783,7 @@ def test_native_layers_real_models(model, request):
 def test_attention_prefill(nat, dtype):
     """Causal grouped-query attention of many new queries against the numpy implementation of the
     forward pass: windows (crossing the query blocks), softcap, caches holding older positions."""
-    from minirt.archs.base import attention
+    from minirt.blocks import attention
 
     rng = np.random.default_rng(21)
     for n, n_head, n_kv, hd, p0, window, softcap in [(1, 4, 2, 32, 0, 0, 0.0), (17, 4, 2, 32, 5, 0, 0.0),
@@ -805,7 +805,7 @@ def test_attention_prefill(nat, dtype):
 
 
 def test_act_mul(nat):
-    from minirt.archs.base import gelu_tanh, silu
+    from minirt.blocks import gelu_tanh, silu
 
     rng = np.random.default_rng(22)
     g = (rng.standard_normal((3, 1001)) * 6).astype(np.float32)

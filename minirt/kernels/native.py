@@ -784,45 +784,96 @@ def spot_check_packed(pm: PackedMatrix, w: np.ndarray) -> bool:
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
-_LAYER_NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")
+_NORM_KINDS = {"rms": 0, "layer": 1}
 _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
-class LayerStack:
-    """A model's decoder layers described for the native decode step (``mr_decode_layers``).
+def _block_weights(b: Any) -> dict[str, Any]:
+    a, m = b.attn, b.mlp
+    return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate, "up": m.up, "down": m.down}
 
-    ``specs``: one dict per layer with the sizes (n_embd, n_ff, n_head, n_head_kv, head_dim_k,
-    head_dim_v, rope_dim), eps, attn_scale, softcap, window, rope_neox, act ("silu" or
-    "gelu_tanh"), local (RoPE from the sliding-window tables), the norm gains (float32 arrays or
-    None) and the weights wq..down as ``(w, qtype, bias)`` with w a ggml (rows, row_bytes) uint8 array
-    or a :class:`PackedMatrix`. Raises :class:`BackendError` when a layer cannot run natively here.
+
+def layer_unsupported(b: Any) -> str | None:
+    """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
+    a, m = b.attn, b.mlp
+    if m.gate is None:
+        return "an MLP without gate"
+    if m.act not in _ACTS:
+        return f"activation {m.act!r}"
+    if a.sinks is not None:
+        return "attention sinks"
+    if a.head_dim_k != a.head_dim_v:
+        return "different key and value head sizes"
+    block_norms = [n for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None]
+    if len({n.kind for n in block_norms}) > 1:
+        return "RMSNorm and LayerNorm in one block"
+    if any(n.bias is not None for n in (b.post_attn_norm, b.post_ffn_norm) if n is not None):
+        return "post-norms with a bias"
+    qk = [n for n in (a.q_norm, a.k_norm) if n is not None]
+    if any(n.kind != "rms" or n.bias is not None for n in qk):
+        return "LayerNorm q/k norms"
+    if len({float(n.eps) for n in block_norms + qk}) > 1:
+        return "norms with different eps in one block"
+    return None
+
+
+class LayerStack:
+    """A model's decoder blocks (:class:`minirt.blocks.Block`) prepared for the native decode step
+    (``mr_decode_layers``).
+
+    ``rope_index[i]``: which of the cos/sin table pairs handed to :meth:`run` block i reads (-1: a
+    NoPE layer). A weight whose ``backend_data`` is a :class:`PackedMatrix` is read packed; the
+    others in their ggml layout. Raises :class:`BackendError` when a block cannot run natively here.
     """
 
-    def __init__(self, specs: list[dict[str, Any]], isa: str | None = None) -> None:
+    def __init__(self, blocks: list[Any], rope_index: list[int], isa: str | None = None) -> None:
         ffi, lib = _lib()
         self._keep: list[Any] = []
-        self.n_layer = len(specs)
+        self.n_layer = len(blocks)
         self._layers = ffi.new("mr_layer[]", self.n_layer)
         self._isa = _isa_id(isa)
         # what every cache and RoPE table handed to run() must match (checked there, not in C)
-        self._kv_heads = {int(sp["n_head_kv"]) for sp in specs}
-        self._dk = {int(sp["head_dim_k"]) for sp in specs}
-        self._dv = {int(sp["head_dim_v"]) for sp in specs}
-        self._half_rope = max((int(sp["rope_dim"]) // 2 for sp in specs), default=0)
-        self._n_embd = int(specs[0]["n_embd"]) if specs else 0
-        for i, sp in enumerate(specs):
+        self._kv_heads = {int(b.attn.n_head_kv) for b in blocks}
+        self._dk = {int(b.attn.head_dim_k) for b in blocks}
+        self._dv = {int(b.attn.head_dim_v) for b in blocks}
+        self._half_rope = {}
+        self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
+        for i, (b, ri) in enumerate(zip(blocks, rope_index)):
+            why = layer_unsupported(b)
+            if why is not None:
+                raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
+            a, m = b.attn, b.mlp
             L = self._layers[i]
-            for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim_k", "head_dim_v", "rope_dim", "window"):
-                setattr(L, k, int(sp[k]))
-            L.eps, L.attn_scale, L.softcap = float(sp["eps"]), float(sp["attn_scale"]), float(sp["softcap"])
-            L.rope_neox, L.act, L.local = int(bool(sp["rope_neox"])), _ACTS[sp["act"]], int(bool(sp["local"]))
-            for k in _LAYER_NORMS:
-                v = sp.get(k)
-                setattr(L, k, ffi.NULL if v is None else self._f32(ffi, v))
-            for k in _LAYER_WEIGHTS:
-                w, qtype, bias = sp[k]
+            L.n_embd, L.n_ff = m.down.out_features, m.down.in_features
+            L.n_head, L.n_head_kv, L.head_dim_k, L.head_dim_v = a.n_head, a.n_head_kv, a.head_dim_k, a.head_dim_v
+            L.rope_dim = a.rope.dim if a.rope is not None else 0
+            L.window = int(a.window)
+            norms = [n for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm)
+                     if n is not None]
+            L.eps = float(norms[0].eps) if norms else 1e-6
+            L.attn_scale, L.softcap, L.residual_scale = float(a.scale), float(a.softcap), float(b.residual_scale)
+            L.rope_neox = int(bool(a.rope.neox)) if a.rope is not None else 0
+            L.act = _ACTS[m.act]
+            L.rope_table = int(ri) if a.rope is not None else -1
+            if a.rope is not None:
+                self._half_rope[int(ri)] = max(self._half_rope.get(int(ri), 0), a.rope.dim // 2)
+            kinds = {n.kind for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None}
+            L.norm_kind = _NORM_KINDS[kinds.pop()] if kinds else 0
+            L.qk_norm_full = int(not a.qk_norm_per_head)
+            L.parallel = int(bool(b.parallel))
+            for k, n in (("attn_norm", b.attn_norm), ("q_norm", a.q_norm), ("k_norm", a.k_norm),
+                         ("post_attn_norm", b.post_attn_norm), ("ffn_norm", None if b.parallel else b.ffn_norm),
+                         ("post_ffn_norm", b.post_ffn_norm)):
+                # a norm without gains still normalizes: pass ones
+                w = None if n is None else (n.weight if n.weight is not None else np.ones(self._width(k, a, L), _F32))
+                setattr(L, k, ffi.NULL if w is None else self._f32(ffi, w))
+            L.attn_norm_b = ffi.NULL if b.attn_norm is None or b.attn_norm.bias is None else self._f32(ffi, b.attn_norm.bias)
+            fb = None if b.parallel or b.ffn_norm is None else b.ffn_norm.bias
+            L.ffn_norm_b = ffi.NULL if fb is None else self._f32(ffi, fb)
+            for k, lin in _block_weights(b).items():
+                w = lin.backend_data if isinstance(lin.backend_data, PackedMatrix) else lin.w
                 W = getattr(L, k)
-                _, tid, bs, ts = _qtype(qtype if not isinstance(w, PackedMatrix) else w.qtype)
+                _, tid, bs, ts = _qtype(lin.qtype)
                 W.qtype = tid
                 if isinstance(w, PackedMatrix):
                     W.packed, W.rows, W.cols, W.row_bytes = 1, w.rows, w.cols, 0
@@ -831,11 +882,19 @@ class LayerStack:
                 else:
                     W.packed, W.rows, W.row_bytes = 0, w.shape[0], w.shape[1]
                     W.cols = w.shape[1] // ts * bs
-                    W.data = self._ptr(ffi, "unsigned char[]", w)
-                W.bias = ffi.NULL if bias is None else self._f32(ffi, bias)
+                    W.data = self._ptr(ffi, "unsigned char[]", np.ascontiguousarray(w))
+                W.bias = ffi.NULL if lin.bias is None else self._f32(ffi, lin.bias)
             rc = lib.mr_layer_check(ffi.addressof(self._layers, i), self._isa)
             if rc != 0:
                 raise BackendError(f"layer {i} cannot run in the native decode step (code {rc})")
+        self.n_tables = max(rope_index, default=-1) + 1
+
+    @staticmethod
+    def _width(k: str, a: Any, L: Any) -> int:
+        if k in ("q_norm", "k_norm"):
+            heads = a.n_head if k == "q_norm" else a.n_head_kv
+            return a.head_dim_k * (heads if not a.qk_norm_per_head else 1)
+        return int(L.n_embd)
 
     def _ptr(self, ffi: Any, ctype: str, a: np.ndarray) -> Any:
         p = ffi.from_buffer(ctype, a)
@@ -846,12 +905,12 @@ class LayerStack:
         a = np.ascontiguousarray(a, dtype=_F32)
         return self._ptr(ffi, "float[]", a)
 
-    def run(self, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]], rope_global: tuple[np.ndarray, np.ndarray],
-            rope_local: tuple[np.ndarray, np.ndarray] | None = None, threads: int | None = None) -> None:
+    def run(self, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
+            tables: list[tuple[np.ndarray, np.ndarray]], threads: int | None = None) -> None:
         """Every layer over x (n_seq, n_embd) float32, in place; token b is the next one of the
         sequence whose caches are ``caches[b] = (k, v, pos)`` (k, v: (n_layer, n_head_kv, n_ctx,
-        head_dim), float32 or float16; the new key/value go to position pos). rope_*: (cos, sin)
-        tables (n_seq, rope_dim / 2)."""
+        head_dim), float32 or float16; the new key/value go to position pos). tables: (cos, sin)
+        pairs (n_seq, rope_dim / 2), one per RoPE variant the layers index."""
         ffi, lib = _lib()
         n = len(caches)
         x = _f32_array(x, "x", (2,))
@@ -881,15 +940,20 @@ class LayerStack:
             s = seqs[b]
             s.k, s.v = kp, vp
             s.n_ctx, s.pos, s.layer_stride = k.shape[2], int(pos), k.shape[1] * k.shape[2] * k.shape[3]
-        cg, sg = (np.ascontiguousarray(t, dtype=_F32) for t in rope_global)
-        cl, sl = (cg, sg) if rope_local is None else (np.ascontiguousarray(t, dtype=_F32) for t in rope_local)
-        for t in (cg, sg, cl, sl):
-            if t.ndim != 2 or t.shape[0] != n or t.shape[1] < self._half_rope:
-                raise InvalidRequestError(f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope})")
+        if len(tables) < self.n_tables:
+            raise InvalidRequestError(f"{len(tables)} RoPE table pairs given, the layers read {self.n_tables}")
+        nt = max(1, len(tables))
+        cos_p, sin_p = ffi.new("float *[]", nt), ffi.new("float *[]", nt)
+        for i, (c, sn) in enumerate(tables):
+            c, sn = np.ascontiguousarray(c, dtype=_F32), np.ascontiguousarray(sn, dtype=_F32)
+            for t in (c, sn):
+                if t.ndim != 2 or t.shape[0] != n or t.shape[1] < self._half_rope.get(i, 0):
+                    raise InvalidRequestError(f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope.get(i, 0)})")
+            cb, sb = ffi.from_buffer("float[]", c), ffi.from_buffer("float[]", sn)
+            keep += [c, sn, cb, sb]
+            cos_p[i], sin_p[i] = cb, sb
         rc = lib.mr_decode_layers(self._layers, self.n_layer, ffi.from_buffer("float[]", x, require_writable=True), n,
-                                  seqs, int(bool(f16)), ffi.from_buffer("float[]", cg), ffi.from_buffer("float[]", sg),
-                                  ffi.from_buffer("float[]", cl), ffi.from_buffer("float[]", sl), _threads_arg(threads),
-                                  self._isa)
+                                  seqs, int(bool(f16)), cos_p, sin_p, len(tables), _threads_arg(threads), self._isa)
         _after_call(lib, rc, "decode layers", self, (x, caches))
 
 
