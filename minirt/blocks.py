@@ -24,7 +24,7 @@ import numpy as np
 from .errors import GGUFError, UnsupportedQuantError
 from .gguf import GGUFTensor
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "xielu")
 NORM_KINDS = ("rms", "layer")
 
 
@@ -177,7 +177,7 @@ class Attention:
     """Grouped-query causal self-attention over the KV cache.
 
     ``rope`` None: a NoPE layer. ``qk_norm_per_head``: q/k norms over each head (Dk,) or over the
-    whole projection (H·Dk,) (OLMo 2). ``window`` > 0: each query sees its last ``window`` positions.
+    whole projection (H·Dk,) (OLMo 2); they apply before RoPE unless ``qk_norm_after_rope``. ``window`` > 0: each query sees its last ``window`` positions.
     ``sinks``: per-head attention-sink logits (a slot for architectures that have them; no backend
     runs them yet, so a description with sinks is refused).
     """
@@ -195,6 +195,7 @@ class Attention:
     q_norm: Norm | None = None
     k_norm: Norm | None = None
     qk_norm_per_head: bool = True
+    qk_norm_after_rope: bool = False  # HunYuan normalizes the rotated q/k
     softcap: float = 0.0
     window: int = 0
     sinks: np.ndarray | None = None
@@ -202,12 +203,15 @@ class Attention:
 
 @dataclass
 class MLP:
-    """``down(act(gate(x)) · up(x))``, or ``down(act(up(x)))`` when ``gate`` is None."""
+    """``down(act(gate(x)) · up(x))``, or ``down(act(up(x)))`` when ``gate`` is None.
+
+    ``act_params``: the activation's constants (xIELU: alpha_n, alpha_p, beta, eps)."""
 
     act: str
     up: Linear
     down: Linear
     gate: Linear | None = None
+    act_params: tuple[float, ...] = ()
 
 
 @dataclass
@@ -312,11 +316,22 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * (x + np.float32(0.044715) * x * x * x)))
 
 
-def activation(name: str, x: np.ndarray) -> np.ndarray:
+def xielu(x: np.ndarray, alpha_n: float, alpha_p: float, beta: float, eps: float) -> np.ndarray:
+    """xIELU (Apertus) with its constants (already through softplus): ``alpha_p·x² + beta·x`` for x > 0,
+    ``(expm1(min(x, eps)) − x)·alpha_n + beta·x`` otherwise."""
+    x = x.astype(np.float32, copy=False)
+    neg = (np.expm1(np.minimum(x, np.float32(eps))) - x) * np.float32(alpha_n) + np.float32(beta) * x
+    pos = np.float32(alpha_p) * x * x + np.float32(beta) * x
+    return np.where(x > 0, pos, neg).astype(np.float32)
+
+
+def activation(name: str, x: np.ndarray, params: Sequence[float] = ()) -> np.ndarray:
     if name == "silu":
         return silu(x)
     if name == "gelu_tanh":
         return gelu_tanh(x)
+    if name == "xielu":
+        return xielu(x, *params)
     raise ValueError(f"unknown activation {name!r}")
 
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .blocks import Block, Linear, ModelDesc, Norm, Rope, apply_rope
+from .blocks import Block, Linear, ModelDesc, Norm, Rope, activation, apply_rope
 from .errors import ContextOverflowError
 from .kv_cache import KVCache
 
@@ -116,13 +116,19 @@ class Transformer:
         m = self.norm(self.mlp(b, self.norm(x, b.ffn_norm)), b.post_ffn_norm)
         return x + s * m if s != 1 else x + m
 
+    def _qk_norm(self, a: Any, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """q (T, H, Dk), k (T, Hkv, Dk) through their norms, per head or over the whole projection."""
+        if a.qk_norm_per_head:
+            return self.norm(q, a.q_norm), self.norm(k, a.k_norm)
+        T = q.shape[0]
+        return (self.norm(q.reshape(T, -1), a.q_norm).reshape(q.shape),
+                self.norm(k.reshape(T, -1), a.k_norm).reshape(k.shape))
+
     def mlp(self, b: Block, h: np.ndarray) -> np.ndarray:
         m = b.mlp
         u = self.mm(m.up, h)
         if m.gate is None:
-            from .blocks import activation
-
-            return self.mm(m.down, activation(m.act, u))
+            return self.mm(m.down, activation(m.act, u, m.act_params))
         return self.mm(m.down, self.backend.act_mul(self.mm(m.gate, h), u, m.act))
 
     def attention(self, i: int, b: Block, h: np.ndarray, ctx: "ForwardContext") -> np.ndarray:
@@ -131,17 +137,17 @@ class Transformer:
         q = self.mm(a.wq, h)
         k = self.mm(a.wk, h)
         v = self.mm(a.wv, h).reshape(T, a.n_head_kv, a.head_dim_v)
-        if a.qk_norm_per_head:
-            q = self.norm(q.reshape(T, a.n_head, a.head_dim_k), a.q_norm)
-            k = self.norm(k.reshape(T, a.n_head_kv, a.head_dim_k), a.k_norm)
-        else:
-            q = self.norm(q, a.q_norm).reshape(T, a.n_head, a.head_dim_k)
-            k = self.norm(k, a.k_norm).reshape(T, a.n_head_kv, a.head_dim_k)
+        q = q.reshape(T, a.n_head, a.head_dim_k)
+        k = k.reshape(T, a.n_head_kv, a.head_dim_k)
+        if not a.qk_norm_after_rope:
+            q, k = self._qk_norm(a, q, k)
         q, k = np.ascontiguousarray(q), np.ascontiguousarray(k)
         if a.rope is not None:
             cos, sin = ctx.rope_tables(a.rope)
             self.backend.rope(q, cos, sin, a.rope.neox, a.rope.dim)
             self.backend.rope(k, cos, sin, a.rope.neox, a.rope.dim)
+        if a.qk_norm_after_rope:
+            q, k = self._qk_norm(a, q, k)
         out = np.empty((T, a.n_head * a.head_dim_v), dtype=np.float32)
         for seg, s0, p0 in ctx.spans:
             n = seg.n_tokens

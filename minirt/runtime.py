@@ -24,7 +24,7 @@ import numpy as np
 
 from . import gguf as gguf_mod
 from . import registry
-from .archs import build
+from .archs import build, read_config
 from .forward import Segment
 from .errors import BackendError, InvalidRequestError, ModelClosedError, TokenizerError
 from .generate import (Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop)
@@ -196,13 +196,13 @@ class Model:
             self.tokenizer = Tokenizer.from_gguf(self.file)
             self.chat_template = ChatTemplate.from_gguf(self.file, self.tokenizer, override=chat_template)
             self.device, self.backend = self._pick_backend(device, backend, threads)
-            self.model = build(self.file, self.backend)
-            cfg = self.model.cfg
+            cfg = read_config(self.file)  # sizes the context before the weights are prepared
             if self.tokenizer.n_vocab > cfg.n_vocab:
                 raise TokenizerError(f"the vocabulary has {self.tokenizer.n_vocab} tokens but the model only "
                                      f"{cfg.n_vocab} embeddings")
             self.n_vocab = cfg.n_vocab
-            self.n_ctx = self._pick_n_ctx(n_ctx)
+            self.n_ctx = self._pick_n_ctx(n_ctx, cfg)
+            self.model = build(self.file, self.backend, self.n_ctx)
             if threads is not None and (not isinstance(threads, int) or threads <= 0):
                 raise InvalidRequestError(f"threads must be a positive integer, got {threads!r}")
             self.engine = Engine(self.model, n_batch)
@@ -223,8 +223,7 @@ class Model:
 
         return select_backend(device, backend, threads, self.file)
 
-    def _pick_n_ctx(self, n_ctx: int | None) -> int:
-        cfg = self.model.cfg
+    def _pick_n_ctx(self, n_ctx: int | None, cfg: Any) -> int:
         per_tok = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * 4
         if n_ctx is None:
             fit = int(_total_memory() * KV_MEMORY_FRACTION // per_tok)

@@ -668,7 +668,9 @@ def test_pack_real_tensors(nat, model, request):
             y0 = native.matmul(x, w, t.qtype)
             ref = x.astype(np.float64) @ W.T
             assert np.all(np.abs(y - ref) <= error_bound(x, W, native.matmul_path(t.qtype, nt, packed=True))), name
-            if native.matmul_path(t.qtype, nt) == "int16":  # same quantized activations on both sides
+            # same quantized activations on both sides (without packed kernels for this ISA the packed
+            # layout is read by the float path)
+            if native.matmul_path(t.qtype, nt) == native.matmul_path(t.qtype, nt, packed=True) == "int16":
                 np.testing.assert_allclose(y, y0, rtol=0, atol=2e-5 * np.abs(ref).max())
     assert {q for q, _ in seen} >= {"Q5_0", "Q8_0"}
 
@@ -742,20 +744,37 @@ def test_native_layers_batched_sequences(tiny_quant):
     for step, tok in enumerate((7, 8, 9)):
         out = m.forward(np.full(len(prompts), tok), [Segment(cc, 1, "last") for cc in caches])
         for i, lg in enumerate(out):
-            np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=1e-5 * np.abs(lg).max())
+            # bit-identical on the packed AVX-512 kernels; elsewhere a batch's RoPE rows may round in
+            # the last bit, which the int16 activation quantization of the next matmul can turn into one
+            # quantization step: within the matmul's documented 5e-4 error bound
+            np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=5e-4 * np.abs(lg).max())
 
 
 def test_layer_stack_refuses_unsupported(nat, tiny_quant):
+    import dataclasses
+
+    from minirt.blocks import Linear
+
     _, llm = tiny_quant
-    specs = llm.model.native_layer_specs()
-    sp = dict(specs[0])
-    for k in ("wq", "wk", "wv", "wo", "gate", "up", "down"):
-        lin = sp[k]
-        sp[k] = (lin.w, lin.qtype, lin.bias)
-    native.LayerStack([sp])  # the ggml layout runs too
-    bad = dict(sp, wq=(np.zeros((sp["wq"][0].shape[0], 128 * 4), np.uint8), "F32", None))
+    blocks = llm.model.desc.blocks
+    b = blocks[0]
+    plain = dataclasses.replace(b, attn=dataclasses.replace(b.attn), mlp=dataclasses.replace(b.mlp))
+    for lin_name in ("wq", "wk", "wv", "wo"):  # the ggml layout runs too (no packed copies)
+        lin = getattr(plain.attn, lin_name)
+        view = lin.rows(0, lin.out_features, "all")
+        setattr(plain.attn, lin_name, view)
+    native.LayerStack([plain], [0])
+    bad = dataclasses.replace(plain, attn=dataclasses.replace(plain.attn))
+    f32 = object.__new__(Linear)
+    for k in Linear.__slots__:
+        setattr(f32, k, getattr(plain.attn.wq, k))
+    f32.w, f32.qtype = np.zeros((plain.attn.wq.out_features, 128 * 4), np.uint8), "F32"
+    bad.attn.wq = f32
     with pytest.raises(minirt.BackendError, match="layer 0"):
-        native.LayerStack([bad])
+        native.LayerStack([bad], [0])
+    no_gate = dataclasses.replace(plain, mlp=dataclasses.replace(plain.mlp, gate=None))
+    with pytest.raises(minirt.BackendError, match="layer 0 .*without gate"):
+        native.LayerStack([no_gate], [0])
 
 
 @pytest.mark.parametrize("model", ["qwen", "gemma"])

@@ -316,13 +316,17 @@ def swa_pattern(f: GGUFFile, n_layer: int, default_period: int) -> list[bool]:
 # ----------------------------------------------------------------------------------------------
 # registry
 # ----------------------------------------------------------------------------------------------
-ARCHITECTURES: dict[str, Callable[[GGUFFile], ModelDesc]] = {}
+Describe = Callable[[GGUFFile, "int | None"], ModelDesc]
+ARCHITECTURES: dict[str, Describe] = {}
 
 
-def register(*names: str) -> Callable[[Callable[[GGUFFile], ModelDesc]], Callable[[GGUFFile], ModelDesc]]:
-    """Decorator: ``describe(f) -> ModelDesc`` serves the GGUF architectures ``names``."""
+def register(*names: str) -> Callable[[Describe], Describe]:
+    """Decorator: ``describe(f, n_ctx) -> ModelDesc`` serves the GGUF architectures ``names``.
 
-    def deco(fn: Callable[[GGUFFile], ModelDesc]) -> Callable[[GGUFFile], ModelDesc]:
+    ``n_ctx`` is the context the model will run with (None: not known yet); only descriptions that
+    depend on it (LongRoPE's short / long factors) read it."""
+
+    def deco(fn: Describe) -> Describe:
         for n in names:
             ARCHITECTURES[n] = fn
         return fn
@@ -347,19 +351,20 @@ def supported() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
-def describe(f: GGUFFile) -> ModelDesc:
-    """The description of the architecture named by ``general.architecture``."""
+def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    """The description of the architecture named by ``general.architecture`` (for a context of
+    ``n_ctx`` positions when known)."""
     _load_all()
     fn = ARCHITECTURES.get(f.architecture or "")
     if fn is None:
         raise UnsupportedArchitectureError(
             f"architecture {f.architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
-    return fn(f)
+    return fn(f, n_ctx)
 
 
-def build(f: GGUFFile, backend: Any) -> Transformer:
+def build(f: GGUFFile, backend: Any, n_ctx: int | None = None) -> Transformer:
     """The runnable model (:class:`minirt.forward.Transformer`) of a GGUF file on ``backend``."""
-    return Transformer(describe(f), backend, file=f)
+    return Transformer(describe(f, n_ctx), backend, file=f)
 
 
 def read_config(f: GGUFFile) -> Any:

@@ -11,7 +11,7 @@ from .base import attention, decoder, gated_mlp, norm, read_hparams, register, r
 
 
 @register("llama")
-def describe(f: GGUFFile) -> ModelDesc:
+def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=False)
     blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", hp.n_embd, hp.rms_eps),

@@ -20,10 +20,10 @@ def _describe(f: GGUFFile, qk_norm: bool) -> ModelDesc:
 
 
 @register("qwen2")
-def describe_qwen2(f: GGUFFile) -> ModelDesc:
+def describe_qwen2(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     return _describe(f, qk_norm=False)
 
 
 @register("qwen3")
-def describe_qwen3(f: GGUFFile) -> ModelDesc:
+def describe_qwen3(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     return _describe(f, qk_norm=True)

@@ -499,7 +499,7 @@ class CudaBackend(Backend):
                 return f"layer {i}: norms other than RMSNorm with gains"
             if len({float(n.eps) for n in norms if n is not None}) > 1:
                 return f"layer {i}: norms with different eps"
-            if m.gate is None or m.act not in _ACTS or a.sinks is not None:
+            if m.gate is None or m.act not in _ACTS or a.sinks is not None or a.qk_norm_after_rope:
                 return f"layer {i}: MLP without gate, activation {m.act!r} or attention sinks"
             if a.rope is not None and a.rope.mscale() != 1.0:
                 return f"layer {i}: RoPE with a magnitude factor"
