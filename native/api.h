@@ -63,11 +63,13 @@ typedef struct {
     float eps, attn_scale, softcap;
     float residual_scale;       /* x += residual_scale * block output (Granite); 1 otherwise */
     long long window;           /* > 0: each query sees only the last `window` positions */
-    int rope_neox, act;         /* act: 0 SiLU, 1 GELU (tanh) */
+    int rope_neox, act;         /* act: 0 SiLU, 1 GELU (tanh) gated; 2 xIELU without gate */
     int rope_table;             /* index of this layer's cos/sin table pair; -1: no RoPE (NoPE layer) */
     int norm_kind;              /* attn/ffn/post norms: 0 RMSNorm, 1 LayerNorm (with optional biases) */
     int qk_norm_full;           /* q/k norms over the whole projection (H*D) instead of each head */
     int parallel;               /* x += attn(n(x)) + mlp(n(x)) with the one attn_norm (Cohere) */
+    int qk_norm_after_rope;     /* q/k norms applied to the rotated q/k (HunYuan) */
+    float act_params[4];        /* act 2 (xIELU, MLP without gate: gate.data NULL): alpha_n, alpha_p, beta, eps */
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* NULL: none */
     const float *attn_norm_b, *ffn_norm_b; /* LayerNorm biases or NULL */
     mr_weight wq, wk, wv, wo, gate, up, down;

@@ -13,6 +13,7 @@
  * quantization, same results); the elementwise steps are the ones of the Python forward pass. */
 #include "common.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 void mr_call_lock(void);
@@ -161,7 +162,10 @@ int mr_layer_check(const mr_layer *L, int isa) {
     const int64_t rows[7] = {L->n_head * L->head_dim_k, L->n_head_kv * L->head_dim_k, L->n_head_kv * L->head_dim_v, d,
                              L->n_ff, L->n_ff, d};
     const int64_t cols[7] = {d, d, d, L->n_head * L->head_dim_v, d, d, L->n_ff};
+    const int gated = L->act != 2;
+    if (gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU runs without gate, the others with one */
     for (int i = 0; i < 7; i++) {
+        if (ws[i] == &L->gate && !gated) continue;
         const mr_mat m = weight_mat(ws[i]);
         if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i] || !mr_mat_xlayout(K, &m)) return MR_E_QTYPE;
     }
@@ -169,8 +173,9 @@ int mr_layer_check(const mr_layer *L, int isa) {
     if (L->n_head <= 0 || L->n_head_kv <= 0 || L->head_dim_k <= 0 || L->n_embd <= 0 || L->n_ff <= 0) return MR_E_SHAPE;
     if (L->head_dim_k != L->head_dim_v || L->n_head % L->n_head_kv || L->rope_dim > L->head_dim_k || (L->rope_dim & 1))
         return MR_E_SHAPE;
-    if (L->act < 0 || L->act > 1 || L->norm_kind < 0 || L->norm_kind > 1 || L->rope_table < -1) return MR_E_SHAPE;
-    if ((L->parallel != 0 && L->parallel != 1) || (L->parallel && L->ffn_norm) || (L->qk_norm_full != 0 && L->qk_norm_full != 1))
+    if (L->act < 0 || L->act > 2 || L->norm_kind < 0 || L->norm_kind > 1 || L->rope_table < -1) return MR_E_SHAPE;
+    if ((L->parallel != 0 && L->parallel != 1) || (L->parallel && L->ffn_norm) || (L->qk_norm_full != 0 && L->qk_norm_full != 1) ||
+        (L->qk_norm_after_rope != 0 && L->qk_norm_after_rope != 1))
         return MR_E_SHAPE;
     if ((L->attn_norm_b && !L->attn_norm) || (L->ffn_norm_b && !L->ffn_norm)) return MR_E_SHAPE;
     return MR_OK;
@@ -194,6 +199,25 @@ MR_INLINE void norm_rows(const mr_kernels *K, const mr_layer *L, const float *x,
         } else {
             K->rmsnorm(xb, w, L->eps, n, ob);
         }
+    }
+}
+
+/* q (H x D), k (Hkv x D) of one token through their RMSNorms: per head, or over the whole projection */
+MR_INLINE void qk_norms(const mr_kernels *K, const mr_layer *L, float *qb, float *kb, int64_t H, int64_t Hkv, int64_t D) {
+    if (L->q_norm && L->qk_norm_full) K->rmsnorm(qb, L->q_norm, L->eps, H * D, qb);
+    else if (L->q_norm)
+        for (int64_t i = 0; i < H; i++) K->rmsnorm(qb + i * D, L->q_norm, L->eps, D, qb + i * D);
+    if (L->k_norm && L->qk_norm_full) K->rmsnorm(kb, L->k_norm, L->eps, Hkv * D, kb);
+    else if (L->k_norm)
+        for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(kb + i * D, L->k_norm, L->eps, D, kb + i * D);
+}
+
+/* xIELU in place over n values (Apertus' MLP activation; as ggml's op_xielu) */
+MR_INLINE void xielu_rows(float *a, int64_t n, const float *p) {
+    const float alpha_n = p[0], alpha_p = p[1], beta = p[2], eps = p[3];
+    for (int64_t i = 0; i < n; i++) {
+        const float x = a[i];
+        a[i] = x > 0.0f ? alpha_p * x * x + beta * x : (expm1f(fminf(x, eps)) - x) * alpha_n + beta * x;
     }
 }
 
@@ -267,16 +291,12 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         for (int64_t b = 0; b < B; b++) {
             const mr_kvseq *s = &seqs[b];
             float *qb = q + b * H * D, *kb = k + b * Hkv * D, *vb = v + b * Hkv * D;
-            if (L->q_norm && L->qk_norm_full) K->rmsnorm(qb, L->q_norm, L->eps, H * D, qb);
-            else if (L->q_norm)
-                for (int64_t i = 0; i < H; i++) K->rmsnorm(qb + i * D, L->q_norm, L->eps, D, qb + i * D);
-            if (L->k_norm && L->qk_norm_full) K->rmsnorm(kb, L->k_norm, L->eps, Hkv * D, kb);
-            else if (L->k_norm)
-                for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(kb + i * D, L->k_norm, L->eps, D, kb + i * D);
+            if (!L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, Hkv, D);
             if (cs && half > 0) {
                 for (int64_t i = 0; i < H; i++) mr_rope_row(qb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
                 for (int64_t i = 0; i < Hkv; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
             }
+            if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, Hkv, D);
             for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos of the cache */
                 const int64_t off = l * s->layer_stride + (i * s->n_ctx + s->pos) * D;
                 if (kv_f16) {
@@ -323,7 +343,13 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             pre_norm(K, L, x, L->ffn_norm, L->ffn_norm_b, h, B, d);
         }
         PROF(3);
-        {
+        if (L->act == 2) { /* no gate: a = xielu(Wu h) */
+            const mr_weight *w[1] = {&L->up};
+            float *y[1] = {a};
+            rc = run_mats(K, w, y, 1, -1, h, B, threads);
+            steals += mr_pool_steals();
+            if (rc == MR_OK) xielu_rows(a, B * L->n_ff, L->act_params);
+        } else {
             const mr_weight *w[2] = {&L->gate, &L->up};
             float *y[2] = {a, a};
             rc = run_mats(K, w, y, 2, L->act, h, B, threads);

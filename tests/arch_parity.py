@@ -32,6 +32,14 @@ def argmax_agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(a.argmax(-1) == b.argmax(-1)))
 
 
+def decisive_positions(hf: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Mask of positions whose top-two transformers logits differ by more than ``other``'s RMS error
+    against transformers (a runtime at that error level can still tell them apart)."""
+    err = float(np.sqrt(np.mean((other.astype(np.float64) - hf.astype(np.float64)) ** 2)))
+    top2 = np.sort(hf, axis=-1)[..., -2:]
+    return (top2[..., 1] - top2[..., 0]) > err
+
+
 def minirt_logits(path: Path, tokens: np.ndarray, backend: str = "native", device: str = "cpu") -> np.ndarray:
     """Logits (n_seq, T, V) of every position of each sequence, each from a fresh context."""
     import minirt
@@ -66,6 +74,9 @@ def compare(arch: str, quant: str, backend: str = "native") -> dict[str, Any]:
     meta = json.loads((d / "meta.json").read_text())
     tokens, hf, lc = ref["tokens"], ref["hf"], ref[f"llamacpp_{quant}"]
     ours = minirt_logits(d / meta["files"][quant]["file"], tokens, backend)
+    m = decisive_positions(hf, lc)
     return {"arch": arch, "quant": quant, "minirt_rel_rms": rel_rms(ours, hf), "llamacpp_rel_rms": rel_rms(lc, hf),
             "minirt_argmax": argmax_agreement(ours, hf), "llamacpp_argmax": argmax_agreement(lc, hf),
-            "minirt_vs_llamacpp_rel_rms": rel_rms(ours, lc)}
+            "minirt_decisive_argmax": argmax_agreement(ours[m], hf[m]) if m.any() else 1.0,
+            "llamacpp_decisive_argmax": argmax_agreement(lc[m], hf[m]) if m.any() else 1.0,
+            "decisive_fraction": float(m.mean()), "minirt_vs_llamacpp_rel_rms": rel_rms(ours, lc)}

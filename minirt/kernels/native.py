@@ -783,7 +783,8 @@ def spot_check_packed(pm: PackedMatrix, w: np.ndarray) -> bool:
     return True
 
 
-_ACTS = {"silu": 0, "gelu_tanh": 1}
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # gated activations of mr_act_mul
+_LAYER_ACTS = {**_ACTS, "xielu": 2}  # the layer stack also runs xIELU without gate
 _NORM_KINDS = {"rms": 0, "layer": 1}
 _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
@@ -796,14 +797,12 @@ def _block_weights(b: Any) -> dict[str, Any]:
 def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
     a, m = b.attn, b.mlp
-    if m.gate is None:
-        return "an MLP without gate"
-    if m.act not in _ACTS:
+    if (m.gate is None) != (m.act == "xielu"):
+        return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
+    if m.act not in _LAYER_ACTS:
         return f"activation {m.act!r}"
     if a.sinks is not None:
         return "attention sinks"
-    if a.qk_norm_after_rope:
-        return "q/k norms after RoPE"
     if a.head_dim_k != a.head_dim_v:
         return "different key and value head sizes"
     block_norms = [n for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None]
@@ -855,7 +854,10 @@ class LayerStack:
             L.eps = float(norms[0].eps) if norms else 1e-6
             L.attn_scale, L.softcap, L.residual_scale = float(a.scale), float(a.softcap), float(b.residual_scale)
             L.rope_neox = int(bool(a.rope.neox)) if a.rope is not None else 0
-            L.act = _ACTS[m.act]
+            L.act = _LAYER_ACTS[m.act]
+            for j, v in enumerate(m.act_params[:4]):
+                L.act_params[j] = float(v)
+            L.qk_norm_after_rope = int(bool(a.qk_norm_after_rope))
             L.rope_table = int(ri) if a.rope is not None else -1
             if a.rope is not None:
                 self._half_rope[int(ri)] = max(self._half_rope.get(int(ri), 0), a.rope.dim // 2)
@@ -873,6 +875,9 @@ class LayerStack:
             fb = None if b.parallel or b.ffn_norm is None else b.ffn_norm.bias
             L.ffn_norm_b = ffi.NULL if fb is None else self._f32(ffi, fb)
             for k, lin in _block_weights(b).items():
+                if lin is None:  # an MLP without gate
+                    getattr(L, k).data = ffi.NULL
+                    continue
                 w = lin.backend_data if isinstance(lin.backend_data, PackedMatrix) else lin.w
                 W = getattr(L, k)
                 _, tid, bs, ts = _qtype(lin.qtype)
