@@ -217,9 +217,11 @@ def model_summary(path_or_name: str) -> dict[str, Any]:
         try:
             cfg = read_config(f)
             info.update(context_length=cfg.n_ctx_train, layers=cfg.n_layer, embedding=cfg.n_embd,
-                        heads=cfg.n_head, kv_heads=cfg.n_head_kv, head_dim=cfg.head_dim_k, ffn=cfg.n_ff)
+                        heads=cfg.n_head, kv_heads=cfg.n_head_kv, head_dim=cfg.head_dim_k, ffn=cfg.n_ff,
+                        supported=True)
         except MinirtError as e:
             info["config_error"] = str(e)
+            info["supported"] = False
     return info
 
 
@@ -244,7 +246,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print(f"file          {info['path']} ({info['file_size_bytes'] / 1e6:.1f} MB, GGUF v{info['gguf_version']})")
     print(f"name          {info.get('name')}")
-    print(f"architecture  {info['architecture']}")
+    status = "supported" if info["supported"] else "not supported: " + info["config_error"]
+    print(f"architecture  {info['architecture']} ({status})")
     print(f"parameters    {info['parameters'] / 1e6:.1f} M in {info['tensors']} tensors")
     if "layers" in info:
         print(f"shape         {info['layers']} layers, n_embd {info['embedding']}, {info['heads']} heads "

@@ -2,7 +2,7 @@
 
 Used by the tests (tiny sizes under numba's CUDA simulator, real sizes on a GPU) and by
 ``bench/gpu_check.py``. References: ``gguf.quants.dequantize`` for the weight formats, plain
-float64 numpy for the arithmetic, :mod:`minirt.archs.base` for the RoPE tables. Each check returns
+float64 numpy for the arithmetic, :mod:`minirt.blocks` for the RoPE tables. Each check returns
 a :class:`Check` with the worst error relative to the reference's largest magnitude.
 """
 
