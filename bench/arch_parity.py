@@ -28,9 +28,10 @@ def main(argv: list[str]) -> int:
             except Exception as e:  # noqa: BLE001 - a table row says why an architecture does not run
                 print(f"| {a} | {q} | {type(e).__name__}: {str(e)[:80]} | | | | | |")
                 continue
+            decisive = f"{r['minirt_decisive_argmax']:.3f} / {r['llamacpp_decisive_argmax']:.3f}"
             print(f"| {a} | {q} | {r['minirt_rel_rms']:.4f} | {r['llamacpp_rel_rms']:.4f} | {r['minirt_argmax']:.3f} | "
-                  f"{r['llamacpp_argmax']:.3f} | {r['minirt_decisive_argmax']:.3f} / {r['llamacpp_decisive_argmax']:.3f} "
-                  f"({r['decisive_fraction']:.2f}) | {r['minirt_vs_llamacpp_rel_rms']:.4f} |")
+                  f"{r['llamacpp_argmax']:.3f} | {decisive} ({r['decisive_fraction']:.2f}) | "
+                  f"{r['minirt_vs_llamacpp_rel_rms']:.4f} |")
     return 0
 
 

@@ -81,9 +81,10 @@ class Linear:
     def split(self, sizes: Sequence[int], names: Sequence[str]) -> list["Linear"]:
         """Consecutive row blocks of the given sizes (a fused tensor's parts)."""
         if sum(sizes) != self.out_features:
-            raise GGUFError(f"tensor {self.name!r} has {self.out_features} rows, expected {' + '.join(map(str, sizes))}")
+            want = " + ".join(map(str, sizes))
+            raise GGUFError(f"tensor {self.name!r} has {self.out_features} rows, expected {want}")
         out, r = [], 0
-        for n, nm in zip(sizes, names):
+        for n, nm in zip(sizes, names, strict=True):
             out.append(self.rows(r, r + n, nm))
             r += n
         return out
@@ -177,7 +178,8 @@ class Attention:
     """Grouped-query causal self-attention over the KV cache.
 
     ``rope`` None: a NoPE layer. ``qk_norm_per_head``: q/k norms over each head (Dk,) or over the
-    whole projection (H·Dk,) (OLMo 2); they apply before RoPE unless ``qk_norm_after_rope``. ``window`` > 0: each query sees its last ``window`` positions.
+    whole projection (H·Dk,) (OLMo 2); they apply before RoPE unless ``qk_norm_after_rope``.
+    ``window`` > 0: each query sees its last ``window`` positions.
     ``sinks``: per-head attention-sink logits (a slot for architectures that have them; no backend
     runs them yet, so a description with sinks is refused).
     """

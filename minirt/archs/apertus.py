@@ -9,7 +9,15 @@ from __future__ import annotations
 from ..blocks import MLP, Block, ModelDesc
 from ..errors import GGUFError
 from ..gguf import GGUFFile
-from .base import attention, decoder, linear, norm, read_hparams, register, rope_from_meta
+from .base import (
+    attention,
+    decoder,
+    linear,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+)
 
 
 def _per_layer_floats(f: GGUFFile, key: str, n: int) -> list[float]:
@@ -41,7 +49,7 @@ def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     d, eps, F = hp.n_embd, hp.rms_eps, hp.n_ff
     raw = [_per_layer_floats(f, f"xielu.{k}", hp.n_layer) for k in ("alpha_n", "alpha_p", "beta", "eps")]
     # the file stores the trained parameters; the activation's constants are softplus of them
-    params = [(b + _softplus(an), _softplus(ap), b, e) for an, ap, b, e in zip(*raw)]
+    params = [(b + _softplus(an), _softplus(ap), b, e) for an, ap, b, e in zip(*raw, strict=True)]
     blocks = []
     for i in range(hp.n_layer):
         p = f"blk.{i}."

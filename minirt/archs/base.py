@@ -17,7 +17,7 @@ import numpy as np
 
 from ..blocks import MLP, Attention, Block, Linear, ModelDesc, Norm, Rope
 from ..errors import GGUFError, UnsupportedArchitectureError
-from ..forward import Segment, Transformer  # noqa: F401  (re-exported: the runnable model and its batch segments)
+from ..forward import Config, Segment, Transformer  # noqa: F401  (Segment re-exported: a batch's sequences)
 from ..gguf import GGUFFile, GGUFTensor
 
 log = logging.getLogger(__name__)
@@ -102,19 +102,10 @@ def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, require
 
 
 @dataclass
-class HParams:
-    """The hyperparameters every decoder has, read and checked once."""
+class HParams(Config):
+    """The hyperparameters every decoder has, read and checked once (the :class:`Config` summary plus
+    what the description builders need)."""
 
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim_k: int
-    head_dim_v: int
-    n_vocab: int
-    n_ctx_train: int
     rms_eps: float
     rope_dim: int
     rope_base: float
@@ -178,8 +169,8 @@ def rope_from_meta(f: GGUFFile, hp: HParams, neox: bool, base: float | None = No
         r.beta_slow = meta_float(f, "rope.scaling.yarn_beta_slow", 1.0, hi=1e6)
         r.n_ctx_orig = meta_int(f, "rope.scaling.original_context_length", hp.n_ctx_train, hi=1 << 24)
     elif kind not in (None, "none", "linear"):
-        raise UnsupportedArchitectureError(f"RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
-                                           "llama3 frequency factors)")
+        raise UnsupportedArchitectureError(f"RoPE scaling type {kind!r} is not supported "
+                                           "(supported: none, linear, yarn, llama3 frequency factors)")
     rf = f.tensors.get("rope_freqs.weight")
     if rf is not None:
         r.factors = rope_factors(f, rf, r.dim)
@@ -259,7 +250,8 @@ def attention(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, *, qk_norm: b
         wk = linear(f, p + "attn_k", Hkv * Dk, d, bias=bias)
         wv = linear(f, p + "attn_v", Hkv * Dv, d, bias=bias)
     a = Attention(n_head=H, n_head_kv=Hkv, head_dim_k=Dk, head_dim_v=Dv, wq=wq, wk=wk, wv=wv,
-                  wo=linear(f, p + "attn_output", d, H * Dv, bias=out_bias), scale=hp.attn_scale if scale is None else scale,
+                  wo=linear(f, p + "attn_output", d, H * Dv, bias=out_bias),
+                  scale=hp.attn_scale if scale is None else scale,
                   rope=rope, qk_norm_per_head=qk_norm_per_head, softcap=hp.attn_softcap, window=window)
     if qk_norm is not False:
         required = qk_norm is True

@@ -11,9 +11,31 @@ from __future__ import annotations
 
 import math
 
-from ..blocks import Block, ModelDesc
+from ..blocks import Block, ModelDesc, Rope
 from ..gguf import GGUFFile
-from .base import attention, decoder, gated_mlp, meta_int, norm, read_hparams, register, rope_from_meta, swa_pattern
+from .base import (
+    HParams,
+    attention,
+    decoder,
+    gated_mlp,
+    meta_int,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+    swa_pattern,
+)
+
+
+def sandwich_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, window: int, qk_norm: bool = False) -> Block:
+    """Gemma 2 / 3 block: RMSNorm before and after both attention and the GELU-tanh MLP."""
+    p, d, eps = f"blk.{i}.", hp.n_embd, hp.rms_eps
+    return Block(attn_norm=norm(f, p + "attn_norm", d, eps),
+                 attn=attention(f, i, hp, rope, qk_norm=qk_norm, window=window),
+                 post_attn_norm=norm(f, p + "post_attention_norm", d, eps),
+                 ffn_norm=norm(f, p + "ffn_norm", d, eps),
+                 mlp=gated_mlp(f, i, hp, act="gelu_tanh"),
+                 post_ffn_norm=norm(f, p + "post_ffw_norm", d, eps))
 
 
 @register("gemma")
@@ -35,15 +57,5 @@ def describe_gemma2(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     window = meta_int(f, "attention.sliding_window", 0, lo=0, hi=1 << 24)
     local = swa_pattern(f, hp.n_layer, 2) if window else [False] * hp.n_layer
     rope = rope_from_meta(f, hp, neox=True)
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = []
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        blocks.append(Block(
-            attn_norm=norm(f, p + "attn_norm", d, eps),
-            attn=attention(f, i, hp, rope, window=window if local[i] else 0),
-            post_attn_norm=norm(f, p + "post_attention_norm", d, eps),
-            ffn_norm=norm(f, p + "ffn_norm", d, eps),
-            mlp=gated_mlp(f, i, hp, act="gelu_tanh"),
-            post_ffn_norm=norm(f, p + "post_ffw_norm", d, eps)))
-    return decoder(f, hp, blocks, embed_scale=math.sqrt(d))
+    blocks = [sandwich_block(f, i, hp, rope, window if local[i] else 0) for i in range(hp.n_layer)]
+    return decoder(f, hp, blocks, embed_scale=math.sqrt(hp.n_embd))

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import math
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
-from .base import (attention, decoder, gated_mlp, meta_float, meta_int, norm, read_hparams, register, rope_from_meta,
-                   swa_pattern)
+from .base import (
+    decoder,
+    meta_float,
+    meta_int,
+    read_hparams,
+    register,
+    rope_from_meta,
+    swa_pattern,
+)
+from .gemma import sandwich_block
 
 ROPE_BASE_LOCAL = 10000.0
 
@@ -32,16 +40,6 @@ def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     rope_global = rope_from_meta(f, hp, neox=True)
     base_local = meta_float(f, "rope.freq_base_swa", ROPE_BASE_LOCAL, lo=1e-3)
     rope_local = rope_from_meta(f, hp, neox=True, base=base_local, scaled=False)
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = []
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        blocks.append(Block(
-            attn_norm=norm(f, p + "attn_norm", d, eps),
-            attn=attention(f, i, hp, rope_local if local[i] else rope_global, qk_norm=True,
-                           window=window if local[i] else 0),
-            post_attn_norm=norm(f, p + "post_attention_norm", d, eps),
-            ffn_norm=norm(f, p + "ffn_norm", d, eps),
-            mlp=gated_mlp(f, i, hp, act="gelu_tanh"),
-            post_ffn_norm=norm(f, p + "post_ffw_norm", d, eps)))
-    return decoder(f, hp, blocks, embed_scale=math.sqrt(d))
+    blocks = [sandwich_block(f, i, hp, rope_local if local[i] else rope_global, window if local[i] else 0, qk_norm=True)
+              for i in range(hp.n_layer)]
+    return decoder(f, hp, blocks, embed_scale=math.sqrt(hp.n_embd))

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from ..blocks import Block, ModelDesc
 from ..gguf import GGUFFile
-from .base import attention, decoder, gated_mlp, meta_float, norm, read_hparams, register, rope_from_meta
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    meta_float,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+)
 
 
 @register("granite")

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from ..blocks import Block, ModelDesc
 from ..gguf import GGUFFile
-from .base import attention, decoder, gated_mlp, norm, read_hparams, register, rope_from_meta
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+)
 
 
 def _describe(f: GGUFFile, qk_norm: bool) -> ModelDesc:

@@ -39,7 +39,7 @@ import numpy as np
 
 from numba import cuda
 
-from ...forward import batch_spans, split_logits
+from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
 from ...errors import BackendError
 from . import simulator_active
@@ -645,12 +645,7 @@ class CudaBackend(Backend):
             b = self._buffers(p, T)
             busy = {id(seg.cache) for seg in segments}
             mirrors = [self._mirror(p, seg.cache, p0 + seg.n_tokens, busy) for seg, _, p0 in spans]
-            rows: list[int] = []
-            for seg, s0, _ in spans:
-                if seg.logits == "all":
-                    rows.extend(range(s0, s0 + seg.n_tokens))
-                elif seg.logits == "last":
-                    rows.append(s0 + seg.n_tokens - 1)
+            rows = logit_rows(spans)
             tc = b.tcap
             ip = b.ip_host
             ip[:T] = tokens
