@@ -32,12 +32,16 @@ def argmax_agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(a.argmax(-1) == b.argmax(-1)))
 
 
+DECISIVE_MARGIN = 2.0
+
+
 def decisive_positions(hf: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """Mask of positions whose top-two transformers logits differ by more than ``other``'s RMS error
-    against transformers (a runtime at that error level can still tell them apart)."""
+    """Mask of positions whose top-two transformers logits differ by more than DECISIVE_MARGIN times
+    ``other``'s RMS error against transformers (a runtime at that error level can tell them apart;
+    at a narrower gap its argmax is a coin flip)."""
     err = float(np.sqrt(np.mean((other.astype(np.float64) - hf.astype(np.float64)) ** 2)))
     top2 = np.sort(hf, axis=-1)[..., -2:]
-    return (top2[..., 1] - top2[..., 0]) > err
+    return (top2[..., 1] - top2[..., 0]) > DECISIVE_MARGIN * err
 
 
 def minirt_logits(path: Path, tokens: np.ndarray, backend: str = "native", device: str = "cpu") -> np.ndarray:

@@ -5,7 +5,7 @@ transformers configs, converted by llama.cpp's own converter and quantized by ll
 Criterion per architecture and file: minirt's relative RMS logit error against transformers'
 float32 forward is at most llama.cpp's on the same GGUF, and its argmax agreement with transformers
 is at least llama.cpp's over the positions whose top two transformers logits are further apart than
-llama.cpp's RMS error on that file (``decisive_argmax``: on random weights many positions are near
+twice llama.cpp's RMS error on that file (``decisive_argmax``: on random weights many positions are near
 ties that neither runtime can resolve; the raw agreement is reported by ``bench/arch_parity.py``).
 Q4_K_M copies of random weights are judged by the RMS error alone: their quantization error (~25 %
 of the logits' scale, the same weights in both runtimes: minirt and llama.cpp differ by ~2.5 %) makes

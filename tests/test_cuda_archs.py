@@ -61,7 +61,7 @@ HOST_PATH = {
     "cohere2": "an output norm other than RMSNorm",
     "exaone4": "a block without pre-norms",
     "granite": "a logit scale",
-    "hunyuan_dense": "layer 0: MLP without gate",  # the q/k norms after RoPE fall under this reason
+    "hunyuan_dense": "q/k norms after RoPE",
     "olmo2": "a block without pre-norms",
     "phi3": "RoPE with a magnitude factor",
 }

@@ -499,8 +499,10 @@ class CudaBackend(Backend):
                 return f"layer {i}: norms other than RMSNorm with gains"
             if len({float(n.eps) for n in norms if n is not None}) > 1:
                 return f"layer {i}: norms with different eps"
-            if m.gate is None or m.act not in _ACTS or a.sinks is not None or a.qk_norm_after_rope:
-                return f"layer {i}: MLP without gate, activation {m.act!r} or attention sinks"
+            if m.gate is None or m.act not in _ACTS:
+                return f"layer {i}: an MLP without gate or with activation {m.act!r}"
+            if a.sinks is not None or a.qk_norm_after_rope:
+                return f"layer {i}: attention sinks or q/k norms after RoPE"
             if a.rope is not None and a.rope.mscale() != 1.0:
                 return f"layer {i}: RoPE with a magnitude factor"
             if (a.n_head, m.down.in_features) != (b0.attn.n_head, b0.mlp.down.in_features):
