@@ -368,7 +368,7 @@ case("rope.scaling.factor-string", "bpe",
                 set_kv("{arch}.rope.scaling.factor", "x", VT.STRING)(d)), ("rope.scaling.factor",))
 for hp in ("attention.key_length", "attention.scale", "final_logit_softcapping"):
     case(f"{hp}-string", "bpe", set_kv(f"{{arch}}.{hp}", "x", VT.STRING), (hp,))
-case("rope.scaling.type-unknown", "bpe", set_kv("{arch}.rope.scaling.type", "yarn", VT.STRING), ("yarn",))
+case("rope.scaling.type-unknown", "bpe", set_kv("{arch}.rope.scaling.type", "dynamic-ntk", VT.STRING), ("dynamic-ntk",))
 case("head_count-not-multiple", "spm", set_kv("{arch}.attention.head_count", 3, VT.UINT32), ("head_count",))
 case("head_count-per-layer-mixed", "bpe", set_kv("{arch}.attention.head_count", [4, 2], VT.ARRAY, VT.INT32),
      ("head_count",))

@@ -148,11 +148,12 @@ def read_hparams(f: GGUFFile) -> HParams:
 
 
 def rope_from_meta(f: GGUFFile, hp: HParams, neox: bool, base: float | None = None, scaled: bool = True,
-                   dim: int | None = None) -> Rope:
+                   dim: int | None = None, longrope: bool = False) -> Rope:
     """RoPE as the file's ``rope.*`` metadata describes it (linear, llama3 frequency factors, YaRN).
 
     ``base``: another base (e.g. Gemma 3's local layers); ``scaled=False``: ignore the scaling
-    (layers the model applies it to only partly)."""
+    (layers the model applies it to only partly); ``longrope``: the caller sets LongRoPE's factors
+    itself (a scaling type "longrope" is refused otherwise)."""
     r = Rope(dim=hp.rope_dim if dim is None else dim, base=hp.rope_base if base is None else base, neox=neox)
     if not scaled:
         return r
@@ -168,7 +169,7 @@ def rope_from_meta(f: GGUFFile, hp: HParams, neox: bool, base: float | None = No
         r.beta_fast = meta_float(f, "rope.scaling.yarn_beta_fast", 32.0, hi=1e6)
         r.beta_slow = meta_float(f, "rope.scaling.yarn_beta_slow", 1.0, hi=1e6)
         r.n_ctx_orig = meta_int(f, "rope.scaling.original_context_length", hp.n_ctx_train, hi=1 << 24)
-    elif kind not in (None, "none", "linear"):
+    elif kind not in (None, "none", "linear") and not (kind == "longrope" and longrope):
         raise UnsupportedArchitectureError(f"RoPE scaling type {kind!r} is not supported "
                                            "(supported: none, linear, yarn, llama3 frequency factors)")
     rf = f.tensors.get("rope_freqs.weight")

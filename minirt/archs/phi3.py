@@ -28,7 +28,7 @@ from .base import (
 @register("phi3")
 def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
-    rope = rope_from_meta(f, hp, neox=True)
+    rope = rope_from_meta(f, hp, neox=True, longrope=True)
     short, long_ = f.tensors.get("rope_factors_short.weight"), f.tensors.get("rope_factors_long.weight")
     if short is not None or long_ is not None:
         orig = meta_int(f, "rope.scaling.original_context_length", hp.n_ctx_train, hi=1 << 24)
