@@ -95,7 +95,8 @@ def llama_part(out: Path, models: Path) -> None:
             lg = last_logits()
             top = top_desc(lg, TOP_LLAMA)
             rec = {"prompt": prompt, "prompt_ids": ids, "greedy_ids": [], "greedy_text": "",
-                   "last_top20_ids": [int(t) for t in top], "last_top20_logits": [float(lg[t]) for t in top]}
+                   "last_top20_ids": [int(t) for t in top],
+                   "last_top20_logits": [round(float(lg[t]), 4) for t in top]}  # 4 decimals, as committed
             for _ in range(N_GREEDY):  # top_k=1 sampling is argmax
                 t = int(lg.argmax())
                 rec["greedy_ids"].append(t)
