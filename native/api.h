@@ -163,3 +163,9 @@ int mr_attention_fast(int isa);
  * once no worker can still read w or x. */
 double mr_bench_matmul(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
                        const float *x, long long n_tokens, float *y, int threads, int isa, int reps);
+
+/* ---- memory-bandwidth probe (bandwidth.c) ----
+ * Streaming read of n_bytes at p (n_bytes > 0, a multiple of 8) in 2 MiB slices on `threads` threads
+ * (<= 0: the default), `reps` times. Returns the fastest pass in nanoseconds (< 0 = MR_E_* error) and
+ * in *sum the wrapping uint64 sum of the buffer's 64-bit words (proof that every byte was read). */
+double mr_read_bandwidth(const void *p, long long n_bytes, int threads, int reps, int isa, unsigned long long *sum);

@@ -1333,11 +1333,37 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p
     return out
 
 
+
+def read_bandwidth(buf: np.ndarray, threads: int | None = None, reps: int = 5,
+                   isa: str | None = None) -> tuple[float, int]:
+    """Streaming-read probe of memory bandwidth: reads every byte of ``buf`` (C-contiguous, nbytes a
+    multiple of 8) ``reps`` times on the thread pool with the ISA's widest integer adds.
+
+    Returns (fastest pass in seconds, wrapping uint64 sum of the buffer's 64-bit words): the sum is
+    what ``buf.view(np.uint64).sum(dtype=np.uint64)`` gives, proof that every byte was read."""
+    ffi, lib = _lib()
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+        raise InvalidRequestError("read_bandwidth: buf must be a C-contiguous numpy array")
+    if buf.nbytes == 0 or buf.nbytes % 8:
+        raise InvalidRequestError(f"read_bandwidth: buf.nbytes must be a positive multiple of 8, got {buf.nbytes}")
+    if isinstance(reps, bool) or not isinstance(reps, (int, np.integer)) or reps < 1:
+        raise InvalidRequestError(f"reps must be a positive integer, got {reps!r}")
+    if not hasattr(lib, "mr_read_bandwidth"):  # an extension built before the probe existed
+        raise BackendError(f"native read_bandwidth: {_build_path} predates it; reinstall minirt to rebuild")
+    out = ffi.new("unsigned long long *")
+    ns = lib.mr_read_bandwidth(ffi.from_buffer("char[]", buf.reshape(-1).view(np.uint8)), buf.nbytes,
+                               _threads_arg(threads), int(reps), _isa_id(isa), out)
+    if ns < 0:
+        _check_rc(int(ns), "read_bandwidth")
+    return ns * 1e-9, int(out[0])
+
+
 __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
     "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
     "LayerStack",
     "dequantize", "rmsnorm", "rope", "rope_freqs", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul", "profile",
+    "read_bandwidth",
     "QTYPES",
     "ISA_NAMES",
 ]
