@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from typing import Any, Sequence
 
-from . import registry
+from . import loading, registry
 from .errors import MinirtError
 
 log = logging.getLogger("minirt.cli")
@@ -57,20 +57,8 @@ class ProgressBar:
 
 
 def _load(args: argparse.Namespace, **kw: Any) -> Any:
-    import minirt
-
-    name = args.model or registry.DEFAULT_MODEL
-    opts: dict[str, Any] = {"progress": ProgressBar(f"pulling {name}")}
-    if getattr(args, "ctx", None):
-        opts["n_ctx"] = args.ctx
-    if getattr(args, "threads", None):
-        opts["threads"] = args.threads
-    if getattr(args, "device", None):
-        opts["device"] = args.device
-    if getattr(args, "backend", None):
-        opts["backend"] = args.backend
-    opts.update(kw)
-    return minirt.load(name, **opts)
+    name = loading.model_name(args)
+    return loading.load_from_args(args, progress=ProgressBar(f"pulling {name}"), **kw)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -281,7 +269,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
-    return serve(args)
+    return serve(args, load=lambda: _load(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -645,7 +645,8 @@ class Model:
         if stream:
             ids = self._prompt_ids(prompt, kw.pop("add_special", None), None)
             events = self._stream_ids(ids, max_tokens, None, kw)
-            return fmt.completion_chunks(self, events, cid, created, prompt if echo and isinstance(prompt, str) else "")
+            return fmt.completion_chunks(self, events, cid, created, prompt if echo and isinstance(prompt, str) else "",
+                                         want_logprobs=logprobs is not None)
         c = self.generate(prompt, max_tokens, **kw)
         return fmt.completion_dict(self, c, cid, created, logprobs is not None,
                                    prompt if echo and isinstance(prompt, str) else "")
