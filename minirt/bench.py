@@ -23,29 +23,24 @@ interpreter has it: this one, ``$MINIRT_LLAMA_PYTHON``, or a ``llama-bench`` bin
 ``$MINIRT_LLAMA_BENCH`` (prefill and decode only). When none is found the report says so and
 the llama.cpp columns stay empty: no figure is ever made up.
 
-This file is also the worker: ``python minirt/bench.py --worker minirt|llama ...`` runs under
-either interpreter, so it imports nothing beyond the standard library at module level.
+This module is also the worker: ``python -m minirt.bench --worker minirt|llama ...`` runs under
+either interpreter (the package's parent on ``PYTHONPATH``), so it imports nothing beyond the
+standard library at module level (importing the package itself needs only numpy).
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    # Run as a worker script: the package folder must not shadow top-level packages
-    # (minirt/gguf.py would hide the gguf package).
-    sys.path.pop(0)
 
 import argparse
 import datetime as _dt
 import json
 import logging
+import os
 import platform
 import shlex
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -434,10 +429,6 @@ def find_peer(enabled: bool = True, llama_python: str | None = None, llama_bench
 # ==============================================================================================
 # runners: one persistent worker process per runtime, or llama-bench
 # ==============================================================================================
-def _bench_script() -> str:
-    return os.path.abspath(__file__)
-
-
 def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
     pkg_parent = str(Path(__file__).resolve().parent.parent)
@@ -447,7 +438,9 @@ def _worker_env() -> dict[str, str]:
 
 
 def _worker_cmd(runtime: str, python: str, cfg: BenchConfig, threads: int | None, once: bool = False) -> list[str]:
-    cmd = [python, _bench_script(), "--worker", runtime, "--model", cfg.path, "--n-ctx", str(cfg.resolved_n_ctx()),
+    # run as a module (PYTHONPATH names the package's parent): a script path would put minirt/ itself
+    # first on sys.path, where minirt/gguf.py shadows the gguf package
+    cmd = [python, "-m", "minirt.bench", "--worker", runtime, "--model", cfg.path, "--n-ctx", str(cfg.resolved_n_ctx()),
            "--threads", str(threads or 0)]
     if runtime == "minirt":
         cmd += ["--device", cfg.device]
