@@ -66,10 +66,6 @@ class KVCache:
     def bytes_per_token(self) -> int:
         return (self.k.nbytes + self.v.nbytes) // self.n_ctx
 
-    @property
-    def n_free(self) -> int:
-        return self.n_ctx - self.n_past
-
     def token_ids(self) -> np.ndarray:
         """Ids of the cached positions (a view)."""
         return self.tokens[: self.n_past]

@@ -115,12 +115,8 @@ int mr_dequantize(int qtype, const unsigned char *src, long long n, float *dst);
 int mr_rmsnorm(const float *x, const float *weight, float eps, long long rows, long long n,
                float *out, int isa);
 
-/* In-place rotary embedding of x (n_tokens, n_heads, head_dim), the first n_rot dims rotated.
- * neox != 0: pairs (i, i + n_rot/2); else pairs (2i, 2i+1). Angle = pos[t] * freqs[i] (freqs: n_rot/2). */
-int mr_rope(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
-            const int *pos, const float *freqs, int neox, int isa);
-
-/* Rotary embedding from precomputed cos/sin tables (n_tokens, n_rot/2), in place. */
+/* In-place rotary embedding of x (n_tokens, n_heads, head_dim), the first n_rot dims rotated, from
+ * precomputed cos/sin tables (n_tokens, n_rot/2). neox != 0: pairs (i, i + n_rot/2); else (2i, 2i+1). */
 int mr_rope_cs(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
                const float *cos_t, const float *sin_t, int neox, int isa);
 

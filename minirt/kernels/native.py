@@ -79,7 +79,6 @@ QTYPES: dict[str, tuple[int, int, int]] = {
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
-_I32 = np.dtype(np.int32)
 
 _load_lock = threading.Lock()
 _mod: Any = None
@@ -1095,22 +1094,12 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarra
     return out
 
 
-def rope_freqs(n_rot: int, freq_base: float = 10000.0, freq_scale: float = 1.0) -> np.ndarray:
-    """Rotary frequencies ``freq_scale * freq_base ** (-2i / n_rot)`` for i < n_rot / 2, float32."""
-    if n_rot <= 0 or n_rot % 2:
-        raise InvalidRequestError(f"n_rot must be a positive even number, got {n_rot}")
-    i = np.arange(n_rot // 2, dtype=np.float64)
-    return (freq_scale * freq_base ** (-2.0 * i / n_rot)).astype(np.float32)
-
-
-def rope(x: np.ndarray, positions: np.ndarray | None = None, *, neox: bool, n_rot: int | None = None,
-         freq_base: float = 10000.0, freq_scale: float = 1.0, freqs: np.ndarray | None = None,
-         cos: np.ndarray | None = None, sin: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+def rope(x: np.ndarray, *, neox: bool, cos: np.ndarray, sin: np.ndarray, n_rot: int | None = None,
+         isa: str | None = None) -> np.ndarray:
     """Rotary position embedding of x (n_tokens, n_heads, head_dim) float32, in place; returns x.
 
     The first ``n_rot`` dims (default head_dim) rotate: NEOX style pairs (i, i + n_rot/2), normal style
-    pairs (2i, 2i+1). Angles: ``positions[t] * freqs[i]`` with ``freqs`` given or from
-    ``freq_base``/``freq_scale``; or precomputed ``cos``/``sin`` tables of shape (n_tokens, n_rot/2).
+    pairs (2i, 2i+1), by the angles of the precomputed ``cos``/``sin`` tables (n_tokens, n_rot/2).
     """
     ffi, lib = _lib()
     x = _f32_array(x, "x", (3,))
@@ -1121,35 +1110,13 @@ def rope(x: np.ndarray, positions: np.ndarray | None = None, *, neox: bool, n_ro
     if n_rot <= 0 or n_rot % 2 or n_rot > hd:
         raise InvalidRequestError(f"n_rot must be even and in 1..head_dim={hd}, got {n_rot}")
     half = n_rot // 2
-    if cos is not None or sin is not None:
-        if cos is None or sin is None:
-            raise InvalidRequestError("cos and sin must be given together")
-        cos = _f32_array(cos, "cos", (2,))
-        sin = _f32_array(sin, "sin", (2,))
-        if cos.shape != (nt, half) or sin.shape != (nt, half):
-            raise InvalidRequestError(f"cos/sin must have shape {(nt, half)}, got {cos.shape} and {sin.shape}")
-        _check_rc(lib.mr_rope_cs(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
-                                 ffi.from_buffer("float[]", cos), ffi.from_buffer("float[]", sin), int(bool(neox)),
-                                 _isa_id(isa)), "rope")
-        return x
-    if positions is None:
-        raise InvalidRequestError("rope needs positions (or cos/sin tables)")
-    pos = np.ascontiguousarray(positions)
-    if pos.dtype.kind not in "iu" or pos.ndim != 1 or pos.shape[0] != nt:
-        raise InvalidRequestError(f"positions must be an integer array of shape ({nt},), got {pos.dtype} {pos.shape}")
-    if nt and (pos.min() < -(2**31) or pos.max() >= 2**31):
-        raise InvalidRequestError("positions out of int32 range")
-    pos = pos.astype(_I32, copy=False)
-    if freqs is None:
-        freqs = rope_freqs(n_rot, freq_base, freq_scale)
-    else:
-        freqs = _f32_array(freqs, "freqs", (1,))
-        if freqs.shape[0] != half:
-            raise InvalidRequestError(f"freqs must have n_rot/2 = {half} elements, got {freqs.shape[0]}")
-    if nt:
-        _check_rc(lib.mr_rope(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
-                              ffi.from_buffer("int[]", pos), ffi.from_buffer("float[]", freqs), int(bool(neox)),
-                              _isa_id(isa)), "rope")
+    cos = _f32_array(cos, "cos", (2,))
+    sin = _f32_array(sin, "sin", (2,))
+    if cos.shape != (nt, half) or sin.shape != (nt, half):
+        raise InvalidRequestError(f"cos/sin must have shape {(nt, half)}, got {cos.shape} and {sin.shape}")
+    _check_rc(lib.mr_rope_cs(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
+                             ffi.from_buffer("float[]", cos), ffi.from_buffer("float[]", sin), int(bool(neox)),
+                             _isa_id(isa)), "rope")
     return x
 
 
@@ -1362,7 +1329,7 @@ __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
     "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
     "LayerStack",
-    "dequantize", "rmsnorm", "rope", "rope_freqs", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul", "profile",
+    "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul", "profile",
     "read_bandwidth",
     "QTYPES",
     "ISA_NAMES",
