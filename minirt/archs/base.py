@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,8 @@ def meta_layers(f: GGUFFile, key: str, n_layer: int, default: Any = None) -> lis
         return [int(x) for x in v]
     if isinstance(v, (bool, np.bool_, int, np.integer)):
         return [int(v)] * n_layer
-    raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, got {_show(v)}")
+    raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
+                    f"got {_show(v)}")
 
 
 def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, required: bool = False) -> int:
@@ -94,10 +96,12 @@ def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, require
             raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
                             f"got {_show(v)}")
         if len(set(v.tolist())) != 1:
-            raise UnsupportedArchitectureError(f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
+            raise UnsupportedArchitectureError(
+                f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
         v = int(v[0])
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 1 <= int(v) <= MAX_DIM:
-        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], got {_show(v)}")
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], "
+                        f"got {_show(v)}")
     return int(v)
 
 
@@ -178,7 +182,8 @@ def rope_from_meta(f: GGUFFile, hp: HParams, neox: bool, base: float | None = No
         r.beta_slow = meta_float(f, "rope.scaling.yarn_beta_slow", 1.0, hi=1e6)
         r.n_ctx_orig = meta_int(f, "rope.scaling.original_context_length", hp.n_ctx_train, hi=1 << 24)
     elif kind not in (None, "none", "linear"):
-        raise UnsupportedArchitectureError(f"RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
+        raise UnsupportedArchitectureError(f"RoPE scaling type {kind!r} is not supported "
+                                           f"(supported: none, linear, yarn, "
                                            "llama3 frequency factors)")
     rf = f.tensors.get("rope_freqs.weight")
     if rf is not None:
@@ -259,7 +264,8 @@ def attention(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, *, qk_norm: b
         wk = linear(f, p + "attn_k", Hkv * Dk, d, bias=bias)
         wv = linear(f, p + "attn_v", Hkv * Dv, d, bias=bias)
     a = Attention(n_head=H, n_head_kv=Hkv, head_dim_k=Dk, head_dim_v=Dv, wq=wq, wk=wk, wv=wv,
-                  wo=linear(f, p + "attn_output", d, H * Dv, bias=out_bias), scale=hp.attn_scale if scale is None else scale,
+                  wo=linear(f, p + "attn_output", d, H * Dv,
+                            bias=out_bias), scale=hp.attn_scale if scale is None else scale,
                   rope=rope, qk_norm_per_head=qk_norm_per_head, softcap=hp.attn_softcap, window=window)
     if qk_norm is not False:
         required = qk_norm is True

@@ -7,8 +7,18 @@ from __future__ import annotations
 
 from ..blocks import Block, ModelDesc
 from ..gguf import GGUFFile
-from .base import (attention, decoder, gated_mlp, meta_float, meta_int, norm, read_hparams, register, rope_from_meta,
-                   swa_pattern)
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    meta_float,
+    meta_int,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+    swa_pattern,
+)
 
 
 @register("exaone4")

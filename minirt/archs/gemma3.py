@@ -15,8 +15,18 @@ import math
 
 from ..blocks import Block, ModelDesc
 from ..gguf import GGUFFile
-from .base import (attention, decoder, gated_mlp, meta_float, meta_int, norm, read_hparams, register, rope_from_meta,
-                   swa_pattern)
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    meta_float,
+    meta_int,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+    swa_pattern,
+)
 
 ROPE_BASE_LOCAL = 10000.0
 

@@ -11,8 +11,18 @@ from __future__ import annotations
 
 from ..blocks import Block, ModelDesc
 from ..gguf import GGUFFile
-from .base import (attention, decoder, gated_mlp, meta_float, meta_int, norm, read_hparams, register, rope_factors,
-                   rope_from_meta)
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    meta_float,
+    meta_int,
+    norm,
+    read_hparams,
+    register,
+    rope_factors,
+    rope_from_meta,
+)
 
 
 @register("phi3")

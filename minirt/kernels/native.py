@@ -142,7 +142,7 @@ class _FileLock:
         self.path = path
         self.fd: int | None = None
 
-    def __enter__(self) -> "_FileLock":
+    def __enter__(self) -> _FileLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             import fcntl
@@ -443,7 +443,7 @@ class PackArena:
         self._used = 0
 
     @classmethod
-    def over(cls, buf: np.ndarray) -> "PackArena":
+    def over(cls, buf: np.ndarray) -> PackArena:
         """An arena whose slices are carved from ``buf`` (e.g. a mapped pack cache file) instead of
         new memory; ``take`` gives the same offsets as in an arena of the same size."""
         self = cls.__new__(cls)
@@ -663,7 +663,7 @@ class PackCache:
         self.path, self.key, self.size = path, key, size
 
     @classmethod
-    def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> "PackCache | None":
+    def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> PackCache | None:
         """The cache slot of these packed matrices (w, qtype, packed bytes) of ``gguf_path``, or None
         when caching is off or a matrix is not a view of the file."""
         import hashlib
@@ -751,7 +751,7 @@ class PackCache:
             pass
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pack_code_hash() -> str:
     """Hash of the packing code (its layout is what the cache stores)."""
     import hashlib
@@ -870,7 +870,8 @@ class LayerStack:
                 # a norm without gains still normalizes: pass ones
                 w = None if n is None else (n.weight if n.weight is not None else np.ones(self._width(k, a, L), _F32))
                 setattr(L, k, ffi.NULL if w is None else self._f32(ffi, w))
-            L.attn_norm_b = ffi.NULL if b.attn_norm is None or b.attn_norm.bias is None else self._f32(ffi, b.attn_norm.bias)
+            L.attn_norm_b = ffi.NULL if b.attn_norm is None or b.attn_norm.bias is None else self._f32(ffi,
+                                                                                                       b.attn_norm.bias)
             fb = None if b.parallel or b.ffn_norm is None else b.ffn_norm.bias
             L.ffn_norm_b = ffi.NULL if fb is None else self._f32(ffi, fb)
             for k, lin in _block_weights(b).items():
@@ -954,7 +955,8 @@ class LayerStack:
             c, sn = np.ascontiguousarray(c, dtype=_F32), np.ascontiguousarray(sn, dtype=_F32)
             for t in (c, sn):
                 if t.ndim != 2 or t.shape[0] != n or t.shape[1] < self._half_rope.get(i, 0):
-                    raise InvalidRequestError(f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope.get(i, 0)})")
+                    raise InvalidRequestError(
+                        f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope.get(i, 0)})")
             cb, sb = ffi.from_buffer("float[]", c), ffi.from_buffer("float[]", sn)
             keep += [c, sn, cb, sb]
             cos_p[i], sin_p[i] = cb, sb
@@ -963,7 +965,7 @@ class LayerStack:
         _after_call(lib, rc, "decode layers", self, (x, caches))
 
 
-def matmul(x: np.ndarray, w: "np.ndarray | PackedMatrix", qtype: str | None = None, out: np.ndarray | None = None,
+def matmul(x: np.ndarray, w: np.ndarray | PackedMatrix, qtype: str | None = None, out: np.ndarray | None = None,
            threads: int | None = None, isa: str | None = None) -> np.ndarray:
     """``Y = X @ W.T`` straight from quantized blocks.
 
@@ -1036,7 +1038,8 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
     if nt == 0:
         return out
     wd = w.data
-    rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols, ffi.from_buffer("float[]", x),
+    rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols,
+                              ffi.from_buffer("float[]", x),
                               nt, cols, ffi.from_buffer("float[]", out, require_writable=True), w.rows,
                               _threads_arg(threads), _isa_id(isa))
     _after_call(lib, rc, "matmul", wd, x)
@@ -1212,7 +1215,8 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
     return out
 
 
-def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = None,
+            isa: str | None = None) -> np.ndarray:
     """``act(g) * u`` elementwise (act: "silu" or "gelu_tanh"); ``out`` may be ``g`` (in place)."""
     ffi, lib = _lib()
     if act not in _ACTS:
@@ -1227,7 +1231,8 @@ def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = Non
         _out_array(out, g.shape)
     if g.size:
         _check_rc(lib.mr_act_mul(ffi.from_buffer("float[]", g), ffi.from_buffer("float[]", u),
-                                 ffi.from_buffer("float[]", out, require_writable=True), g.size, _ACTS[act], _isa_id(isa)),
+                                 ffi.from_buffer("float[]", out, require_writable=True), g.size, _ACTS[act],
+                                 _isa_id(isa)),
                   "act_mul")
     return out
 
@@ -1295,7 +1300,8 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p
     vb = v_cache.view(np.uint16) if f16 else v_cache
     _check_rc(lib.mr_attention_prefill(ffi.from_buffer("float[]", q), n, n_head, hd, ffi.from_buffer(ctype, kb),
                                        ffi.from_buffer(ctype, vb), int(f16), n_kv, n_ctx, int(p0), float(scale),
-                                       int(window), float(softcap), ffi.from_buffer("float[]", out, require_writable=True),
+                                       int(window), float(softcap), ffi.from_buffer("float[]", out,
+                                                                                    require_writable=True),
                                        _threads_arg(threads), _isa_id(isa)), "attention_prefill")
     return out
 
@@ -1329,7 +1335,8 @@ __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
     "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
     "LayerStack",
-    "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul", "profile",
+    "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul",
+    "profile",
     "read_bandwidth",
     "QTYPES",
     "ISA_NAMES",
