@@ -245,7 +245,8 @@ def parity(r: Runner, key: str, refs: list[dict] | None, cpu_prompts: int, n: in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reference-dir", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "data" / "reference",
+    ap.add_argument("--reference-dir", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "tests" / "data" / "reference",
                     help="directory holding <name>.greedy.jsonl (default: the repository's tests/data/reference)")
     ap.add_argument("--qwen", type=Path, help="Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF")
     ap.add_argument("--gemma", type=Path, help="Gemma 3 270M Q4_K_M GGUF")
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         log("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
         for rec in rows:
             par = rec.get("parity", {})
-            fmt = lambda k: f"{par[k][0]}/{par[k][1]}" if k in par else "-"  # noqa: E731
+            fmt = lambda k, par=par: f"{par[k][0]}/{par[k][1]}" if k in par else "-"  # noqa: E731
             name = rec["model"] + (" (synthetic)" if rec["synthetic"] else "")
             log(f"| {name} | {rec['prefill_tok_s']:.0f} | {rec['decode_tok_s']:.0f} | "
                 f"{rec['ttft_pp_s'] * 1e3:.1f} ms | "

@@ -44,9 +44,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 log = logging.getLogger("minirt.bench")
 
@@ -338,9 +339,9 @@ def measure_bandwidth(threads: int, megabytes: int = 512, repeats: int = 5) -> d
 
         seconds, _ = native.read_bandwidth(buf, threads=threads, reps=repeats)
         isa = native.info()["isa"]
-        del buf
         return {"gbs": n * 8 / seconds / 1e9,
-                "method": f"native streaming read ({isa}) over {megabytes} MiB in {threads} thread(s), best of {repeats}",
+                "method": f"native streaming read ({isa}) over {megabytes} MiB in {threads} thread(s), "
+                          f"best of {repeats}",
                 "megabytes": megabytes, "threads": threads}
     except Exception as e:  # noqa: BLE001 - any native failure falls back to the numpy lower bound
         why = f"{type(e).__name__}: {e}"
@@ -508,7 +509,8 @@ class WorkerRunner:
         """Prompt tok/s for ``ids`` in a fresh context."""
         r = self.request("pp", ids=ids)
         if r.get("cached"):
-            raise BenchError(f"{self.label}: {r['cached']} prompt tokens came from a cache; the test needs a fresh context")
+            raise BenchError(f"{self.label}: {r['cached']} prompt tokens came from a cache; "
+                             "the test needs a fresh context")
         return len(ids) / r["prompt_s"]
 
     def tg(self, ids: list[int], n_gen: int) -> dict[str, Any]:
@@ -660,7 +662,7 @@ def cold_run(runtime: str, python: str, cfg: BenchConfig, ids: list[int], n_gen:
 class BusyCore:
     """A process spinning on one core for the duration of a ``with`` block."""
 
-    def __enter__(self) -> "BusyCore":
+    def __enter__(self) -> BusyCore:
         self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         time.sleep(0.5)  # let it get scheduled before measuring
         return self
@@ -811,7 +813,7 @@ def _steady_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runne
         for rep in range(cfg.repetitions):
             say(f"pp{n} rep {rep + 1}/{cfg.repetitions}")
             ids = bank.draw(n)
-            got = _sample_pair(rep, {s: (lambda s=s: runners[s].pp(ids)) for s in sides}, report, f"pp{n}")
+            got = _sample_pair(rep, {s: (lambda s=s, ids=ids: runners[s].pp(ids)) for s in sides}, report, f"pp{n}")
             for s, v in got.items():
                 if v is not None:
                     samples[s].append(v)
@@ -821,7 +823,7 @@ def _steady_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runne
     for rep in range(cfg.repetitions):
         say(f"tg{cfg.n_gen} rep {rep + 1}/{cfg.repetitions}")
         ids = bank.draw(cfg.tg_prompt)
-        got = _sample_pair(rep, {s: (lambda s=s: runners[s].tg(ids, cfg.n_gen)) for s in sides}, report, "tg")
+        got = _sample_pair(rep, {s: (lambda s=s, ids=ids: runners[s].tg(ids, cfg.n_gen)) for s in sides}, report, "tg")
         for s, v in got.items():
             if v is not None:
                 samples[s].append(v["gen_tok_s"])
@@ -850,14 +852,15 @@ def _batch_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runner
     for rep in range(cfg.repetitions):
         say(f"tg{cfg.n_gen} x{cfg.batch} sequences rep {rep + 1}/{cfg.repetitions}")
         prompts = [bank.draw(cfg.tg_prompt) for _ in range(cfg.batch)]
-        got = _sample_pair(rep, {s: (lambda s=s: runners[s].tgb(prompts, cfg.n_gen)) for s in sides}, report,
-                           f"tg x{cfg.batch}")
+        funcs = {s: (lambda s=s, prompts=prompts: runners[s].tgb(prompts, cfg.n_gen)) for s in sides}
+        got = _sample_pair(rep, funcs, report, f"tg x{cfg.batch}")
         for s, v in got.items():
             if v is not None:
                 agg[s].append(v)
     row = _row(f"tg{cfg.n_gen} x{cfg.batch} seqs", "tok/s", "higher", agg,
                note=f"aggregate decode of {cfg.batch} sequences sharing each forward pass")
-    row.extra["scaling_over_single"] = {s.replace("llama", "llama_cpp"): statistics.median(agg[s]) / statistics.median(single[s])
+    row.extra["scaling_over_single"] = {s.replace("llama", "llama_cpp"):
+                                        statistics.median(agg[s]) / statistics.median(single[s])
                                         for s in sides if agg[s] and single.get(s)}
     report.rows.append(row)
     sc = row.extra["scaling_over_single"]
@@ -867,8 +870,8 @@ def _batch_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runner
 
 
 def _row(test: str, unit: str, better: str, samples: dict[str, list[float]], note: str = "") -> Row:
-    m, l = samples.get("minirt"), samples.get("llama")
-    return Row(test, unit, better, Cell(m) if m else None, Cell(l) if l else None, note)
+    m, lc = samples.get("minirt"), samples.get("llama")
+    return Row(test, unit, better, Cell(m) if m else None, Cell(lc) if lc else None, note)
 
 
 def _cold_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, python_for: dict[str, str],
@@ -889,7 +892,8 @@ def _cold_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, python_
             rss[s].append(r["peak_rss_bytes"] / 2**20)
             parts[s].append({k: r[k] for k in ("startup_s", "load_s", "prefill_first_s")})
             rss_src[s].append(r["rss_source"])
-    row = _row("load→1st token", "s", "lower", ttft, note=f"fresh process, {cfg.cold_prompt}-token prompt, warm page cache")
+    row = _row("load→1st token", "s", "lower", ttft,
+               note=f"fresh process, {cfg.cold_prompt}-token prompt, warm page cache")
     row.extra["parts"] = {k.replace("llama", "llama_cpp"): v for k, v in parts.items()}
     report.rows.append(row)
     row = _row(f"peak RSS gen{cfg.rss_gen}", "MiB", "lower", rss,
@@ -925,7 +929,7 @@ def _busy_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runners
     for rep in range(cfg.busy_repetitions):
         say(f"idle decode, default threads, rep {rep + 1}/{cfg.busy_repetitions}")
         ids = bank.draw(cfg.tg_prompt)
-        got = _sample_pair(rep, {s: (lambda k=k: runners[k].tg(ids, cfg.n_gen)) for s, k in keys.items()},
+        got = _sample_pair(rep, {s: (lambda k=k, ids=ids: runners[k].tg(ids, cfg.n_gen)) for s, k in keys.items()},
                            report, "idle decode (default threads)")
         for s, v in got.items():
             if v is not None:
@@ -939,7 +943,7 @@ def _busy_tests(cfg: BenchConfig, report: BenchReport, bank: PromptBank, runners
             for name, m in configs:
                 say(f"decode with one core busy, {name}, rep {rep + 1}/{cfg.busy_repetitions}")
                 ids = bank.draw(cfg.tg_prompt)
-                funcs = {s: (lambda k=m[s]: runners[k].tg(ids, cfg.n_gen)) for s in m if m[s] in runners}
+                funcs = {s: (lambda k=m[s], ids=ids: runners[k].tg(ids, cfg.n_gen)) for s in m if m[s] in runners}
                 for s, v in _sample_pair(rep, funcs, report, f"busy decode {name}").items():
                     if v is not None:
                         busy[name][s].append(v["gen_tok_s"])
@@ -1022,7 +1026,8 @@ def format_table(report: BenchReport) -> str:
     right = {3, 4, 5}
 
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "| " + " | ".join(padded) + " |"
 
     sep = "| " + " | ".join(("-" * (w - 1) + ":") if i in right else "-" * w for i, w in enumerate(widths)) + " |"
     return "\n".join([line(HEADER), sep, *(line(r) for r in rows)])
@@ -1034,8 +1039,10 @@ def format_summary(report: BenchReport) -> str:
     lines = [f"model: {m['name']} ({m['file']}, {_fmt_bytes(m['file_size_bytes'])}, {m['architecture']}); "
              f"{_fmt_bytes(m['bytes_per_token'])} of weights streamed per decoded token"]
     rt = report.runtimes.get("minirt", {})
-    lines.append(f"minirt {rt.get('version', '?')}: device {rt.get('device', c.device)}, backend "
-                 f"{rt.get('backend', {}).get('backend', '?') if isinstance(rt.get('backend'), dict) else rt.get('backend', '?')}, "
+    backend = rt.get("backend", "?")
+    if isinstance(backend, dict):
+        backend = backend.get("backend", "?")
+    lines.append(f"minirt {rt.get('version', '?')}: device {rt.get('device', c.device)}, backend {backend}, "
                  f"{c.threads} threads, n_ctx {c.resolved_n_ctx()}")
     if report.peer.available:
         lines.append(f"llama.cpp: {report.peer.version} ({report.peer.python or report.peer.llama_bench}), "
@@ -1164,7 +1171,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     skip = {s.strip() for s in (g("skip") or "").split(",") if s.strip()}
     unknown = skip - {"cold", "busy", "bandwidth"}
     if unknown:
-        raise InvalidRequestError(f"--skip: unknown test(s) {', '.join(sorted(unknown))}; choose from cold, busy, bandwidth")
+        raise InvalidRequestError(f"--skip: unknown test(s) {', '.join(sorted(unknown))}; "
+                                  "choose from cold, busy, bandwidth")
     cfg.cold, cfg.busy, cfg.bandwidth = "cold" not in skip, "busy" not in skip, "bandwidth" not in skip
     cfg.bandwidth_gbs = g("bandwidth_gbs")
     cfg.batch = g("batch", 0) or 0

@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from . import loading, registry
 from .errors import MinirtError
@@ -71,7 +72,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help=f"registry name or GGUF path (default {registry.DEFAULT_MODEL})")
-    p.add_argument("-c", "--ctx", type=int, help="context size in tokens (default: from the model, capped to fit memory)")
+    p.add_argument("-c", "--ctx", type=int,
+                   help="context size in tokens (default: from the model, capped to fit memory)")
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: physical cores)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device (default auto)")
     p.add_argument("--backend", choices=["auto", "native", "numba", "reference"], help="CPU kernels (default auto)")

@@ -3,7 +3,8 @@ entry points, so that none of them imports another's private helpers."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import registry
 

@@ -6,7 +6,8 @@ dicts out (the same dicts the HTTP server serializes).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from .generate import Completion, TokenEvent
 

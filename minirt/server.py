@@ -29,17 +29,25 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from . import openai_format as fmt
-from .errors import (CapacityError, ContextOverflowError, InvalidRequestError, MinirtError, ModelClosedError,
-                     TemplateError, TokenizerError)
+from .errors import (
+    CapacityError,
+    ContextOverflowError,
+    InvalidRequestError,
+    MinirtError,
+    ModelClosedError,
+    TemplateError,
+    TokenizerError,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .generate import Completion, TokenEvent
+    from .generate import TokenEvent
     from .runtime import GenerationHandle, Model
 
 log = logging.getLogger(__name__)
@@ -329,7 +337,7 @@ def parse_completion(body: dict[str, Any], model: str) -> ParsedRequest:
 # ----------------------------------------------------------------------------------------------
 # response formatting (on top of minirt.openai_format)
 # ----------------------------------------------------------------------------------------------
-def _chunk_builder(llm: "Model", req: ParsedRequest, cid: str, created: int) -> fmt.ChunkBuilder:
+def _chunk_builder(llm: Model, req: ParsedRequest, cid: str, created: int) -> fmt.ChunkBuilder:
     """The request's stream chunks: :class:`minirt.openai_format.ChunkBuilder` with the server's
     model id, fingerprint and stream options."""
     return fmt.ChunkBuilder(llm, "chat" if req.kind == "chat" else "completion", cid, created, req.model,
@@ -348,20 +356,20 @@ def _sse(obj: Any) -> bytes:
 class ServerState:
     """What the app knows about its requests (read by tests, /health and the load benchmark)."""
 
-    llm: "Model"
+    llm: Model
     model_id: str
     aliases: frozenset[str]
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     default_max_tokens: int | None = None
-    active: dict[str, "GenerationHandle"] = field(default_factory=dict)
+    active: dict[str, GenerationHandle] = field(default_factory=dict)
     requests: int = 0
     disconnects: int = 0
     errors: int = 0
     refused: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def track(self, rid: str, h: "GenerationHandle") -> None:
+    def track(self, rid: str, h: GenerationHandle) -> None:
         with self.lock:
             self.active[rid] = h
 
@@ -372,14 +380,14 @@ class ServerState:
         h.add_done_callback(done)
 
 
-def model_id_for(llm: "Model") -> str:
+def model_id_for(llm: Model) -> str:
     """The id clients use for the loaded model: its registry name, else its file name."""
     from . import registry
 
     return llm.name if llm.name in registry.MODELS else Path(llm.path).name
 
 
-def _aliases(llm: "Model", model_id: str) -> frozenset[str]:
+def _aliases(llm: Model, model_id: str) -> frozenset[str]:
     from . import registry
 
     p = Path(llm.path)
@@ -393,7 +401,7 @@ def _aliases(llm: "Model", model_id: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def build_app(llm: "Model", api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
+def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
               default_max_tokens: int | None = None, model_id: str | None = None) -> Any:
     """The ASGI app serving ``llm``.
 
@@ -534,8 +542,8 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
     return body
 
 
-def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
-                        on_token: Callable[["TokenEvent"], Any] | None) -> tuple["GenerationHandle", str]:
+def _prepare_and_submit(llm: Model, state: ServerState, req: ParsedRequest,
+                        on_token: Callable[[TokenEvent], Any] | None) -> tuple[GenerationHandle, str]:
     """Tokenize, pick max_tokens, submit (runs on a worker thread: tokenizing a long prompt must
     not stall the event loop). Returns the handle and the echo prefix."""
     echo = ""
@@ -573,15 +581,15 @@ def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
     return h, echo
 
 
-async def _start(loop: asyncio.AbstractEventLoop, llm: "Model", state: ServerState, req: ParsedRequest,
-                 on_token: Callable[["TokenEvent"], Any] | None) -> tuple["GenerationHandle", str]:
+async def _start(loop: asyncio.AbstractEventLoop, llm: Model, state: ServerState, req: ParsedRequest,
+                 on_token: Callable[[TokenEvent], Any] | None) -> tuple[GenerationHandle, str]:
     """Run :func:`_prepare_and_submit` off the loop; if this task is cancelled meanwhile, the
     generation it started is cancelled too rather than left running for nobody."""
     fut = loop.run_in_executor(None, _prepare_and_submit, llm, state, req, on_token)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        def cleanup(f: "asyncio.Future[Any]") -> None:
+        def cleanup(f: asyncio.Future[Any]) -> None:
             if not f.cancelled() and f.exception() is None:
                 f.result()[0].cancel()
         fut.add_done_callback(cleanup)
@@ -667,7 +675,7 @@ class _SSEResponse:
     cancels the generation, which the scheduler then drops at its next step.
     """
 
-    def __init__(self, state: ServerState, handle: "GenerationHandle", q: "asyncio.Queue[Any]",
+    def __init__(self, state: ServerState, handle: GenerationHandle, q: asyncio.Queue[Any],
                  maker: fmt.ChunkBuilder, echo: str) -> None:
         self.state, self.h, self.q, self.maker, self.echo = state, handle, q, maker, echo
 
@@ -767,7 +775,7 @@ class BackgroundServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
         self.thread.start()
         t_end = time.monotonic() + timeout
         while not self.server.started:
@@ -781,7 +789,7 @@ class BackgroundServer:
         self.thread.join(timeout=10)
         self.sock.close()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -471,7 +471,7 @@ def test_jit_build_concurrent(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
-    for p, (o, e) in zip(procs, outs):
+    for p, (_o, e) in zip(procs, outs):
         if p.returncode != 0 and "no C compiler" in e:
             pytest.skip("no C compiler")
         assert p.returncode == 0, e

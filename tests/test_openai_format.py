@@ -38,7 +38,8 @@ def test_streamed_completion_logprobs_and_offsets(llm):
     chunks = list(llm.create_completion(PROMPT, max_tokens=5, temperature=0.0, logprobs=2, stream=True))
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == d["choices"][0]["text"]
     lps = [ch["choices"][0]["logprobs"] for ch in chunks if ch["choices"][0]["logprobs"]]
-    assert [x for lp in lps for x in lp["token_logprobs"]] == pytest.approx(d["choices"][0]["logprobs"]["token_logprobs"])
+    want = d["choices"][0]["logprobs"]["token_logprobs"]
+    assert [x for lp in lps for x in lp["token_logprobs"]] == pytest.approx(want)
     offsets = [lp["text_offset"][0] for lp in lps]
     assert offsets == sorted(offsets) and offsets[0] == 0
     assert all(len(lp["top_logprobs"][0]) <= 2 for lp in lps)

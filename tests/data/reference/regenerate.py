@@ -73,7 +73,7 @@ def llama_part(out: Path, models: Path) -> None:
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         n_vocab = llm.n_vocab()
 
-        def last_logits() -> np.ndarray:
+        def last_logits(llm: Llama = llm, n_vocab: int = n_vocab) -> np.ndarray:
             p = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
             return np.ctypeslib.as_array(p, shape=(n_vocab,)).astype(np.float32)
 
