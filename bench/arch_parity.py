@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
                 print(f"| {a} | {q} | {type(e).__name__}: {str(e)[:80]} | | | | | |")
                 continue
             print(f"| {a} | {q} | {r['minirt_rel_rms']:.4f} | {r['llamacpp_rel_rms']:.4f} | {r['minirt_argmax']:.3f} | "
-                  f"{r['llamacpp_argmax']:.3f} | {r['minirt_decisive_argmax']:.3f} / {r['llamacpp_decisive_argmax']:.3f} "
+                  f"{r['llamacpp_argmax']:.3f} | "
+                  f"{r['minirt_decisive_argmax']:.3f} / {r['llamacpp_decisive_argmax']:.3f} "
                   f"({r['decisive_fraction']:.2f}) | {r['minirt_vs_llamacpp_rel_rms']:.4f} |")
     return 0
 
