@@ -60,7 +60,7 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     results = []
-    for rep in range(args.repetitions):
+    for _rep in range(args.repetitions):
         ids = rng.integers(1000, 20000, args.n_prompt).tolist()
         seq = llm._sequence(ids, max_tokens=args.n_gen, stop=None, ignore_eos=True, on_token=None, cancel=None,
                             progress=None, trace=None, context_overflow="stop", n_keep=None,

@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return f"{s * 1e3:7.1f} ms {n / s / 1e6:5.2f} MB/s" if s else f"{'n/a':>21}"
 
     print()
-    print(f"| {'model':44} | tokens | {'llama.cpp':21} | {'minirt cold':21} | ratio | {'minirt warm':21} | ratio | same ids |")
+    print(f"| {'model':44} | tokens | {'llama.cpp':21} | {'minirt cold':21} | ratio | "
+          f"{'minirt warm':21} | ratio | same ids |")
     print(f"|{'-' * 46}|-------:|{'-' * 23}|{'-' * 23}|------:|{'-' * 23}|------:|----------|")
     for r in rows:
         ratio_c = f"{r['llama_s'] / r['cold_s']:5.2f}" if r["llama_s"] else "  n/a"

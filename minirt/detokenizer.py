@@ -53,7 +53,7 @@ class StreamDecoder:
     ``reset()`` starts a new sequence. ``"".join(pushes) + finish() == tokenizer.decode(ids)``.
     """
 
-    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False, continuation: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, continuation: bool = False) -> None:
         self._tok = tokenizer
         self._skip = skip_special
         # text that continues a prompt keeps its leading space (" Paris" after "... is")

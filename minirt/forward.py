@@ -11,8 +11,9 @@ head sizes. Activations are float32 row-major ``(T, features)``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -104,7 +105,7 @@ class Transformer:
         return x
 
     # -- one block ---------------------------------------------------------------------------------
-    def block(self, i: int, x: np.ndarray, ctx: "ForwardContext") -> np.ndarray:
+    def block(self, i: int, x: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         b = self.desc.blocks[i]
         s = np.float32(b.residual_scale)
         h = self.norm(x, b.attn_norm)
@@ -131,7 +132,7 @@ class Transformer:
             return self.mm(m.down, activation(m.act, u, m.act_params))
         return self.mm(m.down, self.backend.act_mul(self.mm(m.gate, h), u, m.act))
 
-    def attention(self, i: int, b: Block, h: np.ndarray, ctx: "ForwardContext") -> np.ndarray:
+    def attention(self, i: int, b: Block, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         """Projections, q/k norms, RoPE, cache append and attention of the normed input h (T, d) → (T, d)."""
         a, T = b.attn, h.shape[0]
         q = self.mm(a.wq, h)
@@ -190,7 +191,7 @@ class Transformer:
             logits = np.tanh(logits / sc) * sc
         return logits
 
-    def _native_decode(self, x: np.ndarray, ctx: "ForwardContext") -> bool:
+    def _native_decode(self, x: np.ndarray, ctx: ForwardContext) -> bool:
         """Decode steps (one new token per sequence): every layer in one backend call when the
         backend prepared that; x (T, d) is updated in place. False: run the layers here."""
         if self.native_stack is None:

@@ -18,16 +18,18 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import gguf as gguf_mod
 from . import registry
 from .archs import build, read_config
+from .errors import InvalidRequestError, ModelClosedError, TokenizerError
 from .forward import Segment
-from .errors import BackendError, InvalidRequestError, ModelClosedError, TokenizerError
-from .generate import (Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop)
+from .generate import Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
 
@@ -135,11 +137,11 @@ class GenerationHandle:
         self._cancel = threading.Event()
         self._result: Completion | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[["GenerationHandle"], Any]] = []
+        self._callbacks: list[Callable[[GenerationHandle], Any]] = []
         self._cb_lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
-    def add_done_callback(self, fn: Callable[["GenerationHandle"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[GenerationHandle], Any]) -> None:
         """Call ``fn(handle)`` when the generation ends (at once if it already has)."""
         with self._cb_lock:
             if not self._event.is_set():
@@ -357,7 +359,7 @@ class Model:
 
     # -- the scheduler ---------------------------------------------------------------------------
     @property
-    def scheduler(self) -> "Scheduler":
+    def scheduler(self) -> Scheduler:
         """The batching scheduler (started on first use)."""
         from .scheduler import Scheduler
 
@@ -398,7 +400,7 @@ class Model:
         else:
             self.cache_pool.release(cache)
 
-    def _submit(self, seq: Sequence) -> "EventStream":
+    def _submit(self, seq: Sequence) -> EventStream:
         from .scheduler import EventStream
 
         stream = EventStream()
@@ -410,7 +412,7 @@ class Model:
         """Run a sequence through the scheduler, delivering events to its callback on this thread."""
         return self._consume(seq, self._submit(seq))
 
-    def _consume(self, seq: Sequence, stream: "EventStream") -> Completion:
+    def _consume(self, seq: Sequence, stream: EventStream) -> Completion:
         """Deliver a submitted sequence's events to its callback on this thread; build the Completion."""
         on_token = getattr(seq, "user_sink", None)
         delivered: list[TokenEvent] = []
@@ -464,7 +466,8 @@ class Model:
                              n_keep=n_keep, sampling=sampling)
         return self._run(seq)
 
-    def stream(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, **kw: Any) -> Iterator[TokenEvent]:
+    def stream(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS,
+               **kw: Any) -> Iterator[TokenEvent]:
         """Like :meth:`generate`, as an iterator of :class:`TokenEvent`; breaking out cancels."""
         if "on_token" in kw:
             raise InvalidRequestError("stream() yields events; use generate(on_token=...) for callbacks")
@@ -645,7 +648,8 @@ class Model:
         if stream:
             ids = self._prompt_ids(prompt, kw.pop("add_special", None), None)
             events = self._stream_ids(ids, max_tokens, None, kw)
-            return fmt.completion_chunks(self, events, cid, created, prompt if echo and isinstance(prompt, str) else "")
+            return fmt.completion_chunks(self, events, cid, created, prompt if echo and isinstance(prompt, str) else "",
+                                         want_logprobs=logprobs is not None)
         c = self.generate(prompt, max_tokens, **kw)
         return fmt.completion_dict(self, c, cid, created, logprobs is not None,
                                    prompt if echo and isinstance(prompt, str) else "")
@@ -661,7 +665,8 @@ class Model:
             kw["top_logprobs"] = _count("top_logprobs", top_logprobs or 0, 20) or 1
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
         if stream:
-            return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created, logprobs)
+            return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created,
+                                   logprobs)
         c = self.chat(messages, max_tokens, tools=tools, **kw)
         return fmt.chat_dict(self, c, cid, created, logprobs)
 
@@ -723,7 +728,8 @@ class Model:
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise StateError(f"{path}: not a minirt state file ({e})") from None
         if not isinstance(header, dict) or header.get("format") != STATE_FORMAT:
-            raise StateError(f"{path}: unsupported state format {header.get('format') if isinstance(header, dict) else header!r}")
+            fmt_seen = header.get("format") if isinstance(header, dict) else header
+            raise StateError(f"{path}: unsupported state format {fmt_seen!r}")
         if header.get("model") != self.fingerprint():
             raise StateError(f"{path}: saved from another model (fingerprint {str(header.get('model'))[:12]}…, "
                              f"this model {self.fingerprint()[:12]}…)")
@@ -767,7 +773,7 @@ class Model:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "Model":
+    def __enter__(self) -> Model:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -115,12 +115,8 @@ int mr_dequantize(int qtype, const unsigned char *src, long long n, float *dst);
 int mr_rmsnorm(const float *x, const float *weight, float eps, long long rows, long long n,
                float *out, int isa);
 
-/* In-place rotary embedding of x (n_tokens, n_heads, head_dim), the first n_rot dims rotated.
- * neox != 0: pairs (i, i + n_rot/2); else pairs (2i, 2i+1). Angle = pos[t] * freqs[i] (freqs: n_rot/2). */
-int mr_rope(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
-            const int *pos, const float *freqs, int neox, int isa);
-
-/* Rotary embedding from precomputed cos/sin tables (n_tokens, n_rot/2), in place. */
+/* In-place rotary embedding of x (n_tokens, n_heads, head_dim), the first n_rot dims rotated, from
+ * precomputed cos/sin tables (n_tokens, n_rot/2). neox != 0: pairs (i, i + n_rot/2); else (2i, 2i+1). */
 int mr_rope_cs(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
                const float *cos_t, const float *sin_t, int neox, int isa);
 
@@ -163,3 +159,9 @@ int mr_attention_fast(int isa);
  * once no worker can still read w or x. */
 double mr_bench_matmul(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
                        const float *x, long long n_tokens, float *y, int threads, int isa, int reps);
+
+/* ---- memory-bandwidth probe (bandwidth.c) ----
+ * Streaming read of n_bytes at p (n_bytes > 0, a multiple of 8) in 2 MiB slices on `threads` threads
+ * (<= 0: the default), `reps` times. Returns the fastest pass in nanoseconds (< 0 = MR_E_* error) and
+ * in *sum the wrapping uint64 sum of the buffer's 64-bit words (proof that every byte was read). */
+double mr_read_bandwidth(const void *p, long long n_bytes, int threads, int reps, int isa, unsigned long long *sum);

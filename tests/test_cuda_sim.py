@@ -156,7 +156,8 @@ def test_dequant_and_matmuls_match_gguf_reference(qtype):
 def test_blas_tile_path_chunks_rows(qtype, monkeypatch):
     """The cuBLAS path dequantizes row tiles into a scratch buffer; with a scratch of 2 rows every
     tile boundary, the bias epilogue and accumulation are exercised."""
-    from minirt.kernels.cuda import backend as B, selfcheck
+    from minirt.kernels.cuda import backend as B
+    from minirt.kernels.cuda import selfcheck
 
     monkeypatch.setattr(B, "WTMP_BYTES", 2 * 256 * 4)
     be = _backend(blas=sim_blas)

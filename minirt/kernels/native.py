@@ -79,7 +79,6 @@ QTYPES: dict[str, tuple[int, int, int]] = {
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
-_I32 = np.dtype(np.int32)
 
 _load_lock = threading.Lock()
 _mod: Any = None
@@ -143,7 +142,7 @@ class _FileLock:
         self.path = path
         self.fd: int | None = None
 
-    def __enter__(self) -> "_FileLock":
+    def __enter__(self) -> _FileLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             import fcntl
@@ -444,7 +443,7 @@ class PackArena:
         self._used = 0
 
     @classmethod
-    def over(cls, buf: np.ndarray) -> "PackArena":
+    def over(cls, buf: np.ndarray) -> PackArena:
         """An arena whose slices are carved from ``buf`` (e.g. a mapped pack cache file) instead of
         new memory; ``take`` gives the same offsets as in an arena of the same size."""
         self = cls.__new__(cls)
@@ -664,7 +663,7 @@ class PackCache:
         self.path, self.key, self.size = path, key, size
 
     @classmethod
-    def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> "PackCache | None":
+    def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> PackCache | None:
         """The cache slot of these packed matrices (w, qtype, packed bytes) of ``gguf_path``, or None
         when caching is off or a matrix is not a view of the file."""
         import hashlib
@@ -752,7 +751,7 @@ class PackCache:
             pass
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pack_code_hash() -> str:
     """Hash of the packing code (its layout is what the cache stores)."""
     import hashlib
@@ -871,7 +870,8 @@ class LayerStack:
                 # a norm without gains still normalizes: pass ones
                 w = None if n is None else (n.weight if n.weight is not None else np.ones(self._width(k, a, L), _F32))
                 setattr(L, k, ffi.NULL if w is None else self._f32(ffi, w))
-            L.attn_norm_b = ffi.NULL if b.attn_norm is None or b.attn_norm.bias is None else self._f32(ffi, b.attn_norm.bias)
+            L.attn_norm_b = ffi.NULL if b.attn_norm is None or b.attn_norm.bias is None else self._f32(ffi,
+                                                                                                       b.attn_norm.bias)
             fb = None if b.parallel or b.ffn_norm is None else b.ffn_norm.bias
             L.ffn_norm_b = ffi.NULL if fb is None else self._f32(ffi, fb)
             for k, lin in _block_weights(b).items():
@@ -955,7 +955,8 @@ class LayerStack:
             c, sn = np.ascontiguousarray(c, dtype=_F32), np.ascontiguousarray(sn, dtype=_F32)
             for t in (c, sn):
                 if t.ndim != 2 or t.shape[0] != n or t.shape[1] < self._half_rope.get(i, 0):
-                    raise InvalidRequestError(f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope.get(i, 0)})")
+                    raise InvalidRequestError(
+                        f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope.get(i, 0)})")
             cb, sb = ffi.from_buffer("float[]", c), ffi.from_buffer("float[]", sn)
             keep += [c, sn, cb, sb]
             cos_p[i], sin_p[i] = cb, sb
@@ -964,7 +965,7 @@ class LayerStack:
         _after_call(lib, rc, "decode layers", self, (x, caches))
 
 
-def matmul(x: np.ndarray, w: "np.ndarray | PackedMatrix", qtype: str | None = None, out: np.ndarray | None = None,
+def matmul(x: np.ndarray, w: np.ndarray | PackedMatrix, qtype: str | None = None, out: np.ndarray | None = None,
            threads: int | None = None, isa: str | None = None) -> np.ndarray:
     """``Y = X @ W.T`` straight from quantized blocks.
 
@@ -1037,7 +1038,8 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
     if nt == 0:
         return out
     wd = w.data
-    rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols, ffi.from_buffer("float[]", x),
+    rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols,
+                              ffi.from_buffer("float[]", x),
                               nt, cols, ffi.from_buffer("float[]", out, require_writable=True), w.rows,
                               _threads_arg(threads), _isa_id(isa))
     _after_call(lib, rc, "matmul", wd, x)
@@ -1095,22 +1097,12 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarra
     return out
 
 
-def rope_freqs(n_rot: int, freq_base: float = 10000.0, freq_scale: float = 1.0) -> np.ndarray:
-    """Rotary frequencies ``freq_scale * freq_base ** (-2i / n_rot)`` for i < n_rot / 2, float32."""
-    if n_rot <= 0 or n_rot % 2:
-        raise InvalidRequestError(f"n_rot must be a positive even number, got {n_rot}")
-    i = np.arange(n_rot // 2, dtype=np.float64)
-    return (freq_scale * freq_base ** (-2.0 * i / n_rot)).astype(np.float32)
-
-
-def rope(x: np.ndarray, positions: np.ndarray | None = None, *, neox: bool, n_rot: int | None = None,
-         freq_base: float = 10000.0, freq_scale: float = 1.0, freqs: np.ndarray | None = None,
-         cos: np.ndarray | None = None, sin: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+def rope(x: np.ndarray, *, neox: bool, cos: np.ndarray, sin: np.ndarray, n_rot: int | None = None,
+         isa: str | None = None) -> np.ndarray:
     """Rotary position embedding of x (n_tokens, n_heads, head_dim) float32, in place; returns x.
 
     The first ``n_rot`` dims (default head_dim) rotate: NEOX style pairs (i, i + n_rot/2), normal style
-    pairs (2i, 2i+1). Angles: ``positions[t] * freqs[i]`` with ``freqs`` given or from
-    ``freq_base``/``freq_scale``; or precomputed ``cos``/``sin`` tables of shape (n_tokens, n_rot/2).
+    pairs (2i, 2i+1), by the angles of the precomputed ``cos``/``sin`` tables (n_tokens, n_rot/2).
     """
     ffi, lib = _lib()
     x = _f32_array(x, "x", (3,))
@@ -1121,35 +1113,13 @@ def rope(x: np.ndarray, positions: np.ndarray | None = None, *, neox: bool, n_ro
     if n_rot <= 0 or n_rot % 2 or n_rot > hd:
         raise InvalidRequestError(f"n_rot must be even and in 1..head_dim={hd}, got {n_rot}")
     half = n_rot // 2
-    if cos is not None or sin is not None:
-        if cos is None or sin is None:
-            raise InvalidRequestError("cos and sin must be given together")
-        cos = _f32_array(cos, "cos", (2,))
-        sin = _f32_array(sin, "sin", (2,))
-        if cos.shape != (nt, half) or sin.shape != (nt, half):
-            raise InvalidRequestError(f"cos/sin must have shape {(nt, half)}, got {cos.shape} and {sin.shape}")
-        _check_rc(lib.mr_rope_cs(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
-                                 ffi.from_buffer("float[]", cos), ffi.from_buffer("float[]", sin), int(bool(neox)),
-                                 _isa_id(isa)), "rope")
-        return x
-    if positions is None:
-        raise InvalidRequestError("rope needs positions (or cos/sin tables)")
-    pos = np.ascontiguousarray(positions)
-    if pos.dtype.kind not in "iu" or pos.ndim != 1 or pos.shape[0] != nt:
-        raise InvalidRequestError(f"positions must be an integer array of shape ({nt},), got {pos.dtype} {pos.shape}")
-    if nt and (pos.min() < -(2**31) or pos.max() >= 2**31):
-        raise InvalidRequestError("positions out of int32 range")
-    pos = pos.astype(_I32, copy=False)
-    if freqs is None:
-        freqs = rope_freqs(n_rot, freq_base, freq_scale)
-    else:
-        freqs = _f32_array(freqs, "freqs", (1,))
-        if freqs.shape[0] != half:
-            raise InvalidRequestError(f"freqs must have n_rot/2 = {half} elements, got {freqs.shape[0]}")
-    if nt:
-        _check_rc(lib.mr_rope(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
-                              ffi.from_buffer("int[]", pos), ffi.from_buffer("float[]", freqs), int(bool(neox)),
-                              _isa_id(isa)), "rope")
+    cos = _f32_array(cos, "cos", (2,))
+    sin = _f32_array(sin, "sin", (2,))
+    if cos.shape != (nt, half) or sin.shape != (nt, half):
+        raise InvalidRequestError(f"cos/sin must have shape {(nt, half)}, got {cos.shape} and {sin.shape}")
+    _check_rc(lib.mr_rope_cs(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
+                             ffi.from_buffer("float[]", cos), ffi.from_buffer("float[]", sin), int(bool(neox)),
+                             _isa_id(isa)), "rope")
     return x
 
 
@@ -1245,7 +1215,8 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
     return out
 
 
-def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = None,
+            isa: str | None = None) -> np.ndarray:
     """``act(g) * u`` elementwise (act: "silu" or "gelu_tanh"); ``out`` may be ``g`` (in place)."""
     ffi, lib = _lib()
     if act not in _ACTS:
@@ -1260,7 +1231,8 @@ def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = Non
         _out_array(out, g.shape)
     if g.size:
         _check_rc(lib.mr_act_mul(ffi.from_buffer("float[]", g), ffi.from_buffer("float[]", u),
-                                 ffi.from_buffer("float[]", out, require_writable=True), g.size, _ACTS[act], _isa_id(isa)),
+                                 ffi.from_buffer("float[]", out, require_writable=True), g.size, _ACTS[act],
+                                 _isa_id(isa)),
                   "act_mul")
     return out
 
@@ -1328,16 +1300,44 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p
     vb = v_cache.view(np.uint16) if f16 else v_cache
     _check_rc(lib.mr_attention_prefill(ffi.from_buffer("float[]", q), n, n_head, hd, ffi.from_buffer(ctype, kb),
                                        ffi.from_buffer(ctype, vb), int(f16), n_kv, n_ctx, int(p0), float(scale),
-                                       int(window), float(softcap), ffi.from_buffer("float[]", out, require_writable=True),
+                                       int(window), float(softcap), ffi.from_buffer("float[]", out,
+                                                                                    require_writable=True),
                                        _threads_arg(threads), _isa_id(isa)), "attention_prefill")
     return out
+
+
+
+def read_bandwidth(buf: np.ndarray, threads: int | None = None, reps: int = 5,
+                   isa: str | None = None) -> tuple[float, int]:
+    """Streaming-read probe of memory bandwidth: reads every byte of ``buf`` (C-contiguous, nbytes a
+    multiple of 8) ``reps`` times on the thread pool with the ISA's widest integer adds.
+
+    Returns (fastest pass in seconds, wrapping uint64 sum of the buffer's 64-bit words): the sum is
+    what ``buf.view(np.uint64).sum(dtype=np.uint64)`` gives, proof that every byte was read."""
+    ffi, lib = _lib()
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+        raise InvalidRequestError("read_bandwidth: buf must be a C-contiguous numpy array")
+    if buf.nbytes == 0 or buf.nbytes % 8:
+        raise InvalidRequestError(f"read_bandwidth: buf.nbytes must be a positive multiple of 8, got {buf.nbytes}")
+    if isinstance(reps, bool) or not isinstance(reps, (int, np.integer)) or reps < 1:
+        raise InvalidRequestError(f"reps must be a positive integer, got {reps!r}")
+    if not hasattr(lib, "mr_read_bandwidth"):  # an extension built before the probe existed
+        raise BackendError(f"native read_bandwidth: {_build_path} predates it; reinstall minirt to rebuild")
+    out = ffi.new("unsigned long long *")
+    ns = lib.mr_read_bandwidth(ffi.from_buffer("char[]", buf.reshape(-1).view(np.uint8)), buf.nbytes,
+                               _threads_arg(threads), int(reps), _isa_id(isa), out)
+    if ns < 0:
+        _check_rc(int(ns), "read_bandwidth")
+    return ns * 1e-9, int(out[0])
 
 
 __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
     "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
     "LayerStack",
-    "dequantize", "rmsnorm", "rope", "rope_freqs", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul", "profile",
+    "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul",
+    "profile",
+    "read_bandwidth",
     "QTYPES",
     "ISA_NAMES",
 ]

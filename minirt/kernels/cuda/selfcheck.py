@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-
 from numba import cuda
 
 from .quant import SUPPORTED_TYPES, TYPE_SIZES
