@@ -16,8 +16,9 @@ Shapes: ``T`` tokens, ``d`` = n_embd, ``H`` / ``Hkv`` query / KV heads, ``Dk`` /
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ class Linear:
         self.backend_data: Any = None  # a backend may cache a repacked/uploaded copy here
         self.parent: tuple[str, int] | None = None  # (tensor name, first row) of a row view
 
-    def rows(self, r0: int, r1: int, suffix: str) -> "Linear":
+    def rows(self, r0: int, r1: int, suffix: str) -> Linear:
         """Rows ``r0:r1`` as a Linear of their own (zero-copy), named ``<name>[suffix]``."""
         if not 0 <= r0 < r1 <= self.out_features:
             raise GGUFError(f"tensor {self.name!r}: rows {r0}:{r1} outside its {self.out_features} rows")
@@ -78,7 +79,7 @@ class Linear:
         out.parent = (self.name, r0) if self.parent is None else (self.parent[0], self.parent[1] + r0)
         return out
 
-    def split(self, sizes: Sequence[int], names: Sequence[str]) -> list["Linear"]:
+    def split(self, sizes: Sequence[int], names: Sequence[str]) -> list[Linear]:
         """Consecutive row blocks of the given sizes (a fused tensor's parts)."""
         if sum(sizes) != self.out_features:
             want = " + ".join(map(str, sizes))

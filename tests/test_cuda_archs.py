@@ -206,7 +206,9 @@ def test_shrunk_file_keeps_metadata_and_tensor_names(arch, rope_dim, q_norm, tmp
     dst = tmp_path / "small.gguf"
     shrink_gguf(src, dst)
     a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
-    keys = lambda r: {k for k in r.fields if not k.startswith("GGUF.")}
+    def keys(r):
+        return {k for k in r.fields if not k.startswith("GGUF.")}
+
     assert keys(a) == keys(b)
     assert b.fields["tokenizer.ggml.tokens"].contents() == a.fields["tokenizer.ggml.tokens"].contents()
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]

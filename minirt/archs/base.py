@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,8 @@ def meta_layers(f: GGUFFile, key: str, n_layer: int, default: Any = None) -> lis
         return [int(x) for x in v]
     if isinstance(v, (bool, np.bool_, int, np.integer)):
         return [int(v)] * n_layer
-    raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, got {_show(v)}")
+    raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
+                    f"got {_show(v)}")
 
 
 def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, required: bool = False) -> int:
@@ -94,10 +96,12 @@ def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, require
             raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
                             f"got {_show(v)}")
         if len(set(v.tolist())) != 1:
-            raise UnsupportedArchitectureError(f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
+            raise UnsupportedArchitectureError(
+                f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
         v = int(v[0])
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 1 <= int(v) <= MAX_DIM:
-        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], got {_show(v)}")
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], "
+                        f"got {_show(v)}")
     return int(v)
 
 

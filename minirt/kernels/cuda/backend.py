@@ -32,16 +32,16 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
-
 from numba import cuda
 
+from ...errors import BackendError
 from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
-from ...errors import BackendError
 from . import simulator_active
 from .kernels import LaunchConfig, get_kernels
 from .quant import SUPPORTED_TYPES, TYPE_SIZES
@@ -197,9 +197,9 @@ class CudaBackend(Backend):
         self._dummy_bias = cuda.to_device(np.zeros(1, np.float32))
         self.weights: dict[str, DeviceWeight] = {}
         self._vectors: dict[int, tuple[np.ndarray, Any]] = {}  # id(host array) → (array, device copy)
-        self._plans: "weakref.WeakKeyDictionary[Any, _Plan | None]" = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[Any, _Plan | None] = weakref.WeakKeyDictionary()
         self._bufs: dict[str, _Buffers] = {}
-        self._mirrors: "weakref.WeakKeyDictionary[Any, _Mirror]" = weakref.WeakKeyDictionary()
+        self._mirrors: weakref.WeakKeyDictionary[Any, _Mirror] = weakref.WeakKeyDictionary()
         self._clock = 0
         self._wtmp = None
         self._arange = None
