@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence as Seq
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from .archs.base import Segment, Transformer
 from .errors import ContextOverflowError, InvalidRequestError
 from .kv_cache import KVCache
 from .sampling import Sampled, Sampler, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .grammar import Matcher, MaskWorker
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +137,7 @@ class Sequence:
                  ignore_eos: bool = False, context_overflow: str = "stop", n_keep: int = 0,
                  cancel: threading.Event | None = None, sink: EventSink | None = None,
                  progress: ProgressFn | None = None, trace: Trace | None = None,
-                 n_reused: int = 0) -> None:
+                 n_reused: int = 0, matcher: "Matcher | None" = None) -> None:
         if context_overflow not in ("stop", "shift"):
             raise InvalidRequestError(f"context_overflow must be 'stop' or 'shift', got {context_overflow!r}")
         self.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
@@ -152,6 +155,7 @@ class Sequence:
         self.sink = sink
         self.progress = progress
         self.trace = trace
+        self.matcher = matcher  # grammar state (constrained sampling), None when unconstrained
         self.n_prefilled = n_reused  # prompt positions already in the cache (shared prefix)
         self.n_reused = n_reused
         self.generated: list[int] = []
@@ -293,6 +297,20 @@ class Engine:
             raise InvalidRequestError(f"n_batch must be positive, got {n_batch}")
         self.model = model
         self.n_batch = n_batch
+        self._masks: "MaskWorker | None" = None
+
+    @property
+    def masks(self) -> "MaskWorker":
+        """The thread that computes grammar masks while forward passes run (started on first use)."""
+        if self._masks is None:
+            from .grammar import MaskWorker
+
+            self._masks = MaskWorker()
+        return self._masks
+
+    def close(self) -> None:
+        if self._masks is not None:
+            self._masks.close()
 
     def step(self, seqs: Iterable[Sequence], prefill_budget: int | None = None) -> None:
         """One forward pass over every unfinished sequence in ``seqs``.
@@ -331,8 +349,15 @@ class Engine:
         if not batch:
             return
         ids = np.concatenate(tokens)
-        for (s, seg, _), t in zip(batch, tokens):
+        for (s, seg, samples), t in zip(batch, tokens):
             s.cache.tokens[s.cache.n_past:s.cache.n_past + len(t)] = t
+            if samples and s.matcher is not None:
+                # the grammar takes the token being fed and computes the next mask during the pass
+                try:
+                    s.matcher.advance(None if s.in_prefill else int(t[0]), self.masks)
+                except Exception as e:
+                    s.error = e
+                    s.finish("cancelled", notify=False)
         t0 = time.perf_counter()
         logits = self.model.forward(ids, [seg for _, seg, _ in batch])
         t_fwd = time.perf_counter() - t0
@@ -360,7 +385,8 @@ class Engine:
                 continue
             t1 = time.perf_counter()
             try:
-                sampled = s.sampler.sample(lg, s.cache.token_ids())
+                allowed = s.matcher.allowed() if s.matcher is not None else None
+                sampled = s.sampler.sample(lg, s.cache.token_ids(), allowed)
                 s.accept(sampled, time.perf_counter() - t1)
             except Exception as e:  # one request's failure (e.g. every token banned) ends only that request
                 s.error = e

@@ -27,10 +27,12 @@ from . import registry
 from .archs.base import Segment, build
 from .errors import BackendError, InvalidRequestError, ModelClosedError, TokenizerError
 from .generate import (Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop)
+from .grammar import options as grammar_options
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .grammar import Constraint
     from .scheduler import EventStream, Scheduler
 
 log = logging.getLogger(__name__)
@@ -212,6 +214,7 @@ class Model:
             self._sched_lock = threading.Lock()
             self._sched_opts: dict[str, Any] = {}
             self._fingerprint: str | None = None
+            self._grammar_engine: Any = None
         except BaseException:
             self.file.close()
             raise
@@ -355,8 +358,10 @@ class Model:
             raise InvalidRequestError("on_token must be callable")
         if progress is not None and not callable(progress):
             raise InvalidRequestError("progress must be callable (done, total)")
+        sampling = dict(sampling)
+        constraint = self._constraint(grammar_options(sampling))
         if trace is not None and not sampling.get("top_logprobs"):
-            sampling = {**sampling, "top_logprobs": 5}  # the explanation shows the top candidates
+            sampling["top_logprobs"] = 5  # the explanation shows the top candidates
         params = SamplingParams.from_kwargs(**sampling)
         sampler = Sampler(params, self.n_vocab)
         stops = validate_stop(stop)
@@ -371,9 +376,21 @@ class Model:
         seq = Sequence(ids, None, sampler, self.tokenizer.stream_decoder(continuation=True), self.tokenizer.eog_ids,
                        max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
                        context_overflow=context_overflow, n_keep=n_keep, cancel=cancel, sink=None,
-                       progress=progress, trace=trace)
+                       progress=progress, trace=trace,
+                       matcher=constraint.matcher() if constraint is not None else None)
         seq.user_sink = on_token  # type: ignore[attr-defined]
         return seq
+
+    def _constraint(self, opts: dict[str, Any]) -> "Constraint | None":
+        """The compiled grammar of a request's ``grammar`` / ``json_schema`` / ``response_format``."""
+        if not opts or all(v is None for v in opts.values()):
+            return None
+        from .grammar import GrammarEngine, compile_constraint
+
+        with self._sched_lock:
+            if self._grammar_engine is None:
+                self._grammar_engine = GrammarEngine(self.tokenizer, self.n_vocab)
+        return compile_constraint(self._grammar_engine, **opts)
 
     # -- the scheduler ---------------------------------------------------------------------------
     @property
@@ -475,7 +492,10 @@ class Model:
                  **sampling: Any) -> Completion:
         """Complete ``prompt`` (text, or token ids used as given). Sampling keywords: temperature,
         top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
-        penalty_last_n, logit_bias, seed, top_logprobs. ``on_token(ev)`` runs on this thread for each
+        penalty_last_n, logit_bias, seed, top_logprobs. Constrained output: ``grammar`` (llama.cpp
+        GBNF or Lark), ``json_schema`` (dict, JSON string or pydantic model) or ``response_format``
+        (OpenAI's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema": {...}}``,
+        or ``{"type": "regex", "regex": ...}``). ``on_token(ev)`` runs on this thread for each
         :class:`TokenEvent`; returning False stops (finish_reason "cancelled")."""
         tr = Trace() if trace else None
         ids = self._prompt_ids(prompt, add_special, tr)
@@ -780,6 +800,7 @@ class Model:
             if close is not None:
                 close()
             self.model = None  # type: ignore[assignment]  # drops every view of the mapping
+            self.engine.close()
             self.engine = None  # type: ignore[assignment]
             self.file.close()
 

@@ -140,16 +140,21 @@ class Sampler:
             x[ids] = v
         return x
 
-    def sample(self, logits: np.ndarray, history: np.ndarray | None = None) -> Sampled:
-        """Choose the next token from ``logits`` (V,) given the ids seen so far."""
+    def sample(self, logits: np.ndarray, history: np.ndarray | None = None,
+               allowed: np.ndarray | None = None) -> Sampled:
+        """Choose the next token from ``logits`` (V,) given the ids seen so far; ``allowed``: a
+        boolean mask (V,) of the tokens a grammar permits (the others are never drawn)."""
         p = self.params
         x = self.adjust(logits, history if history is not None else np.zeros(0, np.int64))
+        if allowed is not None:
+            x = np.where(allowed, x, np.float32(-np.inf)).astype(np.float32, copy=False)
         # the candidates top-k keeps (when few enough to rank in one pass) and the reported alternatives
         rank_top_k = p.temperature > 0.0 and 0 < p.top_k <= TOPK_MAX
         m, lse, ids, vals = logit_stats(x, max(1, p.top_logprobs, p.top_k if rank_top_k else 0))
         if not math.isfinite(m):
             # every token banned (or the model produced non-finite values): nothing sane to draw
-            raise InvalidRequestError("no token can be sampled: all logits are -inf or not finite")
+            raise InvalidRequestError("no token can be sampled: all logits are -inf or not finite"
+                                      + (" (or banned by the grammar)" if allowed is not None else ""))
         if p.temperature <= 0.0:
             tok = int(ids[0])  # argmax, the lowest id among equal logits
         else:
