@@ -37,9 +37,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-# Whitespace allowed between JSON tokens: bounded, so a small model cannot loop on newlines
-# forever while the schema waits for the next key (llama.cpp's json-schema-to-grammar bounds it too).
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+# Whitespace allowed between JSON tokens, as llama.cpp's json-schema-to-grammar allows it (nothing,
+# one space, or one or two newlines and an indent): bounded, so a small model cannot loop on
+# blank lines while the schema waits for the next key.
+JSON_WHITESPACE = r"(?: |\n\n?[ \t]{0,20})?"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
 
@@ -82,7 +83,28 @@ class _Vocab:
         self._tk = tk
 
     def __call__(self, s: bytes) -> list[int]:
-        return self._tk.encode(s.decode("utf-8", "replace"), add_special=False, parse_special=False)
+        ids = self._tk.encode(s.decode("utf-8", "replace"), add_special=False, parse_special=False)
+        if b"".join(self.tokens[i] for i in ids) == s:
+            return ids
+        # the tokenizer changed the bytes (SentencePiece's space prefix, invalid UTF-8): the engine
+        # needs tokens spelling exactly ``s`` (it forces them), so match the longest pieces instead
+        return self._greedy(s)
+
+    def _greedy(self, s: bytes) -> list[int]:
+        if not hasattr(self, "_by_piece"):
+            self._by_piece = {t: i for i, t in enumerate(self.tokens) if t and not t.startswith(b"\xff")}
+            self._longest = max(map(len, self._by_piece), default=1)
+        out, i = [], 0
+        while i < len(s):
+            for n in range(min(self._longest, len(s) - i), 0, -1):
+                tid = self._by_piece.get(s[i:i + n])
+                if tid is not None:
+                    out.append(tid)
+                    i += n
+                    break
+            else:
+                raise GrammarError(f"the vocabulary cannot spell byte {s[i]:#04x}")
+        return out
 
 
 class GrammarEngine:

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 from . import __version__
 from . import openai_format as fmt
-from .errors import (CapacityError, ContextOverflowError, InvalidRequestError, MinirtError, ModelClosedError,
-                     TemplateError, TokenizerError)
+from .errors import (CapacityError, ContextOverflowError, GrammarError, InvalidRequestError, MinirtError,
+                     ModelClosedError, TemplateError, TokenizerError)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generate import Completion, TokenEvent
@@ -87,6 +87,8 @@ def error_for(exc: BaseException) -> HTTPError:
         return HTTPError(503, str(exc), type="server_error", code="model_closed")
     if isinstance(exc, ContextOverflowError):
         return HTTPError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, GrammarError):
+        return HTTPError(400, str(exc), param="response_format", code="invalid_grammar")
     if isinstance(exc, (InvalidRequestError, TemplateError, TokenizerError)):
         return HTTPError(400, str(exc), code="invalid_value")
     return HTTPError(500, f"internal server error ({type(exc).__name__}); the request was not completed",
@@ -238,11 +240,26 @@ def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
     if tools:
         raise HTTPError(400, "tool and function calling are not supported by this server", param="tools",
                         code="unsupported_value")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise HTTPError(400, "only response_format {'type': 'text'} is supported", param="response_format",
-                        code="unsupported_value")
+    _parse_constraint(body, o)
     return req
+
+
+def _parse_constraint(body: dict[str, Any], o: dict[str, Any]) -> None:
+    """OpenAI's ``response_format`` and llama.cpp's ``grammar`` / ``json_schema`` fields (compiled,
+    and refused with 400 ``invalid_grammar`` when bad, by :func:`minirt.grammar.compile_constraint`)."""
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise HTTPError(400, "'response_format' must be an object with a 'type'", param="response_format",
+                            code="invalid_type")
+        if rf["type"] != "text":
+            o["response_format"] = rf
+    for name in ("grammar", "json_schema"):
+        v = body.get(name)
+        if v is not None:
+            if name == "grammar" and not isinstance(v, str):
+                raise HTTPError(400, "'grammar' must be a GBNF grammar string", param="grammar", code="invalid_type")
+            o[name] = v
 
 
 def _message_content(i: int, content: Any) -> str:
