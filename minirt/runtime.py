@@ -536,7 +536,7 @@ class Model:
              tools: list[dict[str, Any]] | None = None, trace: bool = False, **kw: Any) -> Completion:
         """Answer a conversation: the chat template renders ``messages``, then :meth:`generate`."""
         tr = Trace() if trace else None
-        ids = self._chat_prompt(messages, tools, tr)
+        ids = self._chat_prompt(messages, tools, tr, kw.pop("chat_template_kwargs", None))
         seq_kw = {k: kw.pop(k) for k in ("stop", "ignore_eos", "on_token", "cancel", "progress",
                                          "context_overflow", "n_keep") if k in kw}
         seq = self._sequence(ids, max_tokens=max_tokens, stop=seq_kw.get("stop"),
@@ -546,9 +546,17 @@ class Model:
                              sampling=kw)
         return self._run(seq)
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None) -> list[int]:
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
+                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Render and tokenize a conversation; ``template_kwargs`` (``chat_template_kwargs``, e.g.
+        ``enable_thinking``, ``reasoning_effort``) are variables the template reads."""
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise InvalidRequestError("chat_template_kwargs must be a dict of template variables")
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(template_kwargs or ())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
         t0 = time.perf_counter()
-        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **(template_kwargs or {}))
         t1 = time.perf_counter()
         ids = self._chat_ids(text)
         if trace is not None:
@@ -562,7 +570,7 @@ class Model:
                     tools: list[dict[str, Any]] | None = None, **kw: Any) -> Iterator[TokenEvent]:
         """:meth:`chat` as an iterator of :class:`TokenEvent`."""
         trace = Trace() if kw.pop("trace", False) else None
-        ids = self._chat_prompt(messages, tools, trace)
+        ids = self._chat_prompt(messages, tools, trace, kw.pop("chat_template_kwargs", None))
         return self._stream_ids(ids, max_tokens, trace, kw)
 
     # -- background and async ----------------------------------------------------------------------
@@ -586,7 +594,7 @@ class Model:
         # build the sequence now so bad arguments raise here, on the caller's thread
         if messages is not None:
             trace = Trace() if kw.pop("trace", False) else None
-            ids = self._chat_prompt(messages, kw.pop("tools", None), trace)
+            ids = self._chat_prompt(messages, kw.pop("tools", None), trace, kw.pop("chat_template_kwargs", None))
         else:
             trace = Trace() if kw.pop("trace", False) else None
             ids = self._prompt_ids(prompt, kw.pop("add_special", None), trace)  # type: ignore[arg-type]

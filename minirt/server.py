@@ -171,6 +171,7 @@ class ParsedRequest:
     want_logprobs: bool = False
     max_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # stop, ignore_eos and sampling keywords
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
@@ -262,23 +263,58 @@ def _parse_constraint(body: dict[str, Any], o: dict[str, Any]) -> None:
             o[name] = v
 
 
-def _message_content(i: int, content: Any) -> str:
+def _message_content(i: int, content: Any) -> str | list[dict[str, str]] | None:
     if content is None or isinstance(content, str):
-        return content or ""
+        return content
     if isinstance(content, list):
         parts = []
         for part in content:
             if isinstance(part, str):
-                parts.append(part)
+                parts.append({"type": "text", "text": part})
             elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise HTTPError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
                                 param=f"messages[{i}].content", code="unsupported_value")
-        return "".join(parts)
+        return parts  # the chat template joins them or reads the parts (minirt.chat.ChatTemplate.prepare)
     raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
                     param=f"messages[{i}].content", code="invalid_type")
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (OpenAI shape), validated."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise HTTPError(400, f"{where} must be a list", param=where, code="invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", ""), (str, dict)):
+            raise HTTPError(400, f"{where}[{j}] must be {{'type': 'function', 'function': {{'name': str, "
+                                 "'arguments': str}}}}", param=where, code="invalid_value")
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ``chat_template_kwargs`` (and OpenAI's ``reasoning_effort``) for the template."""
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and not isinstance(kw, dict):
+        raise HTTPError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
+                        code="invalid_type")
+    kw = dict(kw or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("minimal", "low", "medium", "high"):
+            raise HTTPError(400, f"'reasoning_effort' must be minimal, low, medium or high, got {effort!r}",
+                            param="reasoning_effort", code="invalid_value")
+        kw.setdefault("reasoning_effort", effort)
+    return kw
 
 
 def parse_chat(body: dict[str, Any], model: str) -> ParsedRequest:
@@ -297,10 +333,16 @@ def parse_chat(body: dict[str, Any], model: str) -> ParsedRequest:
             raise HTTPError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}",
                             param=f"messages[{i}].role", code="invalid_value")
         msg = {"role": "system" if role == "developer" else role, "content": _message_content(i, m.get("content"))}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        if msg["content"] is None and not m.get("tool_calls"):
+            msg["content"] = ""
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
         out.append(msg)
     req.messages = out
+    req.template_kwargs = _template_kwargs(body)
     lp = _opt_bool(body, "logprobs")
     top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not lp:
@@ -623,7 +665,7 @@ def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
     not stall the event loop). Returns the handle and the echo prefix."""
     echo = ""
     if req.kind == "chat":
-        ids = llm._chat_prompt(req.messages or [], None, None)
+        ids = llm._chat_prompt(req.messages or [], None, None, req.template_kwargs)
     elif isinstance(req.prompt, str):
         ids = llm.tokenize(req.prompt)
         echo = req.prompt if req.echo else ""
