@@ -61,6 +61,10 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     trace: "Trace | None" = None
+    # chat outputs parsed for tools (and reasoning): the answer without the calls, the calls
+    # (minirt.tools.ToolCall); None when the request had no tools
+    content: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 @dataclass
@@ -156,6 +160,7 @@ class Sequence:
         self.progress = progress
         self.trace = trace
         self.matcher = matcher  # grammar state (constrained sampling), None when unconstrained
+        self.parser: Any = None  # a chat's output parser (minirt.tools.ToolPlan): content / tool calls
         self.n_prefilled = n_reused  # prompt positions already in the cache (shared prefix)
         self.n_reused = n_reused
         self.generated: list[int] = []
@@ -275,7 +280,7 @@ class Sequence:
             "prompt_s": prefill_s,
             "total_s": end - self.t_start,
         }
-        return Completion(
+        c = Completion(
             text="".join(self.text_parts),
             token_ids=list(self.generated),
             finish_reason=self.finish_reason or "cancelled",
@@ -287,6 +292,9 @@ class Sequence:
             top_logprobs=list(self.top_logprobs),
             trace=self.trace,
         )
+        if self.parser is not None:
+            c.content, c.tool_calls = self.parser.parse(c.text)
+        return c
 
 
 class Engine:

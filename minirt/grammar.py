@@ -52,23 +52,34 @@ def _llg() -> Any:
     return llguidance
 
 
+def _is_special_piece(attr: int, piece: bytes) -> bool:
+    """Whether the grammar engine sees a token as special (never text): control tokens, and
+    user-defined ones written like markup (<tool_call>), as llama.cpp's llguidance glue decides."""
+    from .tokenizer import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED
+
+    return bool(attr & (ATTR_CONTROL | ATTR_UNKNOWN)) or bool(
+        attr & ATTR_USER_DEFINED and piece.startswith(b"<") and piece.endswith(b">") and len(piece) > 2)
+
+
+def lark_marker(tk: "Tokenizer", text: str) -> str:
+    """``text`` as a Lark grammar must name it: the special token it is, or a quoted string."""
+    tid = tk.token_to_id(text)
+    if tid is not None and _is_special_piece(tk.token_attr(tid), tk.token_to_piece(tid)):
+        return f"<[{tid}]>"
+    return json.dumps(text)
+
+
 class _Vocab:
     """What ``llguidance.TokenizerWrapper`` reads: token bytes, EOS, special ids, and encoding."""
 
     def __init__(self, tk: "Tokenizer", n_vocab: int) -> None:
-        from .tokenizer import ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_UNKNOWN
-
         tokens: list[bytes] = []
         special: list[int] = []
         for i in range(tk.n_vocab):
             piece = tk.token_to_piece(i)
-            attr = tk.token_attr(i)
             # llguidance marks special tokens with a leading 0xFF byte (they never match text; a
-            # Lark grammar names them as <|im_end|>); user-defined tokens that look like markup
-            # (<tool_call>) are text in some vocabularies and special in others: like llama.cpp's
-            # llguidance glue, treat them as special only when they are written <...>
-            if attr & (ATTR_CONTROL | ATTR_UNKNOWN) or (
-                    attr & ATTR_USER_DEFINED and piece.startswith(b"<") and piece.endswith(b">") and len(piece) > 2):
+            # Lark grammar names them as <[id]>)
+            if _is_special_piece(tk.token_attr(i), piece):
                 tokens.append(b"\xff" + piece)
                 special.append(i)
             else:

@@ -83,10 +83,52 @@ def completion_chunks(model: Any, events: Iterator[TokenEvent], cid: str, create
             yield chunk(ev.text, ev.finish_reason, lp)
 
 
+def chat_message(c: Completion) -> tuple[dict[str, Any], str]:
+    """The assistant message of a chat completion and its finish_reason: with tools, the parsed
+    content and OpenAI ``tool_calls`` (finish_reason "tool_calls")."""
+    if c.tool_calls is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    msg: dict[str, Any] = {"role": "assistant", "content": c.content if c.content or not c.tool_calls else None}
+    if c.tool_calls:
+        msg["tool_calls"] = [t.to_openai() for t in c.tool_calls]
+        return msg, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+    return msg, c.finish_reason
+
+
+class ChatDeltas:
+    """Streamed chat deltas of one request: text deltas as ``content``, or — with a tool plan —
+    content and ``tool_calls`` deltas split by the plan's streaming parser."""
+
+    def __init__(self, plan: Any = None) -> None:
+        self.stream = plan.stream() if plan is not None else None
+        self.n_calls = 0
+
+    def _out(self, text: str, calls: list[Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"content": text}] if text else []
+        for c in calls:
+            out.append({"tool_calls": [c.to_openai(self.n_calls)]})
+            self.n_calls += 1
+        return out
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        """Deltas for a token's text."""
+        if self.stream is None:
+            return [{"content": delta}] if delta else []
+        return self._out(*self.stream.feed(delta))
+
+    def final(self, delta: str, finish: str) -> tuple[list[dict[str, Any]], str]:
+        """Deltas for the last event's text (and held-back text), and the finish_reason."""
+        if self.stream is None:
+            return ([{"content": delta}] if delta else []), finish
+        out = self._out(*self.stream.feed(delta)) + self._out(*self.stream.finish())
+        return out, "tool_calls" if self.n_calls and finish == "stop" else finish
+
+
 def chat_dict(model: Any, c: Completion, cid: str, created: int, want_logprobs: bool) -> dict[str, Any]:
     lp = None
     if want_logprobs:
         lp = {"content": chat_logprobs_content(model, c.token_ids, c.logprobs, c.top_logprobs or None)}
+    message, finish = chat_message(c)
     return {
         "id": cid,
         "object": "chat.completion",
@@ -94,30 +136,35 @@ def chat_dict(model: Any, c: Completion, cid: str, created: int, want_logprobs: 
         "model": model.name,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": lp,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish,
         }],
         "usage": _usage(c),
     }
 
 
 def chat_chunks(model: Any, events: Iterator[TokenEvent], cid: str, created: int,
-                want_logprobs: bool) -> Iterator[dict[str, Any]]:
+                want_logprobs: bool, plan: Any = None) -> Iterator[dict[str, Any]]:
     def chunk(delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model.name,
                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
+    deltas = ChatDeltas(plan)
     yield chunk({"role": "assistant", "content": ""}, None)
     for ev in events:
         if ev.finish_reason is not None:
-            if ev.text:
-                yield chunk({"content": ev.text}, None)
-            yield chunk({}, ev.finish_reason)
+            out, finish = deltas.final(ev.text, ev.finish_reason)
+            for d in out:
+                yield chunk(d, None)
+            yield chunk({}, finish)
             return
         lp = None
         if want_logprobs and ev.token_id is not None and ev.logprob is not None:
             lp = {"content": chat_logprobs_content(model, [ev.token_id], [ev.logprob],
                                                    [ev.top_logprobs or []])}
-        if ev.text or lp is not None:
-            yield chunk({"content": ev.text}, None, lp)
+        out = deltas.text(ev.text)
+        if lp is not None and not out:
+            out = [{"content": ""}]
+        for i, d in enumerate(out):
+            yield chunk(d, None, lp if i == 0 else None)

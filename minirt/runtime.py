@@ -33,6 +33,7 @@ from .sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from .grammar import Constraint
+    from .tools import ToolPlan
     from .scheduler import EventStream, Scheduler
 
 log = logging.getLogger(__name__)
@@ -482,6 +483,8 @@ class Model:
             c.text = "".join(e.text for e in delivered)
             c.finish_reason = "cancelled"
             c.usage.update(completion_tokens=n, total_tokens=c.usage["prompt_tokens"] + n)
+            if seq.parser is not None:
+                c.content, c.tool_calls = seq.parser.parse(c.text)
         return c
 
     def generate(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
@@ -515,14 +518,17 @@ class Model:
 
     def _stream_ids(self, ids: list[int], max_tokens: int | None, trace: Trace | None,
                     kw: dict[str, Any]) -> Iterator[TokenEvent]:
+        return self._stream_seq(self._stream_sequence(ids, max_tokens, trace, kw))
+
+    def _stream_sequence(self, ids: list[int], max_tokens: int | None, trace: Trace | None,
+                         kw: dict[str, Any]) -> Sequence:
         opts = {k: kw.pop(k) for k in ("stop", "ignore_eos", "cancel", "progress", "context_overflow", "n_keep")
                 if k in kw}
-        seq = self._sequence(ids, max_tokens=max_tokens, stop=opts.get("stop"),
-                             ignore_eos=opts.get("ignore_eos", False), on_token=None,
-                             cancel=opts.get("cancel"), progress=opts.get("progress"), trace=trace,
-                             context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
-                             sampling=kw)
-        return self._stream_seq(seq)
+        return self._sequence(ids, max_tokens=max_tokens, stop=opts.get("stop"),
+                              ignore_eos=opts.get("ignore_eos", False), on_token=None,
+                              cancel=opts.get("cancel"), progress=opts.get("progress"), trace=trace,
+                              context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
+                              sampling=kw)
 
     def _stream_seq(self, seq: Sequence) -> Iterator[TokenEvent]:
         stream = self._submit(seq)
@@ -536,7 +542,7 @@ class Model:
              tools: list[dict[str, Any]] | None = None, trace: bool = False, **kw: Any) -> Completion:
         """Answer a conversation: the chat template renders ``messages``, then :meth:`generate`."""
         tr = Trace() if trace else None
-        ids = self._chat_prompt(messages, tools, tr, kw.pop("chat_template_kwargs", None))
+        ids, plan = self._chat_request(messages, tools, tr, kw)
         seq_kw = {k: kw.pop(k) for k in ("stop", "ignore_eos", "on_token", "cancel", "progress",
                                          "context_overflow", "n_keep") if k in kw}
         seq = self._sequence(ids, max_tokens=max_tokens, stop=seq_kw.get("stop"),
@@ -544,7 +550,27 @@ class Model:
                              cancel=seq_kw.get("cancel"), progress=seq_kw.get("progress"), trace=tr,
                              context_overflow=seq_kw.get("context_overflow", "stop"), n_keep=seq_kw.get("n_keep"),
                              sampling=kw)
+        seq.parser = plan
         return self._run(seq)
+
+    def _chat_request(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
+                      kw: dict[str, Any]) -> tuple[list[int], "ToolPlan | None"]:
+        """Prompt ids and tool plan of a chat; pops ``tool_choice``, ``parallel_tool_calls`` and
+        ``chat_template_kwargs`` from ``kw`` and adds the grammar a forced tool call needs."""
+        from .grammar import lark_marker
+        from .tools import ToolPlan
+
+        plan = ToolPlan.build(tools, kw.pop("tool_choice", None), kw.pop("parallel_tool_calls", None),
+                              self.chat_template.source)
+        g = plan.grammar(lambda text: lark_marker(self.tokenizer, text)) if plan is not None else None
+        if g is not None:
+            if any(kw.get(k) is not None for k in ("grammar", "json_schema", "response_format")):
+                raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with "
+                                          "grammar, json_schema or response_format")
+            kw["grammar"] = g
+        ids = self._chat_prompt(messages, plan.render_tools if plan is not None else None, trace,
+                                kw.pop("chat_template_kwargs", None))
+        return ids, plan
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -569,9 +595,15 @@ class Model:
     def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
                     tools: list[dict[str, Any]] | None = None, **kw: Any) -> Iterator[TokenEvent]:
         """:meth:`chat` as an iterator of :class:`TokenEvent`."""
+        return self._stream_seq(self._chat_stream_seq(messages, max_tokens, tools, kw))
+
+    def _chat_stream_seq(self, messages: list[dict[str, Any]], max_tokens: int | None, tools: Any,
+                         kw: dict[str, Any]) -> Sequence:
         trace = Trace() if kw.pop("trace", False) else None
-        ids = self._chat_prompt(messages, tools, trace, kw.pop("chat_template_kwargs", None))
-        return self._stream_ids(ids, max_tokens, trace, kw)
+        ids, plan = self._chat_request(messages, tools, trace, kw)
+        seq = self._stream_sequence(ids, max_tokens, trace, kw)
+        seq.parser = plan
+        return seq
 
     # -- background and async ----------------------------------------------------------------------
     def submit(self, prompt: str | Seq[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
@@ -584,6 +616,7 @@ class Model:
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("submit() takes either a prompt or messages=")
         inline = kw.pop("_inline", False)  # private: see _submit_inline
+        parser = kw.pop("_parser", None)  # private: the server's tool plan for a prompt it rendered
         h = GenerationHandle()
         user_cancel = kw.pop("cancel", None)
         _check_cancel(user_cancel)
@@ -594,8 +627,9 @@ class Model:
         # build the sequence now so bad arguments raise here, on the caller's thread
         if messages is not None:
             trace = Trace() if kw.pop("trace", False) else None
-            ids = self._chat_prompt(messages, kw.pop("tools", None), trace, kw.pop("chat_template_kwargs", None))
+            ids, plan = self._chat_request(messages, kw.pop("tools", None), trace, kw)
         else:
+            plan = parser
             trace = Trace() if kw.pop("trace", False) else None
             ids = self._prompt_ids(prompt, kw.pop("add_special", None), trace)  # type: ignore[arg-type]
         max_tokens = kw.pop("max_tokens", DEFAULT_MAX_TOKENS)
@@ -605,6 +639,7 @@ class Model:
                              progress=opts.get("progress"), trace=trace,
                              context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
                              sampling=kw)
+        seq.parser = plan
 
         if inline:
             self._submit_inline(seq, h)
@@ -709,7 +744,8 @@ class Model:
             kw["top_logprobs"] = _count("top_logprobs", top_logprobs or 0, 20) or 1
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
         if stream:
-            return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created, logprobs)
+            seq = self._chat_stream_seq(messages, max_tokens, tools, kw)
+            return fmt.chat_chunks(self, self._stream_seq(seq), cid, created, logprobs, seq.parser)
         c = self.chat(messages, max_tokens, tools=tools, **kw)
         return fmt.chat_dict(self, c, cid, created, logprobs)
 

@@ -172,6 +172,8 @@ class ParsedRequest:
     max_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # stop, ignore_eos and sampling keywords
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    tool_options: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls
+    plan: Any = None  # minirt.tools.ToolPlan, set when the prompt is rendered
 
 
 def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
@@ -237,10 +239,11 @@ def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
             clean[tid] = float(v)
         if clean:
             o["logit_bias"] = clean
-    tools = body.get("tools") or body.get("functions")
-    if tools:
-        raise HTTPError(400, "tool and function calling are not supported by this server", param="tools",
-                        code="unsupported_value")
+    if body.get("functions") or body.get("function_call"):
+        raise HTTPError(400, "the deprecated 'functions' / 'function_call' are not supported; use 'tools'",
+                        param="functions", code="unsupported_value")
+    if kind != "chat" and body.get("tools"):
+        raise HTTPError(400, "'tools' are only for chat completions", param="tools", code="unsupported_value")
     _parse_constraint(body, o)
     return req
 
@@ -301,6 +304,23 @@ def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _parse_tools(body: dict[str, Any], req: ParsedRequest) -> None:
+    """OpenAI ``tools``, ``tool_choice``, ``parallel_tool_calls`` (validated by minirt.tools)."""
+    from .tools import validate_tool_choice, validate_tools
+
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            req.tool_options[name] = body[name]
+    try:
+        validate_tool_choice(body.get("tool_choice"), validate_tools(body.get("tools")))
+    except InvalidRequestError as e:
+        param = "tool_choice" if "tool_choice" in str(e) else "tools"
+        raise HTTPError(400, str(e), param=param, code="invalid_value") from None
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise HTTPError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls",
+                        code="invalid_type")
+
+
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's ``chat_template_kwargs`` (and OpenAI's ``reasoning_effort``) for the template."""
     kw = body.get("chat_template_kwargs")
@@ -343,6 +363,7 @@ def parse_chat(body: dict[str, Any], model: str) -> ParsedRequest:
         out.append(msg)
     req.messages = out
     req.template_kwargs = _template_kwargs(body)
+    _parse_tools(body, req)
     lp = _opt_bool(body, "logprobs")
     top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not lp:
@@ -401,6 +422,7 @@ class _ChunkMaker:
         self.llm, self.req, self.cid, self.created = llm, req, cid, created
         self.offset = 0
         self.started = False
+        self.deltas: Any = None  # fmt.ChatDeltas once the first chat event arrives
 
     def _base(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
@@ -433,16 +455,19 @@ class _ChunkMaker:
         llm, want = self.llm, self.req.want_logprobs
         has_lp = want and ev.token_id is not None and ev.logprob is not None
         if self.req.kind == "chat":
+            if self.deltas is None:
+                self.deltas = fmt.ChatDeltas(self.req.plan)
             if ev.finish_reason is not None:
-                out = [self._chat({"content": ev.text}, None)] if ev.text else []
-                return out + [self._chat({}, ev.finish_reason)]
-            if not ev.text and not has_lp:
+                deltas, finish = self.deltas.final(ev.text, ev.finish_reason)
+                return [self._chat(d, None) for d in deltas] + [self._chat({}, finish)]
+            deltas = self.deltas.text(ev.text)
+            if not deltas and not has_lp:
                 return []
             lp = None
             if has_lp:
                 lp = _clean({"content": fmt.chat_logprobs_content(llm, [ev.token_id], [ev.logprob],
                                                                   [ev.top_logprobs or []])})
-            return [self._chat({"content": ev.text}, None, lp)]
+            return [self._chat(d, None, lp if i == 0 else None) for i, d in enumerate(deltas or [{"content": ""}])]
         lp = None
         if has_lp:
             piece = fmt._piece(llm, ev.token_id)
@@ -665,7 +690,9 @@ def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
     not stall the event loop). Returns the handle and the echo prefix."""
     echo = ""
     if req.kind == "chat":
-        ids = llm._chat_prompt(req.messages or [], None, None, req.template_kwargs)
+        opts = dict(req.tool_options, chat_template_kwargs=req.template_kwargs, **req.options)
+        ids, req.plan = llm._chat_request(req.messages or [], opts.pop("tools", None), None, opts)
+        req.options = opts
     elif isinstance(req.prompt, str):
         ids = llm.tokenize(req.prompt)
         echo = req.prompt if req.echo else ""
@@ -691,7 +718,8 @@ def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
                         param="max_tokens", code="kv_budget_exceeded")
     try:
         # a streaming request's on_token posts to the event loop: deliver it from the scheduler thread
-        h = llm.submit(ids, on_token=on_token, max_tokens=max_tokens, _inline=on_token is not None, **req.options)
+        h = llm.submit(ids, on_token=on_token, max_tokens=max_tokens, _inline=on_token is not None,
+                       _parser=req.plan, **req.options)
     except ContextOverflowError as e:
         raise HTTPError(400, str(e), param="messages" if req.kind == "chat" else "prompt",
                         code="context_length_exceeded") from e

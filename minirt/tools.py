@@ -472,8 +472,9 @@ class ToolStream:
     ``(content delta, newly completed calls)``. Text that may open a call is held back until it
     is known; once a call has started, the rest of the output is parsed as the calls section."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, names: set[str] | None = None) -> None:
         self.fmt = FORMATS[fmt]
+        self.names = names  # tools a bare JSON answer may call (see bare_calls)
         self.text = ""
         self.sent = 0  # characters of content already emitted
         self.in_calls = False
@@ -510,6 +511,16 @@ class ToolStream:
         return self._step(final=True)
 
     def _step(self, final: bool) -> tuple[str, list[ToolCall]]:
+        if self.names and self.sent == 0 and not self.in_calls:
+            head = self.text.lstrip()
+            if head.startswith(("{", "[{")) or "```json".startswith(head[:7]) or head.startswith("```json"):
+                if not final:
+                    return "", []  # may be a bare call: decided at the end
+                calls = bare_calls(self.text, self.names)
+                if calls:
+                    self.n_calls = len(calls)
+                    self.sent = len(self.text)
+                    return "", calls
         if self.fmt.name in ("functionary-v3.2", "gpt-oss", "command-r7b"):
             return self._reparse(final)  # content and calls interleave: parse the whole text each time
         if not self.in_calls:
@@ -594,10 +605,16 @@ def validate_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str
     return {"type": "function", "function": {"name": name}}
 
 
+def _ws(schema: dict[str, Any]) -> dict[str, Any]:
+    from .grammar import JSON_OPTIONS  # the bounded whitespace of every JSON grammar
+
+    return {**schema, "x-guidance": dict(JSON_OPTIONS)}
+
+
 def _call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
-    return {"oneOf": [{"type": "object", "properties": {
+    return _ws({"oneOf": [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]}, args_key: t["function"]["parameters"]},
-        "required": ["name", args_key], "additionalProperties": False} for t in tools]}
+        "required": ["name", args_key], "additionalProperties": False} for t in tools]})
 
 
 def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special: Callable[[str], str]) -> str:
@@ -608,12 +625,12 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
         one = f'{special("<tool_call>")} "\\n" call "\\n" {special("</tool_call>")}'
         body, args_key = (f'{one} ("\\n" {one})*' if parallel else one), "arguments"
     elif fmt == "mistral":
-        arr = {"type": "array", "items": _call_schema(tools), "minItems": 1}
+        arr = _ws({"type": "array", "items": _call_schema(tools), "minItems": 1})
         if not parallel:
             arr["maxItems"] = 1
         return f"start: {special('[TOOL_CALLS]')} calls\ncalls: %json {json.dumps(arr)}\n"
     elif fmt == "granite":
-        arr = {"type": "array", "items": _call_schema(tools), "minItems": 1}
+        arr = _ws({"type": "array", "items": _call_schema(tools), "minItems": 1})
         if not parallel:
             arr["maxItems"] = 1
         return f"start: {special('<|tool_call|>')} calls\ncalls: %json {json.dumps(arr)}\n"
@@ -621,9 +638,80 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
         body, args_key = ('call ("; " call)*' if parallel else "call"), "parameters"
     elif fmt == "functionary-v3.1":
         alts = " | ".join(f'"<function={t["function"]["name"]}>" args{i} "</function>"' for i, t in enumerate(tools))
-        rules = "".join(f"args{i}: %json {json.dumps(t['function']['parameters'])}\n" for i, t in enumerate(tools))
+        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n" for i, t in enumerate(tools))
         return f"start: one{'+' if parallel else ''}\none: {alts}\n{rules}"
     else:
         raise InvalidRequestError(f"tool_choice 'required' or a named function is not supported for the "
                                   f"{fmt} tool-call format")
     return f"start: {body}\ncall: %json {json.dumps(_call_schema(tools, args_key))}\n"
+
+
+@dataclass
+class ToolPlan:
+    """The tool options of one chat request: what the template shows, how the output is parsed,
+    and the grammar that forces a call (``tool_choice`` "required" or a named function)."""
+
+    tools: list[dict[str, Any]]
+    choice: str | dict[str, Any]
+    parallel: bool
+    fmt: str
+
+    @classmethod
+    def build(cls, tools: Any, choice: Any, parallel: Any, template_source: str) -> "ToolPlan | None":
+        """None when the request has no tools; raises InvalidRequestError naming a bad option."""
+        tl = validate_tools(tools)
+        ch = validate_tool_choice(choice, tl)
+        if parallel is not None and not isinstance(parallel, bool):
+            raise InvalidRequestError(f"parallel_tool_calls must be a boolean, got {parallel!r}")
+        if not tl:
+            return None
+        # several calls in one answer only when asked for: llama.cpp's default, and small models
+        # given the choice tend to repeat a call until max_tokens
+        return cls(tl, ch, bool(parallel), detect_format(template_source))
+
+    @property
+    def render_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the template shows the model (none when tool_choice is "none")."""
+        return None if self.choice == "none" else self.tools
+
+    @property
+    def forced(self) -> list[dict[str, Any]] | None:
+        """The tools one of which must be called, or None when the model may answer freely."""
+        if self.choice == "required":
+            return self.tools
+        if isinstance(self.choice, dict):
+            return [t for t in self.tools if t["function"]["name"] == self.choice["function"]["name"]]
+        return None
+
+    def grammar(self, special: Callable[[str], str]) -> str | None:
+        forced = self.forced
+        return None if forced is None else call_grammar(self.fmt, forced, self.parallel, special)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.choice == "none":
+            return text, []
+        content, calls = parse(text, self.fmt)
+        if not calls:
+            calls = bare_calls(text, {t["function"]["name"] for t in self.tools})
+            content = "" if calls else content
+        return (content if content.strip() else ""), calls if self.parallel else calls[:1]
+
+    def stream(self) -> "ToolStream | None":
+        if self.choice == "none":
+            return None
+        return ToolStream(self.fmt, {t["function"]["name"] for t in self.tools})
+
+
+def bare_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """Calls written without the format's markers: the whole answer one JSON object (or a list of
+    them), bare or in a ```json fence, naming a given tool. Small models (Qwen2.5-Coder 0.5B)
+    answer tool requests this way."""
+    body = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", text)
+    try:
+        obj, end = _json_at(body, 0)
+    except (json.JSONDecodeError, IndexError):
+        return []
+    if body[end:].strip():
+        return []
+    calls = [_obj_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+    return [c for c in calls if c is not None] if all(c is not None and c.name in names for c in calls) else []
