@@ -46,6 +46,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     index: int = 0  # position among generated tokens
+    part: str = "content"  # "reasoning" while a thinking model thinks (chat), else "content"
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Completion:
     # (minirt.tools.ToolCall); None when the request had no tools
     content: str | None = None
     tool_calls: list[Any] | None = None
+    reasoning: str | None = None  # the thinking part (reasoning_content), None when the model has none
 
 
 @dataclass
@@ -160,7 +162,10 @@ class Sequence:
         self.progress = progress
         self.trace = trace
         self.matcher = matcher  # grammar state (constrained sampling), None when unconstrained
-        self.parser: Any = None  # a chat's output parser (minirt.tools.ToolPlan): content / tool calls
+        self.parser: Any = None  # a chat's output parser (minirt.reasoning.ChatParser)
+        self.forced: list[int] = []  # tokens to emit instead of sampling (closing a thinking block)
+        self._split: Any = None  # where the output is: thinking or answering (minirt.reasoning.Splitter)
+        self.n_thinking = 0
         self.n_prefilled = n_reused  # prompt positions already in the cache (shared prefix)
         self.n_reused = n_reused
         self.generated: list[int] = []
@@ -246,6 +251,7 @@ class Sequence:
         t0 = time.perf_counter()
         delta = self.detok.push(tok)
         t_detok = time.perf_counter() - t0
+        part = self._part(delta)
         text, stopped = self.stops.feed(delta)
         if self.trace is not None:
             self.trace.add("sample", t_sample, token=len(self.generated) - 1)
@@ -254,16 +260,39 @@ class Sequence:
                                       "top": [(i, float(np.exp(lp))) for i, lp in s.top]})
         if stopped:
             if text:
-                self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1))
+                self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part))
             self.finish("stop", stop_hit=True)
             return
-        self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1))
+        self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part))
         if self.done:  # the callback asked to stop
             return
         if len(self.generated) >= self.max_tokens:
             self.finish("length")
             return
         self.pending_token = tok
+
+    def _part(self, delta: str) -> str:
+        """Which part of a chat answer the token belongs to; closes the thinking block when its
+        token budget (``thinking_budget``) is spent."""
+        p = self.parser
+        if p is None or p.fmt is None:
+            return "content"
+        if self._split is None:
+            from .reasoning import Splitter
+
+            self._split = Splitter(p.fmt, p.inside)
+        sp = self._split
+        was = sp.thinking
+        sp.feed(delta)
+        # text held back as a possible opening marker (the "<" of "<think>") counts as thinking
+        opening = not sp.seen_start and bool(sp.buf)
+        if not (was or sp.thinking or opening):
+            return "content"
+        self.n_thinking += 1
+        budget = getattr(p, "budget", None)
+        if budget is not None and self._split.thinking and self.n_thinking >= budget and not self.forced:
+            self.forced = list(p.end_ids)
+        return "reasoning"
 
     def completion(self) -> Completion:
         """The finished request as a :class:`Completion`."""
@@ -293,7 +322,7 @@ class Sequence:
             trace=self.trace,
         )
         if self.parser is not None:
-            c.content, c.tool_calls = self.parser.parse(c.text)
+            self.parser.apply(c)
         return c
 
 
@@ -393,8 +422,11 @@ class Engine:
                 continue
             t1 = time.perf_counter()
             try:
-                allowed = s.matcher.allowed() if s.matcher is not None else None
-                sampled = s.sampler.sample(lg, s.cache.token_ids(), allowed)
+                if s.forced:  # e.g. the end of a thinking block whose budget is spent
+                    sampled = Sampled(s.forced.pop(0), 0.0)
+                else:
+                    allowed = s.matcher.allowed() if s.matcher is not None else None
+                    sampled = s.sampler.sample(lg, s.cache.token_ids(), allowed)
                 s.accept(sampled, time.perf_counter() - t1)
             except Exception as e:  # one request's failure (e.g. every token banned) ends only that request
                 s.error = e

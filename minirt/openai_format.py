@@ -84,11 +84,14 @@ def completion_chunks(model: Any, events: Iterator[TokenEvent], cid: str, create
 
 
 def chat_message(c: Completion) -> tuple[dict[str, Any], str]:
-    """The assistant message of a chat completion and its finish_reason: with tools, the parsed
-    content and OpenAI ``tool_calls`` (finish_reason "tool_calls")."""
-    if c.tool_calls is None:
+    """The assistant message of a chat completion and its finish_reason: the parsed content,
+    ``reasoning_content`` and OpenAI ``tool_calls`` (finish_reason "tool_calls") when the chat
+    was parsed (a model that thinks, or a request with tools)."""
+    if c.content is None:
         return {"role": "assistant", "content": c.text}, c.finish_reason
     msg: dict[str, Any] = {"role": "assistant", "content": c.content if c.content or not c.tool_calls else None}
+    if c.reasoning:
+        msg["reasoning_content"] = c.reasoning
     if c.tool_calls:
         msg["tool_calls"] = [t.to_openai() for t in c.tool_calls]
         return msg, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
@@ -96,15 +99,18 @@ def chat_message(c: Completion) -> tuple[dict[str, Any], str]:
 
 
 class ChatDeltas:
-    """Streamed chat deltas of one request: text deltas as ``content``, or — with a tool plan —
-    content and ``tool_calls`` deltas split by the plan's streaming parser."""
+    """Streamed chat deltas of one request: text deltas as ``content``, or — with a chat parser
+    (:class:`minirt.reasoning.ChatParser`) — ``reasoning_content``, ``content`` and ``tool_calls``
+    deltas split by its streaming parser."""
 
-    def __init__(self, plan: Any = None) -> None:
-        self.stream = plan.stream() if plan is not None else None
+    def __init__(self, parser: Any = None) -> None:
+        self.stream = parser.stream() if parser is not None else None
         self.n_calls = 0
 
-    def _out(self, text: str, calls: list[Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [{"content": text}] if text else []
+    def _out(self, reasoning: str, text: str, calls: list[Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+        if text:
+            out.append({"content": text})
         for c in calls:
             out.append({"tool_calls": [c.to_openai(self.n_calls)]})
             self.n_calls += 1

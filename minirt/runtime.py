@@ -33,7 +33,7 @@ from .sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from .grammar import Constraint
-    from .tools import ToolPlan
+    from .reasoning import ChatParser
     from .scheduler import EventStream, Scheduler
 
 log = logging.getLogger(__name__)
@@ -484,7 +484,7 @@ class Model:
             c.finish_reason = "cancelled"
             c.usage.update(completion_tokens=n, total_tokens=c.usage["prompt_tokens"] + n)
             if seq.parser is not None:
-                c.content, c.tool_calls = seq.parser.parse(c.text)
+                seq.parser.apply(c)
         return c
 
     def generate(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
@@ -554,26 +554,37 @@ class Model:
         return self._run(seq)
 
     def _chat_request(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
-                      kw: dict[str, Any]) -> tuple[list[int], "ToolPlan | None"]:
-        """Prompt ids and tool plan of a chat; pops ``tool_choice``, ``parallel_tool_calls`` and
+                      kw: dict[str, Any]) -> tuple[list[int], "ChatParser | None"]:
+        """Prompt ids and output parser of a chat; pops ``tool_choice``, ``parallel_tool_calls`` and
         ``chat_template_kwargs`` from ``kw`` and adds the grammar a forced tool call needs."""
+        from . import reasoning
         from .grammar import lark_marker
         from .tools import ToolPlan
 
-        plan = ToolPlan.build(tools, kw.pop("tool_choice", None), kw.pop("parallel_tool_calls", None),
-                              self.chat_template.source)
+        src = self.chat_template.source
+        plan = ToolPlan.build(tools, kw.pop("tool_choice", None), kw.pop("parallel_tool_calls", None), src)
         g = plan.grammar(lambda text: lark_marker(self.tokenizer, text)) if plan is not None else None
         if g is not None:
             if any(kw.get(k) is not None for k in ("grammar", "json_schema", "response_format")):
                 raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with "
                                           "grammar, json_schema or response_format")
             kw["grammar"] = g
-        ids = self._chat_prompt(messages, plan.render_tools if plan is not None else None, trace,
-                                kw.pop("chat_template_kwargs", None))
-        return ids, plan
+        ids, text = self._chat_prompt(messages, plan.render_tools if plan is not None else None, trace,
+                                      kw.pop("chat_template_kwargs", None), with_text=True)
+        fmt = reasoning.detect_format(src)
+        budget = kw.pop("thinking_budget", None)
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise InvalidRequestError(f"thinking_budget must be a non-negative number of tokens, got {budget!r}")
+        if fmt is None and plan is None:
+            return ids, None
+        parser = reasoning.ChatParser(fmt, reasoning.starts_inside(fmt, text), plan)
+        if fmt is not None and budget is not None:
+            parser.budget = budget
+            parser.end_ids = self.tokenizer.encode(reasoning.end_marker(fmt), add_special=False, parse_special=True)
+        return ids, parser
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
-                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                     template_kwargs: dict[str, Any] | None = None, with_text: bool = False) -> Any:
         """Render and tokenize a conversation; ``template_kwargs`` (``chat_template_kwargs``, e.g.
         ``enable_thinking``, ``reasoning_effort``) are variables the template reads."""
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
@@ -590,7 +601,7 @@ class Model:
             trace.rendered = text
             trace.add("template", t1 - t0, chars=len(text))
             trace.add("tokenize", time.perf_counter() - t1, tokens=len(ids))
-        return ids
+        return (ids, text) if with_text else ids
 
     def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
                     tools: list[dict[str, Any]] | None = None, **kw: Any) -> Iterator[TokenEvent]:

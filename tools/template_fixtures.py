@@ -32,7 +32,8 @@ TEMPLATES = [
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use", "MiniMax-M1", "MiniMax-M2", "google-gemma-4-31B-it",
     "ibm-granite-granite-4.0", "ibm-granite-granite-3.3-2B-Instruct", "Reka-Edge", "Qwen-Qwen2.5-7B-Instruct",
     "Qwen-Qwen3-0.6B", "Qwen3-Coder", "meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.3-70B-Instruct",
-    "mistralai-Mistral-Nemo-Instruct-2407", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek-ai-DeepSeek-V3.1",
+    "mistralai-Mistral-Nemo-Instruct-2407", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "deepseek-ai-DeepSeek-V3.1",
     "meetkai-functionary-medium-v3.2", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "HuggingFaceTB-SmolLM3-3B",
     "moonshotai-Kimi-K2",
 ]
