@@ -110,3 +110,38 @@ def test_thinking_budget_closes_the_block(tiny_path):
         assert len(c.token_ids) == 30
         with pytest.raises(minirt.InvalidRequestError, match="thinking_budget"):
             llm.chat(msgs, max_tokens=3, thinking_budget=-1)
+
+
+def test_gui_controller_folds_thinking_away(tiny_path):
+    import queue
+
+    from minirt.gui import StreamController
+
+    class Ctl(StreamController):
+        def __init__(self, llm):
+            super().__init__(llm)
+            self.q, self.shown, self.folded = queue.SimpleQueue(), [], []
+
+        def _post(self, item):
+            self.q.put(item)
+
+        def _on_token(self, ev):
+            self.shown.append(ev.text)
+
+        def _on_thinking(self, ev):
+            self.folded.append(ev.text)
+
+    with minirt.load(tiny_path, n_ctx=512, chat_template=(T / "Qwen-Qwen3-0.6B.jinja").read_text()) as llm:
+        kw = dict(max_tokens=60, temperature=1.0, seed=5, grammar='root ::= "<think>" [a-z]{6} "</think>" [A-Z]{4}')
+        for show in (False, True):
+            ctl = Ctl(llm)
+            ctl.show_thinking = show
+            ctl.start(messages=[{"role": "user", "content": "hi"}], **kw)
+            while ctl.running:
+                ctl._dispatch(ctl.q.get(timeout=60))
+            c = ctl.completion
+            if show:
+                assert ctl.text == c.text and not ctl.folded
+            else:
+                assert (ctl.text, ctl.reasoning) == ("".join(ctl.shown), "".join(ctl.folded))
+                assert ctl.text == c.content and c.reasoning in ctl.reasoning and "<think>" in ctl.reasoning
