@@ -47,6 +47,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
     index: int = 0  # position among generated tokens
     part: str = "content"  # "reasoning" while a thinking model thinks (chat), else "content"
+    probs: list[tuple[int, float]] | None = None  # n_probs: top (id, p) of the distribution drawn from
 
 
 @dataclass
@@ -164,6 +165,7 @@ class Sequence:
         self.matcher = matcher  # grammar state (constrained sampling), None when unconstrained
         self.parser: Any = None  # a chat's output parser (minirt.reasoning.ChatParser)
         self.forced: list[int] = []  # tokens to emit instead of sampling (closing a thinking block)
+        self.stopping: list[Callable[[np.ndarray, np.ndarray], bool]] = []  # stopping_criteria
         self._split: Any = None  # where the output is: thinking or answering (minirt.reasoning.Splitter)
         self.n_thinking = 0
         self.n_prefilled = n_reused  # prompt positions already in the cache (shared prefix)
@@ -260,10 +262,11 @@ class Sequence:
                                       "top": [(i, float(np.exp(lp))) for i, lp in s.top]})
         if stopped:
             if text:
-                self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part))
+                self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part,
+                                      s.probs or None))
             self.finish("stop", stop_hit=True)
             return
-        self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part))
+        self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part, s.probs or None))
         if self.done:  # the callback asked to stop
             return
         if len(self.generated) >= self.max_tokens:
@@ -428,6 +431,9 @@ class Engine:
                     allowed = s.matcher.allowed() if s.matcher is not None else None
                     sampled = s.sampler.sample(lg, s.cache.token_ids(), allowed)
                 s.accept(sampled, time.perf_counter() - t1)
+                if s.stopping and not s.done and any(
+                        f(np.append(s.cache.token_ids(), sampled.token_id), lg) for f in s.stopping):
+                    s.finish("stop")
             except Exception as e:  # one request's failure (e.g. every token banned) ends only that request
                 s.error = e
                 s.finish("cancelled", notify=False)

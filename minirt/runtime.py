@@ -363,8 +363,15 @@ class Model:
         constraint = self._constraint(grammar_options(sampling))
         if trace is not None and not sampling.get("top_logprobs"):
             sampling["top_logprobs"] = 5  # the explanation shows the top candidates
+        processors = sampling.pop("logits_processor", None)
+        stopping = sampling.pop("stopping_criteria", None)
+        stopping = list(stopping) if isinstance(stopping, (list, tuple)) else ([stopping] if stopping else [])
+        if not all(callable(f) for f in stopping):
+            raise InvalidRequestError("stopping_criteria must be a callable (input_ids, logits) -> bool or a list of them")
         params = SamplingParams.from_kwargs(**sampling)
-        sampler = Sampler(params, self.n_vocab)
+        tk = self.tokenizer
+        sampler = Sampler(params, self.n_vocab, logits_processor=processors,
+                          piece=lambda i: tk.token_to_piece(i).decode("utf-8", "replace") if i < tk.n_vocab else "")
         stops = validate_stop(stop)
         if n_keep is None:
             n_keep = 1 if (self.tokenizer.add_bos and prompt_ids[0] == self.tokenizer.bos_id) else 0
@@ -379,6 +386,7 @@ class Model:
                        context_overflow=context_overflow, n_keep=n_keep, cancel=cancel, sink=None,
                        progress=progress, trace=trace,
                        matcher=constraint.matcher() if constraint is not None else None)
+        seq.stopping = stopping
         seq.user_sink = on_token  # type: ignore[attr-defined]
         return seq
 

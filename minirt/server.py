@@ -207,6 +207,23 @@ def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
     top_k = _opt_int(body, "top_k", 0)
     if top_k is not None:
         o["top_k"] = top_k
+    # llama.cpp server's sampler fields (checked again by SamplingParams)
+    for name in ("dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold", "top_n_sigma",
+                 "mirostat_tau", "mirostat_eta"):
+        v = _opt_num(body, name)
+        if v is not None:
+            o[name] = v
+    for name, lo, hi in (("dry_allowed_length", 0, None), ("dry_penalty_last_n", -1, None), ("mirostat", 0, 2),
+                         ("n_probs", 0, MAX_TOP_LOGPROBS)):
+        v = _opt_int(body, name, lo, hi)
+        if v is not None:
+            o[name] = v
+    br = body.get("dry_sequence_breakers")
+    if br is not None:
+        if not isinstance(br, list) or not all(isinstance(b, str) for b in br):
+            raise HTTPError(400, "'dry_sequence_breakers' must be a list of strings", param="dry_sequence_breakers",
+                            code="invalid_type")
+        o["dry_sequence_breakers"] = tuple(br)
     seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
     if seed is not None:
         o["seed"] = seed
