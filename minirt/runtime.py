@@ -579,7 +579,10 @@ class Model:
             kw["grammar"] = g
         ids, text = self._chat_prompt(messages, plan.render_tools if plan is not None else None, trace,
                                       kw.pop("chat_template_kwargs", None), with_text=True)
-        fmt = reasoning.detect_format(src)
+        rf = kw.pop("reasoning_format", None)
+        if rf not in (None, "auto", "none"):
+            raise InvalidRequestError(f"reasoning_format must be 'auto' or 'none', got {rf!r}")
+        fmt = reasoning.detect_format(src) if rf != "none" else None  # "none": thinking stays in the content
         budget = kw.pop("thinking_budget", None)
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise InvalidRequestError(f"thinking_budget must be a non-negative number of tokens, got {budget!r}")

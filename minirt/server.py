@@ -172,7 +172,7 @@ class ParsedRequest:
     max_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # stop, ignore_eos and sampling keywords
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
-    tool_options: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls
+    chat_options: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, reasoning_format ...
     plan: Any = None  # minirt.tools.ToolPlan, set when the prompt is rendered
 
 
@@ -327,7 +327,7 @@ def _parse_tools(body: dict[str, Any], req: ParsedRequest) -> None:
 
     for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) is not None:
-            req.tool_options[name] = body[name]
+            req.chat_options[name] = body[name]
     try:
         validate_tool_choice(body.get("tool_choice"), validate_tools(body.get("tools")))
     except InvalidRequestError as e:
@@ -381,6 +381,9 @@ def parse_chat(body: dict[str, Any], model: str) -> ParsedRequest:
     req.messages = out
     req.template_kwargs = _template_kwargs(body)
     _parse_tools(body, req)
+    for name in ("reasoning_format", "thinking_budget"):  # llama.cpp's names; checked by the runtime
+        if body.get(name) is not None:
+            req.chat_options[name] = body[name]
     lp = _opt_bool(body, "logprobs")
     top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not lp:
@@ -707,7 +710,7 @@ def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
     not stall the event loop). Returns the handle and the echo prefix."""
     echo = ""
     if req.kind == "chat":
-        opts = dict(req.tool_options, chat_template_kwargs=req.template_kwargs, **req.options)
+        opts = dict(req.chat_options, chat_template_kwargs=req.template_kwargs, **req.options)
         ids, req.plan = llm._chat_request(req.messages or [], opts.pop("tools", None), None, opts)
         req.options = opts
     elif isinstance(req.prompt, str):

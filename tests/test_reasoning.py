@@ -145,3 +145,20 @@ def test_gui_controller_folds_thinking_away(tiny_path):
             else:
                 assert (ctl.text, ctl.reasoning) == ("".join(ctl.shown), "".join(ctl.folded))
                 assert ctl.text == c.content and c.reasoning in ctl.reasoning and "<think>" in ctl.reasoning
+
+
+def test_reasoning_format_none_keeps_thinking_in_content(tiny_path):
+    httpx = pytest.importorskip("httpx")
+    from minirt.server import BackgroundServer, build_app
+
+    with minirt.load(tiny_path, n_ctx=512, chat_template=(T / "Qwen-Qwen3-0.6B.jinja").read_text()) as llm, \
+            BackgroundServer(build_app(llm)) as srv:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "temperature": 1.0, "seed": 1,
+                "grammar": 'root ::= "<think>" [a-z]{6} "</think>" [A-Z]{4}'}
+        m = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert len(m["reasoning_content"]) == 6 and len(m["content"]) == 4
+        m = httpx.post(srv.url + "/v1/chat/completions", json={**body, "reasoning_format": "none"},
+                       timeout=60).json()["choices"][0]["message"]
+        assert "reasoning_content" not in m and m["content"].startswith("<think>")
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "reasoning_format": "maybe"}, timeout=60)
+        assert r.status_code == 400
