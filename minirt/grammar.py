@@ -286,6 +286,8 @@ class Matcher:
 
     def compute(self, token: int | None) -> None:
         """Consume ``token`` (unless None) and compute the next mask (blocking)."""
+        if token is not None and self.ll.is_stopped() and self._ok is not None:
+            return  # the grammar is complete: only end-of-generation stays allowed (ignore_eos)
         if token is not None:
             self.consume(token)
         if self.ll.is_error():

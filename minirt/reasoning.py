@@ -72,35 +72,37 @@ class Splitter:
         self.thinking = self.inside
         self.seen_start = self.inside
 
-    # the harmony format has headers before every message: parse whole messages
+    def _take(self, pattern: str, markers: tuple[str, ...], part: str, final: bool,
+              out: list[tuple[str, str]]) -> bool:
+        """Emit the buffer as ``part`` up to ``pattern`` (holding back a possible marker start);
+        True when the pattern was found (the buffer then starts after it)."""
+        m = re.search(pattern, self.buf)
+        if m is None:
+            keep = 0 if final else _partial(self.buf, markers)
+            text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            if text:
+                out.append((part, text))
+            return False
+        if m.start():
+            out.append((part, self.buf[:m.start()]))
+        self.buf = self.buf[m.end():]
+        return True
+
+    # the harmony format has headers before every message: the analysis channel is the thinking
     def _harmony(self, final: bool) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         while True:
             if self.thinking:
-                m = re.search(r"<\|(?:end|call|return)\|>", self.buf)
-                if m is None:
-                    keep = _partial(self.buf, ("<|end|>", "<|call|>", "<|return|>")) if not final else 0
-                    body, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-                    if body:
-                        out.append(("reasoning", body))
+                if not self._take(r"<\|(?:end|call|return)\|>", ("<|end|>", "<|call|>", "<|return|>"),
+                                  "reasoning", final, out):
                     return out
-                if m.start():
-                    out.append(("reasoning", self.buf[:m.start()]))
-                self.buf = self.buf[m.end():]
                 self.thinking = False
-                continue
-            m = re.search(r"(?:<\|start\|>assistant)?<\|channel\|>analysis<\|message\|>", self.buf)
-            if m is None:
-                keep = 0 if final else _partial(self.buf, ("<|start|>assistant<|channel|>analysis<|message|>",
-                                                            "<|channel|>analysis<|message|>"))
-                text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-                if text:
-                    out.append(("content", text))
-                return out
-            if m.start():
-                out.append(("content", self.buf[:m.start()]))
-            self.buf = self.buf[m.end():]
-            self.thinking = True
+            else:
+                if not self._take(r"(?:<\|start\|>assistant)?<\|channel\|>analysis<\|message\|>",
+                                  ("<|start|>assistant<|channel|>analysis<|message|>", "<|channel|>analysis<|message|>"),
+                                  "content", final, out):
+                    return out
+                self.thinking = True
 
     def feed(self, delta: str, final: bool = False) -> list[tuple[str, str]]:
         """Pieces ``(part, text)`` that are known after ``delta``."""

@@ -228,19 +228,25 @@ def harmony_messages(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def _sections(text: str, opens: tuple[str, ...], begin: str, end: str, sep: str) -> tuple[int, list[tuple[str, str]]]:
+    """Where the calls section starts (the first of ``opens``; ``len(text)`` when absent) and each
+    ``begin HEAD sep REST end`` call in it as ``(HEAD, REST)``."""
+    k = min((i for i in (text.find(o) for o in opens) if i >= 0), default=len(text))
+    pairs = []
+    for body in _between(text[k:], begin, end)[1]:
+        head, found, rest = body.partition(sep)
+        if found:
+            pairs.append((head, rest))
+    return k, pairs
+
+
 def parse_deepseek(text: str) -> tuple[str, list[ToolCall]]:
     """DeepSeek R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}```<｜tool▁call▁end｜>``;
     DeepSeek V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``."""
-    k = text.find("<｜tool▁calls▁begin｜>")
-    if k < 0:
-        k = text.find("<｜tool▁call▁begin｜>")
-    if k < 0:
-        return text, []
+    k, pairs = _sections(text, ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"), "<｜tool▁call▁begin｜>",
+                         "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
     calls = []
-    for body in _between(text[k:], "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")[1]:
-        head, sep, rest = body.partition("<｜tool▁sep｜>")
-        if not sep:
-            continue
+    for head, rest in pairs:
         if head.strip() == "function":  # R1: the name follows on the same line
             name, _, rest = rest.partition("\n")
         else:
@@ -348,21 +354,15 @@ def parse_glm(text: str) -> tuple[str, list[ToolCall]]:
 def parse_kimi_k2(text: str) -> tuple[str, list[ToolCall]]:
     """Kimi-K2: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
     <|tool_call_argument_begin|>{...}<|tool_call_end|>…<|tool_calls_section_end|>``."""
-    k = text.find("<|tool_calls_section_begin|>")
-    if k < 0:
-        return text, []
+    k, pairs = _sections(text, ("<|tool_calls_section_begin|>",), "<|tool_call_begin|>", "<|tool_call_end|>",
+                         "<|tool_call_argument_begin|>")
     calls = []
-    for b in _between(text[k:], "<|tool_call_begin|>", "<|tool_call_end|>")[1]:
-        head, sep, rest = b.partition("<|tool_call_argument_begin|>")
-        if not sep:
-            continue
+    for head, rest in pairs:
         try:
             args, _ = _json_at(rest, 0)
         except json.JSONDecodeError:
             continue
-        name = re.sub(r"^functions\.", "", head.strip())
-        name, _, idx = name.rpartition(":") if re.search(r":\d+$", name) else (name, "", "")
-        c = ToolCall(name, _args(args))
+        c = ToolCall(re.sub(r":\d+$", "", re.sub(r"^functions\.", "", head.strip())), _args(args))
         c.id = head.strip()  # Kimi's own call id (functions.NAME:IDX), which its template echoes
         calls.append(c)
     return text[:k], calls

@@ -165,6 +165,12 @@ def test_ends_with_eog_not_in_token_ids(tiny):
     assert not set(c.token_ids) & tiny.eog_ids
 
 
+def test_ignore_eos_after_the_grammar_is_complete(tiny):
+    c = tiny.generate("the", max_tokens=8, temperature=0.0, grammar='root ::= "ok"', ignore_eos=True)
+    assert c.finish_reason == "length" and c.text.startswith("ok") and len(c.token_ids) == 8
+    assert set(c.token_ids[len(tiny.tokenize("ok", add_special=False)):]) <= tiny.eog_ids
+
+
 def test_stop_string_inside_constrained_output(tiny):
     c = tiny.generate("the", max_tokens=20, temperature=0.0, grammar='root ::= "abc,def"', stop=[","])
     assert (c.text, c.finish_reason) == ("abc", "stop")
