@@ -364,10 +364,10 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         elif isinstance(content, str):
             pass
         elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-            texts = []
+            parts = []
             for j, part in enumerate(content):
                 if isinstance(part, str):
-                    texts.append(part)
+                    parts.append({"type": "text", "text": part})
                     continue
                 if not isinstance(part, Mapping):
                     raise InvalidRequestError(f"messages[{i}].content[{j}] must be a text part object")
@@ -377,11 +377,18 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise InvalidRequestError(f"messages[{i}].content[{j}].text must be a string")
-                texts.append(text)
-            content = "".join(texts)
+                parts.append({"type": "text", "text": text})
+            content = parts  # joined or passed as parts by ChatTemplate.prepare
         else:
             raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts, "
                                       f"got {type(content).__name__}")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence) \
+                    or not all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping) for c in calls):
+                raise InvalidRequestError(f"messages[{i}].tool_calls must be a list of "
+                                          "{'type': 'function', 'function': {'name': ..., 'arguments': ...}}")
+            msg["tool_calls"] = [{**c, "function": dict(c["function"])} for c in calls]
         msg["content"] = content
         out.append(msg)
     return out
@@ -398,8 +405,15 @@ def _normalize_tools(tools: Any) -> list[Any] | None:
     return [dict(t) for t in tools]
 
 
+def join_parts(parts: Sequence[Mapping[str, Any]]) -> str:
+    """Text parts as one string, llama.cpp's rule for templates that read content as a string:
+    joined with newlines."""
+    return "\n".join(p["text"] for p in parts)
+
+
 def _input_size(messages: list[dict[str, Any]], tools: list[Any] | None, extra: Mapping[str, Any]) -> int:
-    n = sum(len(m["content"] or "") for m in messages)
+    n = sum(len(m["content"]) if isinstance(m["content"], str) else
+            sum(len(p["text"]) for p in m["content"] or ()) for m in messages)
     try:
         n += len(json.dumps(tools, default=str)) if tools else 0
         n += len(json.dumps(dict(extra), default=str)) if extra else 0
@@ -433,6 +447,7 @@ class ChatTemplate:
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token,
                                "pad_token": pad_token}
         self._budget = _BUDGET
+        self._caps: dict[str, bool] | None = None
         try:
             self._template = _compile(source)
         except Exception as e:  # jinja2.TemplateSyntaxError and friends
@@ -484,12 +499,8 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
         """Render ``messages`` (``[{'role': 'user', 'content': '...'}, ...]``) to the prompt text."""
-        msgs = _normalize_messages(messages)
+        msgs = self.prepare(_normalize_messages(messages))
         tool_list = _normalize_tools(tools)
-        if self.builtin:
-            for m in msgs:  # llama.cpp's built-ins take every content as a string
-                if m["content"] is None:
-                    m["content"] = ""
         ctx: dict[str, Any] = dict(self.special_tokens)
         ctx.update(extra)
         ctx.update(messages=msgs, tools=tool_list, add_generation_prompt=bool(add_generation_prompt))
@@ -497,6 +508,40 @@ class ChatTemplate:
         if limit is None:
             limit = (1 << 20) + 16 * _input_size(msgs, tool_list, extra)
         return self._render(ctx, limit)
+
+    def prepare(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages (validated copies) as the template expects them, following llama.cpp:
+        ``content: null`` becomes ``""``; content-part lists stay lists for templates that read
+        parts and are joined (:func:`join_parts`) for the others; tool-call arguments sent as a
+        JSON string (the OpenAI shape) become objects for templates that read them as objects;
+        ``reasoning_content`` is also given as ``thinking`` (the name some templates read)."""
+        caps = self.caps
+        for i, m in enumerate(msgs):
+            c = m.get("content")
+            if c is None:
+                m["content"] = ""
+            elif isinstance(c, list) and not caps["typed_content"]:
+                m["content"] = join_parts(c)
+            if m.get("reasoning_content") is not None and "thinking" not in m:
+                m["thinking"] = m["reasoning_content"]
+            for j, call in enumerate(m.get("tool_calls") or ()):
+                args = call["function"].get("arguments")
+                if caps["object_arguments"] and isinstance(args, str):
+                    try:
+                        call["function"]["arguments"] = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError as e:
+                        raise InvalidRequestError(f"messages[{i}].tool_calls[{j}].function.arguments is not "
+                                                  f"valid JSON: {e}") from None
+        return msgs
+
+    @property
+    def caps(self) -> dict[str, bool]:
+        """What the template reads, found by rendering probes once (as llama.cpp's template
+        capabilities do): ``typed_content`` (content as a list of parts), ``object_arguments``
+        (tool-call arguments as an object)."""
+        if self._caps is None:
+            self._caps = {"typed_content": False, "object_arguments": False} if self.builtin else _probe(self)
+        return self._caps
 
     def __call__(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                  tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
@@ -556,6 +601,36 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate(name={self.name!r}, {len(self.source)} chars)"
+
+
+_MARK = "MinirtProbeMarker"
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "tool1", "description": "Tool description",
+    "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}}]
+
+
+def _probe(t: ChatTemplate) -> dict[str, bool]:
+    def render(msgs: list[dict[str, Any]], tools: Any = None) -> str:
+        ctx = dict(t.special_tokens, messages=msgs, tools=tools, add_generation_prompt=True)
+        try:
+            return t._render(ctx, 1 << 20)
+        except MinirtError:
+            return ""
+
+    out = render([{"role": "user", "content": [{"type": "text", "text": _MARK}]}])
+    # a template that prints the list itself shows its Python or JSON form, not just the text
+    typed = _MARK in out and f"'text': '{_MARK}'" not in out and f'"text": "{_MARK}"' not in out
+
+    def with_args(args: Any) -> str:
+        call = {"id": "call_1", "type": "function", "function": {"name": "tool1", "arguments": args}}
+        return render([{"role": "user", "content": "User message"},
+                       {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "Tool result"},
+                       {"role": "user", "content": "Next"}], _PROBE_TOOLS)
+
+    as_string = json.dumps({"arg": _MARK})
+    obj = _MARK in with_args({"arg": _MARK}) and as_string not in with_args(as_string)
+    return {"typed_content": typed, "object_arguments": obj}
 
 
 def _special_token_strings(tokenizer: Tokenizer | None) -> dict[str, str]:

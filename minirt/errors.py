@@ -36,6 +36,11 @@ class InvalidRequestError(MinirtError, ValueError):
     """A request argument is invalid (bad sampling value, empty prompt, max_tokens <= 0 ...)."""
 
 
+class GrammarError(InvalidRequestError):
+    """A grammar, JSON schema, regex or ``response_format`` is invalid, or the grammar engine
+    cannot constrain this request (the message names the problem)."""
+
+
 class ContextOverflowError(MinirtError, ValueError):
     """A prompt does not fit in the context window."""
 
@@ -76,6 +81,7 @@ __all__ = [
     "TokenizerError",
     "TemplateError",
     "InvalidRequestError",
+    "GrammarError",
     "ContextOverflowError",
     "CapacityError",
     "ModelClosedError",

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .errors import ContextOverflowError, InvalidRequestError
 from .forward import Segment, Transformer
 from .kv_cache import KVCache
 from .sampling import Sampled, Sampler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .grammar import MaskWorker, Matcher
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     index: int = 0  # position among generated tokens
+    part: str = "content"  # "reasoning" while a thinking model thinks (chat), else "content"
+    probs: list[tuple[int, float]] | None = None  # n_probs: top (id, p) of the distribution drawn from
 
 
 @dataclass
@@ -60,6 +65,11 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     trace: Trace | None = None
+    # chat outputs parsed for tools (and reasoning): the answer without the calls, the calls
+    # (minirt.tools.ToolCall); None when the request had no tools
+    content: str | None = None
+    tool_calls: list[Any] | None = None
+    reasoning: str | None = None  # the thinking part (reasoning_content), None when the model has none
 
 
 @dataclass
@@ -136,7 +146,7 @@ class Sequence:
                  ignore_eos: bool = False, context_overflow: str = "stop", n_keep: int = 0,
                  cancel: threading.Event | None = None, sink: EventSink | None = None,
                  progress: ProgressFn | None = None, trace: Trace | None = None,
-                 n_reused: int = 0) -> None:
+                 n_reused: int = 0, matcher: Matcher | None = None) -> None:
         if context_overflow not in ("stop", "shift"):
             raise InvalidRequestError(f"context_overflow must be 'stop' or 'shift', got {context_overflow!r}")
         self.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
@@ -154,6 +164,12 @@ class Sequence:
         self.sink = sink
         self.progress = progress
         self.trace = trace
+        self.matcher = matcher  # grammar state (constrained sampling), None when unconstrained
+        self.parser: Any = None  # a chat's output parser (minirt.reasoning.ChatParser)
+        self.forced: list[int] = []  # tokens to emit instead of sampling (closing a thinking block)
+        self.stopping: list[Callable[[np.ndarray, np.ndarray], bool]] = []  # stopping_criteria
+        self._split: Any = None  # where the output is: thinking or answering (minirt.reasoning.Splitter)
+        self.n_thinking = 0
         self.n_prefilled = n_reused  # prompt positions already in the cache (shared prefix)
         self.n_reused = n_reused
         self.generated: list[int] = []
@@ -239,6 +255,7 @@ class Sequence:
         t0 = time.perf_counter()
         delta = self.detok.push(tok)
         t_detok = time.perf_counter() - t0
+        part = self._part(delta)
         text, stopped = self.stops.feed(delta)
         if self.trace is not None:
             self.trace.add("sample", t_sample, token=len(self.generated) - 1)
@@ -247,16 +264,41 @@ class Sequence:
                                       "top": [(i, float(np.exp(lp))) for i, lp in s.top]})
         if stopped:
             if text:
-                self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1))
+                self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part,
+                                      s.probs or None))
             self.finish("stop", stop_hit=True)
             return
-        self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1))
+        self._emit(TokenEvent(tok, text, None, s.logprob, s.top or None, len(self.generated) - 1, part,
+                              s.probs or None))
         if self.done:  # the callback asked to stop
             return
         if len(self.generated) >= self.max_tokens:
             self.finish("length")
             return
         self.pending_token = tok
+
+    def _part(self, delta: str) -> str:
+        """Which part of a chat answer the token belongs to; closes the thinking block when its
+        token budget (``thinking_budget``) is spent."""
+        p = self.parser
+        if p is None or p.fmt is None:
+            return "content"
+        if self._split is None:
+            from .reasoning import Splitter
+
+            self._split = Splitter(p.fmt, p.inside)
+        sp = self._split
+        was = sp.thinking
+        sp.feed(delta)
+        # text held back as a possible opening marker (the "<" of "<think>") counts as thinking
+        opening = not sp.seen_start and bool(sp.buf)
+        if not (was or sp.thinking or opening):
+            return "content"
+        self.n_thinking += 1
+        budget = getattr(p, "budget", None)
+        if budget is not None and self._split.thinking and self.n_thinking >= budget and not self.forced:
+            self.forced = list(p.end_ids)
+        return "reasoning"
 
     def completion(self) -> Completion:
         """The finished request as a :class:`Completion`."""
@@ -273,7 +315,7 @@ class Sequence:
             "prompt_s": prefill_s,
             "total_s": end - self.t_start,
         }
-        return Completion(
+        c = Completion(
             text="".join(self.text_parts),
             token_ids=list(self.generated),
             finish_reason=self.finish_reason or "cancelled",
@@ -285,6 +327,9 @@ class Sequence:
             top_logprobs=list(self.top_logprobs),
             trace=self.trace,
         )
+        if self.parser is not None:
+            self.parser.apply(c)
+        return c
 
 
 class Engine:
@@ -295,6 +340,20 @@ class Engine:
             raise InvalidRequestError(f"n_batch must be positive, got {n_batch}")
         self.model = model
         self.n_batch = n_batch
+        self._masks: MaskWorker | None = None
+
+    @property
+    def masks(self) -> MaskWorker:
+        """The thread that computes grammar masks while forward passes run (started on first use)."""
+        if self._masks is None:
+            from .grammar import MaskWorker
+
+            self._masks = MaskWorker()
+        return self._masks
+
+    def close(self) -> None:
+        if self._masks is not None:
+            self._masks.close()
 
     def step(self, seqs: Iterable[Sequence], prefill_budget: int | None = None) -> None:
         """One forward pass over every unfinished sequence in ``seqs``.
@@ -333,8 +392,15 @@ class Engine:
         if not batch:
             return
         ids = np.concatenate(tokens)
-        for (s, _seg, _), t in zip(batch, tokens):
+        for (s, _seg, samples), t in zip(batch, tokens):
             s.cache.tokens[s.cache.n_past:s.cache.n_past + len(t)] = t
+            if samples and s.matcher is not None:
+                # the grammar takes the token being fed and computes the next mask during the pass
+                try:
+                    s.matcher.advance(None if s.in_prefill else int(t[0]), self.masks)
+                except Exception as e:
+                    s.error = e
+                    s.finish("cancelled", notify=False)
         t0 = time.perf_counter()
         logits = self.model.forward(ids, [seg for _, seg, _ in batch])
         t_fwd = time.perf_counter() - t0
@@ -362,8 +428,15 @@ class Engine:
                 continue
             t1 = time.perf_counter()
             try:
-                sampled = s.sampler.sample(lg, s.cache.token_ids())
+                if s.forced:  # e.g. the end of a thinking block whose budget is spent
+                    sampled = Sampled(s.forced.pop(0), 0.0)
+                else:
+                    allowed = s.matcher.allowed() if s.matcher is not None else None
+                    sampled = s.sampler.sample(lg, s.cache.token_ids(), allowed)
                 s.accept(sampled, time.perf_counter() - t1)
+                if s.stopping and not s.done and any(
+                        f(np.append(s.cache.token_ids(), sampled.token_id), lg) for f in s.stopping):
+                    s.finish("stop")
             except Exception as e:  # one request's failure (e.g. every token banned) ends only that request
                 s.error = e
                 s.finish("cancelled", notify=False)

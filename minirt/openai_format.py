@@ -76,12 +76,13 @@ class ChunkBuilder:
     kind: ``"chat"`` (``chat.completion.chunk`` with deltas) or ``"completion"`` (``text_completion``);
     want_logprobs: per-token logprobs on every chunk; top_logprobs: completions only, include the
     alternatives; include_usage: every chunk has ``"usage": None`` and :meth:`usage` makes the
-    final usage chunk; extra: fields added to every chunk (e.g. ``system_fingerprint``).
+    final usage chunk; extra: fields added to every chunk (e.g. ``system_fingerprint``); plan: the
+    request's chat parser (reasoning and tool-call deltas, see :class:`ChatDeltas`).
     """
 
     def __init__(self, model: Any, kind: str, cid: str, created: int, model_name: str | None = None, *,
                  want_logprobs: bool = False, top_logprobs: bool = True, include_usage: bool = False,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, plan: Any = None) -> None:
         if kind not in ("chat", "completion"):
             raise ValueError(f"kind must be 'chat' or 'completion', got {kind!r}")
         self.model, self.kind, self.cid, self.created = model, kind, cid, created
@@ -89,6 +90,7 @@ class ChunkBuilder:
         self.want_logprobs, self.top_logprobs, self.include_usage = want_logprobs, top_logprobs, include_usage
         self.extra = dict(extra or {})
         self.offset = 0  # characters sent so far (completions' text_offset)
+        self.deltas = ChatDeltas(plan) if kind == "chat" else None  # reasoning / content / tool_calls split
 
     def _base(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -123,14 +125,15 @@ class ChunkBuilder:
         has_lp = self.want_logprobs and ev.token_id is not None and ev.logprob is not None
         if self.kind == "chat":
             if ev.finish_reason is not None:
-                out = [self._chat({"content": ev.text}, None)] if ev.text else []
-                return out + [self._chat({}, ev.finish_reason)]
-            if not ev.text and not has_lp:
+                deltas, finish = self.deltas.final(ev.text, ev.finish_reason)
+                return [self._chat(d, None) for d in deltas] + [self._chat({}, finish)]
+            deltas = self.deltas.text(ev.text)
+            if not deltas and not has_lp:
                 return []
             lp = None
             if has_lp:
                 lp = {"content": chat_logprobs_content(model, [ev.token_id], [ev.logprob], [ev.top_logprobs or []])}
-            return [self._chat({"content": ev.text}, None, lp)]
+            return [self._chat(d, None, lp if i == 0 else None) for i, d in enumerate(deltas or [{"content": ""}])]
         lp = None
         if has_lp:
             top = ([{_piece(model, i): lg for i, lg in ev.top_logprobs}]
@@ -162,10 +165,58 @@ def completion_chunks(model: Any, events: Iterator[TokenEvent], cid: str, create
     return ChunkBuilder(model, "completion", cid, created, want_logprobs=want_logprobs).stream(events, echo_prefix)
 
 
+def chat_message(c: Completion) -> tuple[dict[str, Any], str]:
+    """The assistant message of a chat completion and its finish_reason: the parsed content,
+    ``reasoning_content`` and OpenAI ``tool_calls`` (finish_reason "tool_calls") when the chat
+    was parsed (a model that thinks, or a request with tools)."""
+    if c.content is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    msg: dict[str, Any] = {"role": "assistant", "content": c.content if c.content or not c.tool_calls else None}
+    if c.reasoning:
+        msg["reasoning_content"] = c.reasoning
+    if c.tool_calls:
+        msg["tool_calls"] = [t.to_openai() for t in c.tool_calls]
+        return msg, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+    return msg, c.finish_reason
+
+
+class ChatDeltas:
+    """Streamed chat deltas of one request: text deltas as ``content``, or — with a chat parser
+    (:class:`minirt.reasoning.ChatParser`) — ``reasoning_content``, ``content`` and ``tool_calls``
+    deltas split by its streaming parser."""
+
+    def __init__(self, parser: Any = None) -> None:
+        self.stream = parser.stream() if parser is not None else None
+        self.n_calls = 0
+
+    def _out(self, reasoning: str, text: str, calls: list[Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+        if text:
+            out.append({"content": text})
+        for c in calls:
+            out.append({"tool_calls": [c.to_openai(self.n_calls)]})
+            self.n_calls += 1
+        return out
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        """Deltas for a token's text."""
+        if self.stream is None:
+            return [{"content": delta}] if delta else []
+        return self._out(*self.stream.feed(delta))
+
+    def final(self, delta: str, finish: str) -> tuple[list[dict[str, Any]], str]:
+        """Deltas for the last event's text (and held-back text), and the finish_reason."""
+        if self.stream is None:
+            return ([{"content": delta}] if delta else []), finish
+        out = self._out(*self.stream.feed(delta)) + self._out(*self.stream.finish())
+        return out, "tool_calls" if self.n_calls and finish == "stop" else finish
+
+
 def chat_dict(model: Any, c: Completion, cid: str, created: int, want_logprobs: bool) -> dict[str, Any]:
     lp = None
     if want_logprobs:
         lp = {"content": chat_logprobs_content(model, c.token_ids, c.logprobs, c.top_logprobs or None)}
+    message, finish = chat_message(c)
     return {
         "id": cid,
         "object": "chat.completion",
@@ -173,15 +224,16 @@ def chat_dict(model: Any, c: Completion, cid: str, created: int, want_logprobs: 
         "model": model.name,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": lp,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish,
         }],
         "usage": usage_dict(c),
     }
 
 
 def chat_chunks(model: Any, events: Iterator[TokenEvent], cid: str, created: int,
-                want_logprobs: bool) -> Iterator[dict[str, Any]]:
-    """``chat.completion.chunk`` dicts of a stream: the role first, the finish_reason last."""
-    return ChunkBuilder(model, "chat", cid, created, want_logprobs=want_logprobs).stream(events)
+                want_logprobs: bool, plan: Any = None) -> Iterator[dict[str, Any]]:
+    """``chat.completion.chunk`` dicts of a stream: the role first, the finish_reason last (``plan``:
+    the request's chat parser, see :class:`ChatDeltas`)."""
+    return ChunkBuilder(model, "chat", cid, created, want_logprobs=want_logprobs, plan=plan).stream(events)

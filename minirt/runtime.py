@@ -30,10 +30,13 @@ from .archs import build, read_config
 from .errors import InvalidRequestError, ModelClosedError, TokenizerError
 from .forward import Segment
 from .generate import Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop
+from .grammar import options as grammar_options
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .grammar import Constraint
+    from .reasoning import ChatParser
     from .scheduler import EventStream, Scheduler
 
 log = logging.getLogger(__name__)
@@ -215,6 +218,7 @@ class Model:
             self._sched_lock = threading.Lock()
             self._sched_opts: dict[str, Any] = {}
             self._fingerprint: str | None = None
+            self._grammar_engine: Any = None
         except BaseException:
             self.file.close()
             raise
@@ -337,10 +341,20 @@ class Model:
             raise InvalidRequestError("on_token must be callable")
         if progress is not None and not callable(progress):
             raise InvalidRequestError("progress must be callable (done, total)")
+        sampling = dict(sampling)
+        constraint = self._constraint(grammar_options(sampling))
         if trace is not None and not sampling.get("top_logprobs"):
-            sampling = {**sampling, "top_logprobs": 5}  # the explanation shows the top candidates
+            sampling["top_logprobs"] = 5  # the explanation shows the top candidates
+        processors = sampling.pop("logits_processor", None)
+        stopping = sampling.pop("stopping_criteria", None)
+        stopping = list(stopping) if isinstance(stopping, (list, tuple)) else ([stopping] if stopping else [])
+        if not all(callable(f) for f in stopping):
+            raise InvalidRequestError("stopping_criteria must be a callable (input_ids, logits) -> bool "
+                                      "or a list of them")
         params = SamplingParams.from_kwargs(**sampling)
-        sampler = Sampler(params, self.n_vocab)
+        tk = self.tokenizer
+        sampler = Sampler(params, self.n_vocab, logits_processor=processors,
+                          piece=lambda i: tk.token_to_piece(i).decode("utf-8", "replace") if i < tk.n_vocab else "")
         stops = validate_stop(stop)
         if n_keep is None:
             n_keep = 1 if (self.tokenizer.add_bos and prompt_ids[0] == self.tokenizer.bos_id) else 0
@@ -353,9 +367,22 @@ class Model:
         seq = Sequence(ids, None, sampler, self.tokenizer.stream_decoder(continuation=True), self.tokenizer.eog_ids,
                        max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
                        context_overflow=context_overflow, n_keep=n_keep, cancel=cancel, sink=None,
-                       progress=progress, trace=trace)
+                       progress=progress, trace=trace,
+                       matcher=constraint.matcher() if constraint is not None else None)
+        seq.stopping = stopping
         seq.user_sink = on_token  # type: ignore[attr-defined]
         return seq
+
+    def _constraint(self, opts: dict[str, Any]) -> Constraint | None:
+        """The compiled grammar of a request's ``grammar`` / ``json_schema`` / ``response_format``."""
+        if not opts or all(v is None for v in opts.values()):
+            return None
+        from .grammar import GrammarEngine, compile_constraint
+
+        with self._sched_lock:
+            if self._grammar_engine is None:
+                self._grammar_engine = GrammarEngine(self.tokenizer, self.n_vocab)
+        return compile_constraint(self._grammar_engine, **opts)
 
     # -- the scheduler ---------------------------------------------------------------------------
     @property
@@ -447,6 +474,8 @@ class Model:
             c.text = "".join(e.text for e in delivered)
             c.finish_reason = "cancelled"
             c.usage.update(completion_tokens=n, total_tokens=c.usage["prompt_tokens"] + n)
+            if seq.parser is not None:
+                seq.parser.apply(c)
         return c
 
     def generate(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
@@ -457,7 +486,10 @@ class Model:
                  **sampling: Any) -> Completion:
         """Complete ``prompt`` (text, or token ids used as given). Sampling keywords: temperature,
         top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
-        penalty_last_n, logit_bias, seed, top_logprobs. ``on_token(ev)`` runs on this thread for each
+        penalty_last_n, logit_bias, seed, top_logprobs. Constrained output: ``grammar`` (llama.cpp
+        GBNF or Lark), ``json_schema`` (dict, JSON string or pydantic model) or ``response_format``
+        (OpenAI's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema": {...}}``,
+        or ``{"type": "regex", "regex": ...}``). ``on_token(ev)`` runs on this thread for each
         :class:`TokenEvent`; returning False stops (finish_reason "cancelled")."""
         tr = Trace() if trace else None
         ids = self._prompt_ids(prompt, add_special, tr)
@@ -478,14 +510,17 @@ class Model:
 
     def _stream_ids(self, ids: list[int], max_tokens: int | None, trace: Trace | None,
                     kw: dict[str, Any]) -> Iterator[TokenEvent]:
+        return self._stream_seq(self._stream_sequence(ids, max_tokens, trace, kw))
+
+    def _stream_sequence(self, ids: list[int], max_tokens: int | None, trace: Trace | None,
+                         kw: dict[str, Any]) -> Sequence:
         opts = {k: kw.pop(k) for k in ("stop", "ignore_eos", "cancel", "progress", "context_overflow", "n_keep")
                 if k in kw}
-        seq = self._sequence(ids, max_tokens=max_tokens, stop=opts.get("stop"),
-                             ignore_eos=opts.get("ignore_eos", False), on_token=None,
-                             cancel=opts.get("cancel"), progress=opts.get("progress"), trace=trace,
-                             context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
-                             sampling=kw)
-        return self._stream_seq(seq)
+        return self._sequence(ids, max_tokens=max_tokens, stop=opts.get("stop"),
+                              ignore_eos=opts.get("ignore_eos", False), on_token=None,
+                              cancel=opts.get("cancel"), progress=opts.get("progress"), trace=trace,
+                              context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
+                              sampling=kw)
 
     def _stream_seq(self, seq: Sequence) -> Iterator[TokenEvent]:
         stream = self._submit(seq)
@@ -499,7 +534,7 @@ class Model:
              tools: list[dict[str, Any]] | None = None, trace: bool = False, **kw: Any) -> Completion:
         """Answer a conversation: the chat template renders ``messages``, then :meth:`generate`."""
         tr = Trace() if trace else None
-        ids = self._chat_prompt(messages, tools, tr)
+        ids, plan = self._chat_request(messages, tools, tr, kw)
         seq_kw = {k: kw.pop(k) for k in ("stop", "ignore_eos", "on_token", "cancel", "progress",
                                          "context_overflow", "n_keep") if k in kw}
         seq = self._sequence(ids, max_tokens=max_tokens, stop=seq_kw.get("stop"),
@@ -507,11 +542,53 @@ class Model:
                              cancel=seq_kw.get("cancel"), progress=seq_kw.get("progress"), trace=tr,
                              context_overflow=seq_kw.get("context_overflow", "stop"), n_keep=seq_kw.get("n_keep"),
                              sampling=kw)
+        seq.parser = plan
         return self._run(seq)
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None) -> list[int]:
+    def _chat_request(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
+                      kw: dict[str, Any]) -> tuple[list[int], ChatParser | None]:
+        """Prompt ids and output parser of a chat; pops ``tool_choice``, ``parallel_tool_calls`` and
+        ``chat_template_kwargs`` from ``kw`` and adds the grammar a forced tool call needs."""
+        from . import reasoning
+        from .grammar import lark_marker
+        from .tools import ToolPlan
+
+        src = self.chat_template.source
+        plan = ToolPlan.build(tools, kw.pop("tool_choice", None), kw.pop("parallel_tool_calls", None), src)
+        g = plan.grammar(lambda text: lark_marker(self.tokenizer, text)) if plan is not None else None
+        if g is not None:
+            if any(kw.get(k) is not None for k in ("grammar", "json_schema", "response_format")):
+                raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with "
+                                          "grammar, json_schema or response_format")
+            kw["grammar"] = g
+        ids, text = self._chat_prompt(messages, plan.render_tools if plan is not None else None, trace,
+                                      kw.pop("chat_template_kwargs", None), with_text=True)
+        rf = kw.pop("reasoning_format", None)
+        if rf not in (None, "auto", "none"):
+            raise InvalidRequestError(f"reasoning_format must be 'auto' or 'none', got {rf!r}")
+        fmt = reasoning.detect_format(src) if rf != "none" else None  # "none": thinking stays in the content
+        budget = kw.pop("thinking_budget", None)
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise InvalidRequestError(f"thinking_budget must be a non-negative number of tokens, got {budget!r}")
+        if fmt is None and plan is None:
+            return ids, None
+        parser = reasoning.ChatParser(fmt, reasoning.starts_inside(fmt, text), plan)
+        if fmt is not None and budget is not None:
+            parser.budget = budget
+            parser.end_ids = self.tokenizer.encode(reasoning.end_marker(fmt), add_special=False, parse_special=True)
+        return ids, parser
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
+                     template_kwargs: dict[str, Any] | None = None, with_text: bool = False) -> Any:
+        """Render and tokenize a conversation; ``template_kwargs`` (``chat_template_kwargs``, e.g.
+        ``enable_thinking``, ``reasoning_effort``) are variables the template reads."""
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise InvalidRequestError("chat_template_kwargs must be a dict of template variables")
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(template_kwargs or ())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
         t0 = time.perf_counter()
-        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **(template_kwargs or {}))
         t1 = time.perf_counter()
         ids = self._chat_ids(text)
         if trace is not None:
@@ -519,14 +596,20 @@ class Model:
             trace.rendered = text
             trace.add("template", t1 - t0, chars=len(text))
             trace.add("tokenize", time.perf_counter() - t1, tokens=len(ids))
-        return ids
+        return (ids, text) if with_text else ids
 
     def chat_stream(self, messages: list[dict[str, Any]], max_tokens: int | None = DEFAULT_MAX_TOKENS, *,
                     tools: list[dict[str, Any]] | None = None, **kw: Any) -> Iterator[TokenEvent]:
         """:meth:`chat` as an iterator of :class:`TokenEvent`."""
+        return self._stream_seq(self._chat_stream_seq(messages, max_tokens, tools, kw))
+
+    def _chat_stream_seq(self, messages: list[dict[str, Any]], max_tokens: int | None, tools: Any,
+                         kw: dict[str, Any]) -> Sequence:
         trace = Trace() if kw.pop("trace", False) else None
-        ids = self._chat_prompt(messages, tools, trace)
-        return self._stream_ids(ids, max_tokens, trace, kw)
+        ids, plan = self._chat_request(messages, tools, trace, kw)
+        seq = self._stream_sequence(ids, max_tokens, trace, kw)
+        seq.parser = plan
+        return seq
 
     # -- background and async ----------------------------------------------------------------------
     def submit(self, prompt: str | Seq[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
@@ -539,6 +622,7 @@ class Model:
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("submit() takes either a prompt or messages=")
         inline = kw.pop("_inline", False)  # private: see _submit_inline
+        parser = kw.pop("_parser", None)  # private: the server's tool plan for a prompt it rendered
         h = GenerationHandle()
         user_cancel = kw.pop("cancel", None)
         _check_cancel(user_cancel)
@@ -549,8 +633,9 @@ class Model:
         # build the sequence now so bad arguments raise here, on the caller's thread
         if messages is not None:
             trace = Trace() if kw.pop("trace", False) else None
-            ids = self._chat_prompt(messages, kw.pop("tools", None), trace)
+            ids, plan = self._chat_request(messages, kw.pop("tools", None), trace, kw)
         else:
+            plan = parser
             trace = Trace() if kw.pop("trace", False) else None
             ids = self._prompt_ids(prompt, kw.pop("add_special", None), trace)  # type: ignore[arg-type]
         max_tokens = kw.pop("max_tokens", DEFAULT_MAX_TOKENS)
@@ -560,6 +645,7 @@ class Model:
                              progress=opts.get("progress"), trace=trace,
                              context_overflow=opts.get("context_overflow", "stop"), n_keep=opts.get("n_keep"),
                              sampling=kw)
+        seq.parser = plan
 
         if inline:
             self._submit_inline(seq, h)
@@ -665,8 +751,8 @@ class Model:
             kw["top_logprobs"] = _count("top_logprobs", top_logprobs or 0, 20) or 1
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
         if stream:
-            return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created,
-                                   logprobs)
+            seq = self._chat_stream_seq(messages, max_tokens, tools, kw)
+            return fmt.chat_chunks(self, self._stream_seq(seq), cid, created, logprobs, seq.parser)
         c = self.chat(messages, max_tokens, tools=tools, **kw)
         return fmt.chat_dict(self, c, cid, created, logprobs)
 
@@ -766,6 +852,7 @@ class Model:
             if close is not None:
                 close()
             self.model = None  # type: ignore[assignment]  # drops every view of the mapping
+            self.engine.close()
             self.engine = None  # type: ignore[assignment]
             self.file.close()
 

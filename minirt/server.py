@@ -39,6 +39,7 @@ from . import openai_format as fmt
 from .errors import (
     CapacityError,
     ContextOverflowError,
+    GrammarError,
     InvalidRequestError,
     MinirtError,
     ModelClosedError,
@@ -95,6 +96,8 @@ def error_for(exc: BaseException) -> HTTPError:
         return HTTPError(503, str(exc), type="server_error", code="model_closed")
     if isinstance(exc, ContextOverflowError):
         return HTTPError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, GrammarError):
+        return HTTPError(400, str(exc), param="response_format", code="invalid_grammar")
     if isinstance(exc, (InvalidRequestError, TemplateError, TokenizerError)):
         return HTTPError(400, str(exc), code="invalid_value")
     return HTTPError(500, f"internal server error ({type(exc).__name__}); the request was not completed",
@@ -177,6 +180,9 @@ class ParsedRequest:
     want_logprobs: bool = False
     max_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # stop, ignore_eos and sampling keywords
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    chat_options: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, reasoning_format ...
+    plan: Any = None  # minirt.tools.ToolPlan, set when the prompt is rendered
 
 
 def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
@@ -210,6 +216,23 @@ def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
     top_k = _opt_int(body, "top_k", 0)
     if top_k is not None:
         o["top_k"] = top_k
+    # llama.cpp server's sampler fields (checked again by SamplingParams)
+    for name in ("dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold", "top_n_sigma",
+                 "mirostat_tau", "mirostat_eta"):
+        v = _opt_num(body, name)
+        if v is not None:
+            o[name] = v
+    for name, lo, hi in (("dry_allowed_length", 0, None), ("dry_penalty_last_n", -1, None), ("mirostat", 0, 2),
+                         ("n_probs", 0, MAX_TOP_LOGPROBS)):
+        v = _opt_int(body, name, lo, hi)
+        if v is not None:
+            o[name] = v
+    br = body.get("dry_sequence_breakers")
+    if br is not None:
+        if not isinstance(br, list) or not all(isinstance(b, str) for b in br):
+            raise HTTPError(400, "'dry_sequence_breakers' must be a list of strings", param="dry_sequence_breakers",
+                            code="invalid_type")
+        o["dry_sequence_breakers"] = tuple(br)
     seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
     if seed is not None:
         o["seed"] = seed
@@ -242,34 +265,102 @@ def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
             clean[tid] = float(v)
         if clean:
             o["logit_bias"] = clean
-    tools = body.get("tools") or body.get("functions")
-    if tools:
-        raise HTTPError(400, "tool and function calling are not supported by this server", param="tools",
-                        code="unsupported_value")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise HTTPError(400, "only response_format {'type': 'text'} is supported", param="response_format",
-                        code="unsupported_value")
+    if body.get("functions") or body.get("function_call"):
+        raise HTTPError(400, "the deprecated 'functions' / 'function_call' are not supported; use 'tools'",
+                        param="functions", code="unsupported_value")
+    if kind != "chat" and body.get("tools"):
+        raise HTTPError(400, "'tools' are only for chat completions", param="tools", code="unsupported_value")
+    _parse_constraint(body, o)
     return req
 
 
-def _message_content(i: int, content: Any) -> str:
+def _parse_constraint(body: dict[str, Any], o: dict[str, Any]) -> None:
+    """OpenAI's ``response_format`` and llama.cpp's ``grammar`` / ``json_schema`` fields (compiled,
+    and refused with 400 ``invalid_grammar`` when bad, by :func:`minirt.grammar.compile_constraint`)."""
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise HTTPError(400, "'response_format' must be an object with a 'type'", param="response_format",
+                            code="invalid_type")
+        if rf["type"] != "text":
+            o["response_format"] = rf
+    for name in ("grammar", "json_schema"):
+        v = body.get(name)
+        if v is not None:
+            if name == "grammar" and not isinstance(v, str):
+                raise HTTPError(400, "'grammar' must be a GBNF grammar string", param="grammar", code="invalid_type")
+            o[name] = v
+
+
+def _message_content(i: int, content: Any) -> str | list[dict[str, str]] | None:
     if content is None or isinstance(content, str):
-        return content or ""
+        return content
     if isinstance(content, list):
         parts = []
         for part in content:
             if isinstance(part, str):
-                parts.append(part)
+                parts.append({"type": "text", "text": part})
             elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise HTTPError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
                                 param=f"messages[{i}].content", code="unsupported_value")
-        return "".join(parts)
+        return parts  # the chat template joins them or reads the parts (minirt.chat.ChatTemplate.prepare)
     raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts",
                     param=f"messages[{i}].content", code="invalid_type")
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (OpenAI shape), validated."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise HTTPError(400, f"{where} must be a list", param=where, code="invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", ""), (str, dict)):
+            raise HTTPError(400, f"{where}[{j}] must be {{'type': 'function', 'function': {{'name': str, "
+                                 "'arguments': str}}}}", param=where, code="invalid_value")
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _parse_tools(body: dict[str, Any], req: ParsedRequest) -> None:
+    """OpenAI ``tools``, ``tool_choice``, ``parallel_tool_calls`` (validated by minirt.tools)."""
+    from .tools import validate_tool_choice, validate_tools
+
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            req.chat_options[name] = body[name]
+    try:
+        validate_tool_choice(body.get("tool_choice"), validate_tools(body.get("tools")))
+    except InvalidRequestError as e:
+        param = "tool_choice" if "tool_choice" in str(e) else "tools"
+        raise HTTPError(400, str(e), param=param, code="invalid_value") from None
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise HTTPError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls",
+                        code="invalid_type")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ``chat_template_kwargs`` (and OpenAI's ``reasoning_effort``) for the template."""
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and not isinstance(kw, dict):
+        raise HTTPError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
+                        code="invalid_type")
+    kw = dict(kw or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("minimal", "low", "medium", "high"):
+            raise HTTPError(400, f"'reasoning_effort' must be minimal, low, medium or high, got {effort!r}",
+                            param="reasoning_effort", code="invalid_value")
+        kw.setdefault("reasoning_effort", effort)
+    return kw
 
 
 def parse_chat(body: dict[str, Any], model: str) -> ParsedRequest:
@@ -288,10 +379,20 @@ def parse_chat(body: dict[str, Any], model: str) -> ParsedRequest:
             raise HTTPError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}",
                             param=f"messages[{i}].role", code="invalid_value")
         msg = {"role": "system" if role == "developer" else role, "content": _message_content(i, m.get("content"))}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        if msg["content"] is None and not m.get("tool_calls"):
+            msg["content"] = ""
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
         out.append(msg)
     req.messages = out
+    req.template_kwargs = _template_kwargs(body)
+    _parse_tools(body, req)
+    for name in ("reasoning_format", "thinking_budget"):  # llama.cpp's names; checked by the runtime
+        if body.get(name) is not None:
+            req.chat_options[name] = body[name]
     lp = _opt_bool(body, "logprobs")
     top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not lp:
@@ -342,7 +443,8 @@ def _chunk_builder(llm: Model, req: ParsedRequest, cid: str, created: int) -> fm
     model id, fingerprint and stream options."""
     return fmt.ChunkBuilder(llm, "chat" if req.kind == "chat" else "completion", cid, created, req.model,
                             want_logprobs=req.want_logprobs, top_logprobs=bool(req.options.get("top_logprobs")),
-                            include_usage=req.include_usage, extra={"system_fingerprint": f"minirt-{__version__}"})
+                            include_usage=req.include_usage, extra={"system_fingerprint": f"minirt-{__version__}"},
+                            plan=req.plan)
 
 
 def _sse(obj: Any) -> bytes:
@@ -548,7 +650,9 @@ def _prepare_and_submit(llm: Model, state: ServerState, req: ParsedRequest,
     not stall the event loop). Returns the handle and the echo prefix."""
     echo = ""
     if req.kind == "chat":
-        ids = llm._chat_prompt(req.messages or [], None, None)
+        opts = dict(req.chat_options, chat_template_kwargs=req.template_kwargs, **req.options)
+        ids, req.plan = llm._chat_request(req.messages or [], opts.pop("tools", None), None, opts)
+        req.options = opts
     elif isinstance(req.prompt, str):
         ids = llm.tokenize(req.prompt)
         echo = req.prompt if req.echo else ""
@@ -574,7 +678,8 @@ def _prepare_and_submit(llm: Model, state: ServerState, req: ParsedRequest,
                         param="max_tokens", code="kv_budget_exceeded")
     try:
         # a streaming request's on_token posts to the event loop: deliver it from the scheduler thread
-        h = llm.submit(ids, on_token=on_token, max_tokens=max_tokens, _inline=on_token is not None, **req.options)
+        h = llm.submit(ids, on_token=on_token, max_tokens=max_tokens, _inline=on_token is not None,
+                       _parser=req.plan, **req.options)
     except ContextOverflowError as e:
         raise HTTPError(400, str(e), param="messages" if req.kind == "chat" else "prompt",
                         code="context_length_exceeded") from e

@@ -48,7 +48,10 @@ class StreamController:
 
     State read on the GUI thread: :attr:`text` (text received so far), :attr:`n_tokens`,
     :attr:`completion` (the last finished generation's :class:`~minirt.generate.Completion`, or
-    None), :attr:`error` (the exception the last generation ended with, or None).
+    None), :attr:`error` (the exception the last generation ended with, or None),
+    :attr:`reasoning` (a thinking model's thinking so far). Thinking is folded away by default:
+    its tokens reach :meth:`_on_thinking`, not :meth:`_on_token` nor :attr:`text`, unless
+    :attr:`show_thinking` is set.
     """
 
     def __init__(self, llm: Model) -> None:
@@ -58,6 +61,8 @@ class StreamController:
         self._stop_event: threading.Event | None = None
         self._stopping = False  # stop() called for the current generation
         self.text = ""
+        self.reasoning = ""
+        self.show_thinking = False
         self.n_tokens = 0
         self.completion: Completion | None = None
         self.error: BaseException | None = None
@@ -90,7 +95,7 @@ class StreamController:
             post((TOKEN, gen, ev))
             return True
 
-        self.text, self.n_tokens, self.completion, self.error = "", 0, None, None
+        self.text, self.reasoning, self.n_tokens, self.completion, self.error = "", "", 0, None, None
         self._stopping = False
         self._stop_event = stop_event
         handle = self.llm.submit(prompt, messages=messages, on_token=on_token, **kw)
@@ -132,9 +137,13 @@ class StreamController:
             ev: TokenEvent = payload
             if ev.token_id is None and not ev.text:
                 return  # the final event carries only finish_reason; DONE reports it
-            self.text += ev.text
             if ev.token_id is not None:
                 self.n_tokens += 1
+            if ev.part == "reasoning" and not self.show_thinking:
+                self.reasoning += ev.text
+                self._on_thinking(ev)
+                return
+            self.text += ev.text
             self._on_token(ev)
         elif kind == DONE:
             handle: GenerationHandle = payload
@@ -162,6 +171,9 @@ class StreamController:
 
     def _on_token(self, ev: TokenEvent) -> None:
         """GUI thread: a token (or the text flushed at the end) arrived."""
+
+    def _on_thinking(self, ev: TokenEvent) -> None:
+        """GUI thread: a token of the model's thinking (folded away: shown only on request)."""
 
     def _on_finished(self, finish_reason: str) -> None:
         """GUI thread: the generation ended ("stop", "length" or "cancelled")."""
