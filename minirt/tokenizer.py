@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import re
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -60,6 +59,30 @@ import numpy as np
 import regex
 
 from .errors import TokenizerError
+from . import vocab_models
+from .pretokenizers import PRE_NAMES, RAW_UTF8_TYPES, PreSpec, splitter
+from .token_attrs import (  # noqa: F401 - re-exported: minirt.tokenizer.ATTR_* is public
+    TOKEN_TYPE_UNDEFINED,
+    TOKEN_TYPE_NORMAL,
+    TOKEN_TYPE_UNKNOWN,
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_USER_DEFINED,
+    TOKEN_TYPE_UNUSED,
+    TOKEN_TYPE_BYTE,
+    ATTR_UNDEFINED,
+    ATTR_UNKNOWN,
+    ATTR_UNUSED,
+    ATTR_NORMAL,
+    ATTR_CONTROL,
+    ATTR_USER_DEFINED,
+    ATTR_BYTE,
+    ATTR_NORMALIZED,
+    ATTR_LSTRIP,
+    ATTR_RSTRIP,
+    ATTR_SINGLE_WORD,
+    TYPE_TO_ATTR as _TYPE_TO_ATTR,
+    BYTE_TOKEN_RE as _BYTE_TOKEN_RE,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .detokenizer import StreamDecoder
@@ -67,43 +90,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-# GGUF tokenizer.ggml.token_type values (llama_token_type)
-TOKEN_TYPE_UNDEFINED = 0
-TOKEN_TYPE_NORMAL = 1
-TOKEN_TYPE_UNKNOWN = 2
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-TOKEN_TYPE_UNUSED = 5
-TOKEN_TYPE_BYTE = 6
-
-# token attribute bits (llama_token_attr)
-ATTR_UNDEFINED = 0
-ATTR_UNKNOWN = 1 << 0
-ATTR_UNUSED = 1 << 1
-ATTR_NORMAL = 1 << 2
-ATTR_CONTROL = 1 << 3
-ATTR_USER_DEFINED = 1 << 4
-ATTR_BYTE = 1 << 5
-ATTR_NORMALIZED = 1 << 6
-ATTR_LSTRIP = 1 << 7
-ATTR_RSTRIP = 1 << 8
-ATTR_SINGLE_WORD = 1 << 9
-
-_TYPE_TO_ATTR = {
-    TOKEN_TYPE_UNDEFINED: ATTR_UNDEFINED,
-    TOKEN_TYPE_NORMAL: ATTR_NORMAL,
-    TOKEN_TYPE_UNKNOWN: ATTR_UNKNOWN,
-    TOKEN_TYPE_CONTROL: ATTR_CONTROL,
-    TOKEN_TYPE_USER_DEFINED: ATTR_USER_DEFINED,
-    TOKEN_TYPE_UNUSED: ATTR_UNUSED,
-    TOKEN_TYPE_BYTE: ATTR_BYTE,
-}
 _ATTR_SPECIAL = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN  # what the partition cuts out
 _ATTR_HIDDEN = ATTR_CONTROL | ATTR_UNKNOWN  # what decode(skip_special=True) drops
 
 _SPM_SPACE = "\u2581"  # ▁
 _C_SPACE = " \t\n\v\f\r"  # C isspace(), used for lstrip / rstrip of special tokens
-_BYTE_TOKEN_RE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _MAX_CACHE = 1 << 17  # per-word / per-piece encode caches are cleared past this many entries
 
 # Token texts that mark the end of generation (llama.cpp's vocab loader, EOG detection by text).
@@ -328,40 +319,16 @@ _PRE_GROUPS: dict[str, list[tuple[str, bool]]] = {
 _COVERING = frozenset(["gpt2", "llama3", "qwen2"])
 
 
-@dataclass(frozen=True)
-class _PreSpec:
-    group: str
-    clean_spaces: bool = True
-    ignore_merges: bool = False
-    add_bos: bool = False
-    no_bos: bool = False
+# pre-tokenizer types (minirt.pretokenizers) whose regexes one of the groups above runs with
+# the faster regex module classes; every other type runs through pretokenizers.Splitter
+_GROUP_OF_TYPE = {"default": "default", "gpt2": "gpt2", "llama3": "llama3", "dbrx": "llama3", "chatglm4": "llama3",
+                  "qwen2": "qwen2", "grok-2": "qwen2", "starcoder": "starcoder", "deepseek-llm": "deepseek-llm"}
 
-
-_PRE: dict[str, _PreSpec] = {}
-
-
-def _register(names: Sequence[str], **kw: Any) -> None:
-    for name in names:
-        _PRE[name] = _PreSpec(**kw)
-
-
-# the tokenizer.ggml.pre names llama.cpp maps onto the regex groups above, with its per-name flags
-_register(["default"], group="default")
-_register(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"],
-          group="llama3", ignore_merges=True, add_bos=True)
-_register(["dbrx", "smaug-bpe"], group="llama3")
-_register(["chatglm-bpe"], group="llama3", no_bos=True)
-_register(["deepseek-llm"], group="deepseek-llm", clean_spaces=False)
-_register(["gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
-           "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "mpt", "olmo", "jais"], group="gpt2")
-_register(["trillion", "granite-docling"], group="gpt2", clean_spaces=False)
-_register(["starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"], group="starcoder")
-_register(["command-r", "smollm"], group="starcoder", clean_spaces=False)
-_register(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open", "grok-2"], group="qwen2",
-          clean_spaces=False)
-_register(["megrez", "stablelm2"], group="qwen2")
-
-SUPPORTED_PRE_TOKENIZERS = frozenset(_PRE)
+SUPPORTED_PRE_TOKENIZERS = frozenset(PRE_NAMES)
+# tokenizer.ggml.model -> vocabulary kind (llama.cpp llama_vocab::impl::load)
+_MODEL_KIND = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm", "t5": "ugm", "rwkv": "rwkv",
+               "plamo2": "plamo2"}
+SUPPORTED_MODELS = frozenset(_MODEL_KIND)
 
 
 class _Splitter:
@@ -478,12 +445,11 @@ class Tokenizer:
         model = md.get("tokenizer.ggml.model")
         if not isinstance(model, str):
             raise TokenizerError("tokenizer.ggml.model is missing (no vocabulary in this GGUF)")
-        if model == "llama":
-            self.vocab_type = "spm"
-        elif model == "gpt2":
-            self.vocab_type = "bpe"
-        else:
-            raise TokenizerError(f"unsupported tokenizer.ggml.model {model!r} (supported: 'llama' (SPM), 'gpt2' (BPE))")
+        kind = _MODEL_KIND.get(model)
+        if kind is None:
+            raise TokenizerError(f"unsupported tokenizer.ggml.model {model!r} (supported: "
+                                 f"{', '.join(sorted(_MODEL_KIND))})")
+        self.vocab_type = kind
         self.model = model
 
         tokens = md.get("tokenizer.ggml.tokens")
@@ -541,32 +507,53 @@ class Tokenizer:
         # ---- vocabulary kind and pre-tokenizer (llama.cpp defaults, then metadata) ----
         self.pre: str | None = md.get("tokenizer.ggml.pre")
         ids: dict[str, int | None] = {k: None for _, k in _SPECIAL_KEYS}
-        if self.vocab_type == "spm":
+        self._spec: PreSpec | None = None
+        self.escape_whitespaces = False  # BPE words: spaces as "▁", pieces read back as SPM's
+        self.add_eos = False
+        self.add_sep = False
+        self.remove_extra_whitespaces = False
+        self.add_space_prefix = False
+        self.clean_spaces = False
+        self.add_bos = False
+        kind = self.vocab_type
+        if kind == "spm":
             ids.update(bos=1, eos=2, unk=0)
             self.add_space_prefix = True
-            self.clean_spaces = False
             self.add_bos = True
-            self._spec: _PreSpec | None = None
-        else:
+        elif kind == "bpe":
             ids.update(bos=11, eos=11)
-            self.add_space_prefix = False
-            pre = self.pre
+            pre = "gemma4" if model == "gemma4" else self.pre  # llama.cpp forces it for this model
             if pre is None or pre == "":
                 log.warning("tokenizer.ggml.pre is missing: using the 'default' BPE pre-tokenizer")
                 pre = "default"
-            if not isinstance(pre, str) or pre not in _PRE:
-                raise TokenizerError(
-                    f"unknown BPE pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {', '.join(sorted(_PRE))}")
-            spec = _PRE[pre]
+            if not isinstance(pre, str) or pre not in PRE_NAMES:
+                raise TokenizerError(f"unknown BPE pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+                                     f"supported: {', '.join(sorted(PRE_NAMES))}")
+            spec = PRE_NAMES[pre]
             self._spec = spec
             self.clean_spaces = spec.clean_spaces
             self.add_bos = spec.add_bos
+            self.escape_whitespaces = spec.escape_whitespaces
             if spec.no_bos:
                 ids["bos"] = None
-        self.add_eos = False
+            if pre in ("jina-v1-en", "jina-v2-code", "roberta-bpe"):
+                self.add_sep = True
+        elif kind == "wpm":
+            ids.update(bos=101, unk=100, sep=102, pad=0, mask=103)
+            self.clean_spaces = True
+            self.add_bos = True
+            self.add_sep = True
+        elif kind == "ugm":
+            ids.update(eos=1, unk=2, pad=0)
+            self.add_eos = True
+        elif kind == "plamo2":
+            ids.update(bos=1, eos=2, unk=0, pad=3)
         asp = md.get("tokenizer.ggml.add_space_prefix")
         if asp is not None:
             self.add_space_prefix = bool(asp)
+        rew = md.get("tokenizer.ggml.remove_extra_whitespaces")
+        if rew is not None:
+            self.remove_extra_whitespaces = bool(rew)
 
         for name, value in list(ids.items()):  # defaults beyond the vocabulary are disabled
             if value is not None and value >= n:
@@ -583,10 +570,22 @@ class Tokenizer:
                 raise TokenizerError(f"{key}={v} is out of range for a vocabulary of {n} tokens")
             ids[name] = v
 
-        for key, attr in (("tokenizer.ggml.add_bos_token", "add_bos"), ("tokenizer.ggml.add_eos_token", "add_eos")):
+        for key, attr in (("tokenizer.ggml.add_bos_token", "add_bos"), ("tokenizer.ggml.add_eos_token", "add_eos"),
+                          ("tokenizer.ggml.add_sep_token", "add_sep")):
             v = md.get(key)
             if v is not None:
                 setattr(self, attr, bool(v))
+        if self._spec is not None and self._spec.type == "gemma4":
+            self.add_bos = True  # llama.cpp's Gemma 4 workaround: BOS is always added
+        # BERT normaliser options (WordPiece; "whitespace" BPE lower-cases with them too)
+        self.lowercase = not (self._spec is not None and self._spec.type == "whitespace")
+        v = md.get("tokenizer.ggml.normalizer.lowercase")
+        if v is not None:
+            self.lowercase = bool(v)
+        self.strip_accents = self.lowercase
+        v = md.get("tokenizer.ggml.normalizer.strip_accents")
+        if v is not None:
+            self.strip_accents = bool(v)
 
         # ---- special ids found by their text, EOG set (llama.cpp's vocab loader) ----
         def find_first(cands: Sequence[str]) -> int | None:
@@ -662,6 +661,7 @@ class Tokenizer:
         self.eom_id: int | None = ids["eom"]
         self.unk_id: int | None = ids["unk"]
         self.pad_id: int | None = ids["pad"]
+        self.sep_id: int | None = ids["sep"]
         self.eog_ids: frozenset[int] = frozenset(eog)
         if self.add_bos and self.bos_id is None:
             raise TokenizerError("tokenizer.ggml.add_bos_token is set but the vocabulary has no BOS token id")
@@ -683,8 +683,18 @@ class Tokenizer:
             # chars that precede ▁ inside some vocabulary entry: no cut before ▁ after one of these
             self._spm_no_cut = frozenset(t[k - 1] for t in texts if t.find(_SPM_SPACE, 1) > 0
                                          for k in range(1, len(t)) if t[k] == _SPM_SPACE)
-        else:
+        elif self.vocab_type == "bpe":
             self._init_bpe(md, use_hf_bpe)
+        elif self.vocab_type == "wpm":
+            self._engine: Any = vocab_models.WordPiece(texts, self.unk_id, self.lowercase, self.strip_accents)
+        elif self.vocab_type == "ugm":
+            self._engine = vocab_models.Unigram(
+                texts, attrs, self._scores, self.unk_id, md.get("tokenizer.ggml.precompiled_charsmap"),
+                add_space_prefix=self.add_space_prefix, remove_extra_ws=self.remove_extra_whitespaces)
+        elif self.vocab_type == "rwkv":
+            self._engine = vocab_models.RWKV(texts, self.unk_id)
+        else:
+            self._engine = vocab_models.Plamo2(texts, attrs, self._scores)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -705,17 +715,22 @@ class Tokenizer:
         return i
 
     def _init_bpe(self, md: Mapping[str, Any], use_hf: bool) -> None:
+        assert self._spec is not None
         merges = md.get("tokenizer.ggml.merges")
+        if merges is None and self._spec.type == "kimi-k2":
+            merges = []  # llama.cpp accepts a Kimi-K2 vocabulary without merges
         if not isinstance(merges, (list, tuple)):
-            raise TokenizerError("tokenizer.ggml.merges is missing: a 'gpt2' (BPE) vocabulary needs it")
+            raise TokenizerError(f"tokenizer.ggml.merges is missing: a {self.model!r} (BPE) vocabulary needs it")
         if set(map(type, merges)) - {str}:
             bad = next(r for r, m in enumerate(merges) if not isinstance(m, str))
             raise TokenizerError(f"tokenizer.ggml.merges[{bad}] is not a string")
         self._merge_pairs = _split_merges(merges)
         self._ranks_cache: dict[tuple[str, str], int] | None = None
-        assert self._spec is not None
         self._ignore_merges = self._spec.ignore_merges
-        self._splitter = _Splitter(self._spec.group)
+        self._byte_encode = self._spec.type not in RAW_UTF8_TYPES
+        self._newline_words = self._spec.type == "gemma4"  # a run of newlines that is a token stays one
+        group = _GROUP_OF_TYPE.get(self._spec.type)
+        self._splitter: Any = _Splitter(group) if group is not None else splitter(self._spec.type)
         self._hf = None
         if use_hf:
             try:
@@ -729,8 +744,9 @@ class Tokenizer:
             return
         try:
             # a repeated pair keeps its first (lowest) rank, as in llama.cpp (HF would keep the last)
+            # raw-UTF-8 vocabularies: a symbol that is no token becomes <0xNN> byte tokens
             bpe = _hf_models.BPE(vocab=self._tok2id, merges=list(dict.fromkeys(self._merge_pairs)),
-                                 ignore_merges=self._ignore_merges)
+                                 ignore_merges=self._ignore_merges, byte_fallback=not self._byte_encode)
         except Exception as e:  # HF rejects merges naming unknown tokens: report which one
             self._validate_merges()
             raise TokenizerError(f"tokenizer.ggml.merges rejected by the BPE model: {e}") from None
@@ -771,8 +787,13 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise TokenizerError(f"text is not valid Unicode (lone surrogate at index {e.start})") from None
         out: list[int] = []
-        if add_special and self.add_bos:
-            out.append(self.bos_id)  # type: ignore[arg-type]
+        kind = self.vocab_type
+        # llama.cpp: WordPiece always adds BOS (and SEP); RWKV and PLaMo-2 never add anything
+        add_special = add_special and kind not in ("rwkv", "plamo2")
+        if add_special and (self.add_bos or kind == "wpm"):
+            if self.bos_id is None:
+                raise TokenizerError("add_special=True needs a BOS token, and the vocabulary has none")
+            out.append(self.bos_id)
         fragments = self._partition(text, parse_special) if text else []
         if self.vocab_type == "spm":
             prev_special = True  # the first fragment gets the space prefix too
@@ -785,14 +806,27 @@ class Tokenizer:
                     frag = " " + frag
                 self._spm_encode(frag.replace(" ", _SPM_SPACE), out)
                 prev_special = False
-        else:
+        elif self.vocab_type == "bpe":
+            esc = self.escape_whitespaces
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
-                    self._bpe_encode(frag, out)
-        if add_special and self.add_eos:
-            out.append(self.eos_id)  # type: ignore[arg-type]
+                    self._bpe_encode(frag.replace(" ", _SPM_SPACE) if esc else frag, out)
+        else:
+            engine = self._engine.encode
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                else:
+                    engine(frag, out)
+        if add_special:
+            if self.vocab_type == "wpm":  # llama.cpp: WordPiece always ends with SEP
+                if self.sep_id is None:
+                    raise TokenizerError("add_special=True needs a SEP token, and the vocabulary has none")
+                out.append(self.sep_id)
+            elif self.add_eos:
+                out.append(self.eos_id)  # type: ignore[arg-type]
         return out
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
@@ -827,10 +861,15 @@ class Tokenizer:
     def _make_piece(self, i: int) -> bytes:
         attr = self._attrs[i]
         text = self._texts[i]
+        kind = self.vocab_type
+        if kind == "rwkv":
+            return vocab_models.rwkv_unescape(text)
+        if kind == "plamo2":
+            return bytes([self._byte_of[i]]) if i in self._byte_of else text.encode("utf-8")
         if attr & _ATTR_SPECIAL:
             return text.encode("utf-8")
         if attr & ATTR_NORMAL:
-            if self.vocab_type == "spm":
+            if kind != "bpe" or self.escape_whitespaces:
                 return text.replace(_SPM_SPACE, " ").encode("utf-8")
             return _from_byte_level(text)
         if attr & ATTR_BYTE:
@@ -1051,15 +1090,24 @@ class Tokenizer:
 
     def _bpe_fill(self, words: list[str]) -> dict[str, tuple[int, ...]]:
         """Merge ``words`` (pre-tokenized text pieces), cache and return their ids."""
-        levels = [_to_byte_level(w) for w in words]
+        levels = [_to_byte_level(w) for w in words] if self._byte_encode else list(words)
+        result: dict[str, tuple[int, ...]] = {}
+        if self._newline_words:  # llama.cpp's Gemma 4 fix: a newline run that is a token is taken whole
+            for w in words:
+                if w and not w.strip("\n") and w in self._tok2id:
+                    result[w] = (self._tok2id[w],)
+            if result:
+                keep = [k for k, w in enumerate(words) if w not in result]
+                words = [words[k] for k in keep]
+                levels = [levels[k] for k in keep]
         if self._hf is None:
-            result = {w: self._bpe_merge_word(bl) for w, bl in zip(words, levels)}
-        else:
+            result.update({w: self._bpe_merge_word(bl) for w, bl in zip(words, levels)})
+        elif words:
             enc = self._hf.encode(levels, is_pretokenized=True, add_special_tokens=False)
             groups: list[list[int]] = [[] for _ in words]
             for tid, wi in zip(enc.ids, enc.word_ids):
                 groups[wi].append(tid)
-            result = {w: tuple(g) for w, g in zip(words, groups)}
+            result.update({w: tuple(g) for w, g in zip(words, groups)})
         cache = self._cache
         if len(cache) + len(result) > _MAX_CACHE:
             cache.clear()
@@ -1111,8 +1159,10 @@ class Tokenizer:
             tid = vocab.get(s)
             if tid is not None:
                 out.append(tid)
-            else:  # llama.cpp: single-byte texts of the symbol's UTF-8, where they are tokens
+            elif self._byte_encode:  # llama.cpp: single-byte texts of the symbol's UTF-8, where they are tokens
                 out.extend(vocab[chr(b)] for b in s.encode("utf-8") if b < 0x80 and chr(b) in vocab)
+            else:  # raw-UTF-8 vocabularies: <0xNN> byte tokens, where they exist
+                out.extend(vocab[t] for b in s.encode("utf-8") if (t := "<0x%02X>" % b) in vocab)
         return tuple(out)
 
 
