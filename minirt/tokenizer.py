@@ -60,7 +60,7 @@ import regex
 
 from .errors import TokenizerError
 from . import vocab_models
-from .pretokenizers import PRE_NAMES, RAW_UTF8_TYPES, PreSpec, splitter
+from .pretokenizers import F_WHITESPACE, PRE_NAMES, RAW_UTF8_TYPES, PreSpec, flags_of, lowercase_map, splitter
 from .token_attrs import (  # noqa: F401 - re-exported: minirt.tokenizer.ATTR_* is public
     TOKEN_TYPE_UNDEFINED,
     TOKEN_TYPE_NORMAL,
@@ -152,7 +152,10 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_TO_CHAR)}
 # str.translate tables: latin-1 decoded bytes -> byte-level characters, and back
 _ENCODE_TABLE = {b: c for b, c in enumerate(_BYTE_TO_CHAR)}
-_DECODE_TABLE = {ord(c): b for b, c in enumerate(_BYTE_TO_CHAR)}
+_DECODE_TABLE: dict[int, int | str] = {ord(c): b for b, c in enumerate(_BYTE_TO_CHAR)}
+# characters below 256 that are no byte-level character must not pass through as latin-1 bytes:
+# send them to the slow path, which writes llama.cpp's [UNK_BYTE_...] marker
+_DECODE_TABLE.update({c: "\uffff" for c in range(256) if c not in _DECODE_TABLE})
 
 
 def _to_byte_level(word: str) -> str:
@@ -326,7 +329,7 @@ _GROUP_OF_TYPE = {"default": "default", "gpt2": "gpt2", "llama3": "llama3", "dbr
 
 SUPPORTED_PRE_TOKENIZERS = frozenset(PRE_NAMES)
 # tokenizer.ggml.model -> vocabulary kind (llama.cpp llama_vocab::impl::load)
-_MODEL_KIND = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm", "t5": "ugm", "rwkv": "rwkv",
+_MODEL_KIND = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "bert": "wpm", "t5": "ugm", "rwkv": "rwkv",
                "plamo2": "plamo2"}
 SUPPORTED_MODELS = frozenset(_MODEL_KIND)
 
@@ -811,6 +814,9 @@ class Tokenizer:
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
+                elif self.model == "whitespace":
+                    for seg in self._whitespace_segments(frag):
+                        self._bpe_encode(seg, out)
                 else:
                     self._bpe_encode(frag.replace(" ", _SPM_SPACE) if esc else frag, out)
         else:
@@ -1087,6 +1093,24 @@ class Tokenizer:
                 if ids is None:
                     ids = fresh[w] = self._bpe_fill([w])[w]
             ext(ids)
+
+    def _whitespace_segments(self, text: str) -> list[str]:
+        """llama.cpp's "whitespace" model: the runs between whitespace, lower-cased if the
+        normaliser says so (llama.cpp's own simple lowercase table)."""
+        if self.lowercase:
+            lower = lowercase_map()
+            text = "".join(chr(lower.get(ord(c), ord(c))) for c in text)
+        ws = (flags_of(text) & F_WHITESPACE) != 0 if text else []
+        segs: list[str] = []
+        start = 0
+        for k, w in enumerate(ws):
+            if w:
+                if k > start:
+                    segs.append(text[start:k])
+                start = k + 1
+        if start < len(text):
+            segs.append(text[start:])
+        return segs
 
     def _bpe_fill(self, words: list[str]) -> dict[str, tuple[int, ...]]:
         """Merge ``words`` (pre-tokenized text pieces), cache and return their ids."""

@@ -1,0 +1,423 @@
+"""Rebuild the small vocabularies in this folder and llama.cpp's token ids for them.
+
+    PYTHONPATH=/path/to/llama_cpp_python LLAMA_CPP_LIB_PATH=/path/to/llama.cpp/build/bin \\
+        python tests/data/tokenizers/regenerate.py --llama-cpp /path/to/llama.cpp [--vocabs]
+
+``--vocabs`` also rebuilds the vocabulary files (``*.gguf.gz``) from the vocab-only GGUFs that
+llama.cpp ships in ``models/`` (cut down so they stay small) and from token lists written here
+(RWKV, PLaMo-2). Without it the committed vocabularies are kept and only the references are
+recomputed. References are llama.cpp's own ``llama_tokenize`` / ``llama_detokenize`` (through
+llama-cpp-python's ctypes binding) on exactly these files; each BPE pre-tokenizer is run by
+writing the byte-level vocabulary again with that ``tokenizer.ggml.pre`` value.
+
+Output: ``references.json.gz``: ``{"corpus": [texts], "cases": [{"vocab", "model", "pre", "ids",
+"ids_special", "ids_add", "detok", "detok_hidden"}]}``, one list entry per corpus text:
+``ids`` (no BOS/EOS, special-token text as text), ``ids_special`` (special-token text parsed),
+``ids_add`` (BOS/EOS as the vocabulary asks), ``detok`` (``llama_detokenize`` of ``ids_special``
+with special tokens rendered), ``detok_hidden`` (same, control tokens dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))
+
+from minirt import gguf as mgguf  # noqa: E402
+from minirt.pretokenizers import PRE_NAMES, RAW_UTF8_TYPES  # noqa: E402
+
+CORPUS = [
+    "", " ", "  ", "\t", "\n", "\n\n\n", " \n \n\n \t\t \r\n", "a", "Hello world", " Hello World!",
+    "  leading spaces\t\ttabs\n\n\nnewlines \r\n", "trailing spaces   ", "mixed \t \n\t\n  x",
+    "1 12 123 1234 12345 1234567890 3.14159 1,000,000 -42 ٣٤٥ ①②", "007 0x1F 1e-9 2024-12-01",
+    "def f(x):\n    return x**2  # comment\n\nif __name__ == '__main__':\n\tprint(f(3))\n",
+    "for (int i = 0; i < n; ++i) { a[i] += b[i] * 2; } // C++\n", "<div class=\"x\">&amp;</div>",
+    "中文测试，你好世界！日本語のテキスト。ひらがな カタカナ 한국어 텍스트", "日本語 and English混合text123",
+    "emoji 👨‍👩‍👧‍👦 🏳️‍🌈 👍🏽 😀😃 🚀", "ab😀cd\U0001F9D1\u200D\U0001F4BB", "café café naïve Ångström",
+    "x\u0301y\u0308 e\u0301 \u0915\u094d\u0937", "ÀÉÎÕÜ àéîõü ǅ ﬁ ı İ ß ẞ Σσς", "Ünïcödé — “quotes” ‘single’ …",
+    "I'm you're he'll we've they'd IT'S 'LL 's 'T", "The QUICK brown FOX's tail, isn't it?",
+    "Hello, world! How's it going? Fine . , ! ?", "$100 + 50% = ~€150 | <html> @user #tag ^_^",
+    "\u00a0nbsp\u3000ideographic\u2028sep\u2029para\u0085nel", "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f\x7f",
+    "\x00nul\ufeffbom\ufffdrepl\ue000pua", "Привет мир! Ελληνικά עברית العربية हिन्दी ไทย",
+    "<|endoftext|><|im_start|>user\nhi<|im_end|>", "<s>[INST] x [/INST]</s> <unk> <pad>",
+    "a<think>b</think> c <think>", "  <|im_start|>  spaced  <|im_end|>  ", "[CLS] [SEP] [MASK] [UNK] x",
+    "<|plamo:bos|>plamo<|plamo:eos|>", "\\x41\\n\\\\ back\\slash", "<0x41> <0xE4>",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "                                        x",
+    "\U0001D400\U0001D401 \U00010400 \U00020000\U0002A700 \u1c89\u0870",
+    "\ufffd\ufffd x \ufffd",  # what invalid UTF-8 becomes once decoded with errors="replace"
+]
+
+BYTELEVEL = "bpe-bytelevel.gguf.gz"
+GEMMA4 = "bpe-gemma4.gguf.gz"
+WPM = "wpm.gguf.gz"
+SPM = "spm.gguf.gz"
+UGM = "ugm.gguf.gz"
+RWKV = "rwkv.gguf.gz"
+PLAMO2 = "plamo2.gguf.gz"
+
+_HPARAMS = {  # llama.cpp loads a model's hyper-parameters even for vocab_only: a small "llama"
+    "general.architecture": "llama", "llama.block_count": 1, "llama.context_length": 512,
+    "llama.embedding_length": 64, "llama.feed_forward_length": 128, "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 4, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# writing GGUF files
+# ---------------------------------------------------------------------------------------------
+
+def write_gguf(path: Path, md: dict[str, Any]) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in md.items():
+        if k == "general.architecture":
+            continue
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        elif isinstance(v, np.ndarray) and v.dtype.itemsize == 1:  # precompiled_charsmap
+            w.add_key_value(k, v.astype(np.uint8).tolist(), gguf.GGUFValueType.ARRAY,
+                            sub_type=gguf.GGUFValueType.UINT8)
+        elif isinstance(v, np.ndarray) and v.dtype.kind == "f":
+            w.add_key_value(k, [float(x) for x in v], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+        elif isinstance(v, np.ndarray):
+            w.add_key_value(k, [int(x) for x in v], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+            w.add_array(k, list(v))
+        else:
+            raise TypeError(f"{k}: {type(v)}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def read_md(path: Path) -> dict[str, Any]:
+    """Metadata of a (possibly gzipped) GGUF file, arrays as lists / numpy arrays."""
+    if path.suffix == ".gz":
+        with tempfile.TemporaryDirectory() as td:
+            raw = Path(td) / path.stem
+            raw.write_bytes(gzip.decompress(path.read_bytes()))
+            return read_md(raw)
+    f = mgguf.open(str(path))
+    md = {}
+    for k, v in f.metadata.items():
+        if isinstance(v, np.ndarray):
+            v = v.copy()
+        elif isinstance(v, (list, tuple)):
+            v = list(v)
+        md[k] = v
+    return md
+
+
+def save_gz(name: str, md: dict[str, Any]) -> None:
+    with tempfile.TemporaryDirectory() as td:
+        p = Path(td) / "v.gguf"
+        write_gguf(p, md)
+        (HERE / name).write_bytes(gzip.compress(p.read_bytes(), 9, mtime=0))
+    print(f"wrote {name}: {(HERE / name).stat().st_size} bytes", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the vocabularies
+# ---------------------------------------------------------------------------------------------
+
+def _base(md: dict[str, Any]) -> dict[str, Any]:
+    return dict(_HPARAMS)
+
+
+def build_bytelevel(models: Path, n_merges: int = 5000) -> None:
+    """Qwen2's byte-level BPE cut to its first ``n_merges`` merges (its ids follow merge ranks)."""
+    src = read_md(models / "ggml-vocab-qwen2.gguf")
+    tokens, merges = src["tokenizer.ggml.tokens"], src["tokenizer.ggml.merges"]
+    keep = tokens[:256 + n_merges]
+    for k in range(n_merges):
+        assert "".join(merges[k].split(" ", 1)) == keep[256 + k]
+    specials = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<think>", 4), ("</think>", 4)]
+    md = _base(src)
+    md.update({
+        "general.name": "bpe-bytelevel", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": keep + [t for t, _ in specials],
+        "tokenizer.ggml.token_type": np.array([1] * len(keep) + [ty for _, ty in specials], np.int32),
+        "tokenizer.ggml.merges": merges[:n_merges],
+        "tokenizer.ggml.eos_token_id": len(keep), "tokenizer.ggml.bos_token_id": len(keep),
+    })
+    save_gz(BYTELEVEL, md)
+
+
+def build_gemma4(models: Path, n_merges: int = 6000) -> None:
+    """Gemma 4's raw-UTF-8 BPE cut down: its special tokens, byte tokens, the first merges."""
+    src = read_md(models / "ggml-vocab-gemma-4.gguf")
+    tokens, merges = src["tokenizer.ggml.tokens"], src["tokenizer.ggml.merges"]
+    types = np.asarray(src["tokenizer.ggml.token_type"])
+    scores = np.asarray(src["tokenizer.ggml.scores"], np.float32)
+    want = {t for t, ty in zip(tokens, types) if ty != 1}
+    want |= {t for t in tokens if len(t) == 1 and (ord(t) < 0x250 or t == "\u2581")}
+    want |= {"\n" * k for k in range(1, 32)} | {"\u2581" * k for k in range(1, 32)} | {"</s>"}
+    kept_merges = []
+    for m in merges[:n_merges]:
+        a, b = m.split(" ", 1)
+        kept_merges.append(m)
+        want |= {a, b, a + b}
+    ids = [i for i, t in enumerate(tokens) if t in want]
+    remap = {old: new for new, old in enumerate(ids)}
+    md = _base(src)
+    md.update({
+        "general.name": "bpe-gemma4", "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": [tokens[i] for i in ids], "tokenizer.ggml.scores": scores[ids],
+        "tokenizer.ggml.token_type": types[ids].astype(np.int32), "tokenizer.ggml.merges": kept_merges,
+        "tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": True,
+    })
+    for key in ("bos", "eos", "unknown", "padding", "mask"):
+        k = f"tokenizer.ggml.{key}_token_id"
+        md[k] = remap[int(src[k])]
+    save_gz(GEMMA4, md)
+
+
+def build_spm(models: Path, n: int = 8000) -> None:
+    """LLaMA's SentencePiece vocabulary (scores, byte tokens) cut to its first ``n`` pieces."""
+    src = read_md(models / "ggml-vocab-llama-spm.gguf")
+    md = _base(src)
+    md.update({
+        "general.name": "spm", "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": src["tokenizer.ggml.tokens"][:n],
+        "tokenizer.ggml.scores": np.asarray(src["tokenizer.ggml.scores"][:n], np.float32),
+        "tokenizer.ggml.token_type": np.asarray(src["tokenizer.ggml.token_type"][:n], np.int32),
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False,
+    })
+    save_gz(SPM, md)
+
+
+def build_wpm(models: Path, n: int = 6000) -> None:
+    """BGE's WordPiece vocabulary, first ``n`` entries (specials, characters, frequent words)."""
+    src = read_md(models / "ggml-vocab-bert-bge.gguf")
+    md = _base(src)
+    md.update({
+        "general.name": "wpm", "tokenizer.ggml.model": "bert", "tokenizer.ggml.pre": "bert-bge",
+        "tokenizer.ggml.tokens": src["tokenizer.ggml.tokens"][:n],
+        "tokenizer.ggml.token_type": np.asarray(src["tokenizer.ggml.token_type"][:n], np.int32),
+    })
+    for key in ("unknown", "seperator", "padding", "mask"):
+        k = f"tokenizer.ggml.{key}_token_id"
+        md[k] = int(src[k])
+    md["tokenizer.ggml.bos_token_id"] = int(src["tokenizer.ggml.cls_token_id"])
+    save_gz(WPM, md)
+
+
+def build_ugm(models: Path, n: int = 6000) -> None:
+    """XLM-R's Unigram vocabulary (from nomic-bert-moe) cut to ``n`` pieces, with its
+    precompiled_charsmap, plus a user-defined token."""
+    src = read_md(models / "ggml-vocab-nomic-bert-moe.gguf")
+    tokens = src["tokenizer.ggml.tokens"][:n] + ["<ud>", "<ud_long>"]
+    types = np.concatenate([np.asarray(src["tokenizer.ggml.token_type"][:n]), [4, 4]]).astype(np.int32)
+    scores = np.concatenate([np.asarray(src["tokenizer.ggml.scores"][:n], np.float32), [0, 0]]).astype(np.float32)
+    md = _base(src)
+    md.update({
+        "general.name": "ugm", "tokenizer.ggml.model": "t5", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.add_space_prefix": True, "tokenizer.ggml.remove_extra_whitespaces": True,
+        "tokenizer.ggml.precompiled_charsmap": np.asarray(src["tokenizer.ggml.precompiled_charsmap"]).astype(np.uint8),
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True,
+    })
+    for key in ("bos", "eos", "unknown", "seperator", "padding"):
+        k = f"tokenizer.ggml.{key}_token_id"
+        md[k] = int(src[k])
+    save_gz(UGM, md)
+
+
+_WORDS = ("the of and to in is was for on that with as by at from this be are it or an not have which "
+          "hello world token tokens tok en ize izer code def return print int float string 12 123 00 000 "
+          "ing ed er es ly tion ment ness able ous").split()
+
+
+def build_rwkv() -> None:
+    """An RWKV "world"-style vocabulary: every byte (escaped as RWKV's converter writes it),
+    words with and without a leading space, some CJK and emoji pieces."""
+    def esc(b: bytes) -> str:
+        out = []
+        for c in b:
+            if c == 0x5C:
+                out.append("\\\\")
+            elif 0x20 <= c < 0x7F:
+                out.append(chr(c))
+            elif c == 9:
+                out.append("\\t")
+            elif c == 10:
+                out.append("\\n")
+            elif c == 13:
+                out.append("\\r")
+            else:
+                out.append("\\x%02x" % c)
+        return "".join(out)
+
+    pieces = [bytes([b]) for b in range(256)]
+    for w in _WORDS:
+        pieces += [w.encode(), b" " + w.encode()]
+    pieces += [b"\n\n", b"  ", b"    ", b"\r\n", "中文".encode(), "你好".encode(), "世界".encode(),
+               "こんにちは".encode(), "😀".encode(), "é".encode(), "ü".encode(), b"\xe4\xb8"]
+    texts, seen = [], set()
+    for p in pieces:
+        t = esc(p) if (p in (b"\xe4\xb8",) or len(p) == 1) else p.decode("utf-8").replace("\\", "\\\\").replace(
+            "\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+        if t not in seen:
+            seen.add(t)
+            texts.append(t)
+    texts = ["<s>"] + texts
+    md = dict(_HPARAMS)
+    md.update({"general.name": "rwkv", "tokenizer.ggml.model": "rwkv",
+               "tokenizer.ggml.tokens": texts,
+               "tokenizer.ggml.token_type": np.array([3] + [1] * (len(texts) - 1), np.int32)})
+    save_gz(RWKV, md)
+
+
+def build_plamo2() -> None:
+    """A PLaMo-2-style vocabulary: control tokens, all 256 byte tokens, scored pieces (with ties)."""
+    rng = np.random.default_rng(0)
+    pieces = ["\u2581" + w for w in _WORDS] + _WORDS + [" " + w for w in _WORDS] + [
+        "中", "文", "中文", "你好", "世界", "日本", "日本語", "語", "é", "ü", "café", "  ", "\n", "\n\n", "😀",
+        "a", "b", "c", "ab", "bc", "abc", "aa", "aaa"]
+    pieces = list(dict.fromkeys(pieces))
+    texts = ["<|plamo:unk|>", "<|plamo:bos|>", "<|plamo:eos|>", "<|plamo:pad|>"]
+    types = [2, 3, 3, 3]
+    scores = [0.0] * 4
+    texts += ["<0x%02X>" % b for b in range(256)]
+    types += [6] * 256
+    scores += [0.0] * 256
+    for p in pieces:
+        texts.append(p)
+        types.append(1)
+        scores.append(float(np.round(-rng.uniform(1, 12), 1)))  # one decimal: equal costs happen
+    md = dict(_HPARAMS)
+    md.update({"general.name": "plamo2", "tokenizer.ggml.model": "plamo2", "tokenizer.ggml.tokens": texts,
+               "tokenizer.ggml.token_type": np.array(types, np.int32),
+               "tokenizer.ggml.scores": np.array(scores, np.float32),
+               "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+               "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.padding_token_id": 3})
+    save_gz(PLAMO2, md)
+
+
+# ---------------------------------------------------------------------------------------------
+# references from llama.cpp
+# ---------------------------------------------------------------------------------------------
+
+def pre_cases() -> list[str]:
+    """One tokenizer.ggml.pre name per distinct llama.cpp behaviour (type + flags)."""
+    seen: dict[Any, str] = {}
+    for name, spec in PRE_NAMES.items():
+        seen.setdefault(spec, name)
+    return list(seen.values())
+
+
+def cases() -> list[tuple[str, str, str | None]]:
+    """(vocabulary file, tokenizer.ggml.model, tokenizer.ggml.pre) for every reference case."""
+    out: list[tuple[str, str, str | None]] = []
+    for name in pre_cases():
+        if PRE_NAMES[name].type in RAW_UTF8_TYPES:
+            # llama.cpp asserts a raw-UTF-8 BPE word has no space: "whitespace" needs its own model
+            model = {"gemma4": "gemma4", "whitespace": "whitespace"}.get(PRE_NAMES[name].type, "gpt2")
+            out.append((GEMMA4, model, name))
+        else:
+            out.append((BYTELEVEL, "gpt2", name))
+    out += [(BYTELEVEL, "whitespace", "gpt-2"), (SPM, "llama", None), (WPM, "bert", None), (UGM, "t5", None), (RWKV, "rwkv", None), (PLAMO2, "plamo2", None)]
+    return out
+
+
+def case_metadata(vocab: str, model: str, pre: str | None) -> dict[str, Any]:
+    """The metadata of one case: the vocabulary file with its model / pre keys set."""
+    md = read_md(HERE / vocab)
+    md["tokenizer.ggml.model"] = model
+    if pre is not None:
+        md["tokenizer.ggml.pre"] = pre
+    return md
+
+
+def llama_refs(path: Path) -> dict[str, list[Any]]:
+    import llama_cpp
+
+    mp = llama_cpp.llama_model_default_params()
+    mp.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    vocab = llama_cpp.llama_model_get_vocab(model)
+
+    def tok(text: str, add: bool, special: bool) -> list[int]:
+        b = text.encode("utf-8")
+        cap = len(b) * 4 + 16
+        arr = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(vocab, b, len(b), arr, cap, add, special)
+        assert n >= 0, n
+        return list(arr[:n])
+
+    def detok(ids: list[int], unparse: bool) -> str:
+        arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
+        buf = ctypes.create_string_buffer(len(ids) * 64 + 64)
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, len(buf), False, unparse)
+        assert n >= 0, n
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    out: dict[str, list[Any]] = {"ids": [], "ids_special": [], "ids_add": [], "detok": [], "detok_hidden": []}
+    for text in CORPUS:
+        out["ids"].append(tok(text, False, False))
+        sp = tok(text, False, True)
+        out["ids_special"].append(sp)
+        out["ids_add"].append(tok(text, True, False))
+        out["detok"].append(detok(sp, True))
+        out["detok_hidden"].append(detok(sp, False))
+    llama_cpp.llama_model_free(model)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree (its models/ folder)")
+    ap.add_argument("--vocabs", action="store_true", help="rebuild the vocabulary files too")
+    args = ap.parse_args()
+    models = args.llama_cpp / "models"
+    if args.vocabs:
+        build_bytelevel(models)
+        build_gemma4(models)
+        build_spm(models)
+        build_wpm(models)
+        build_ugm(models)
+        build_rwkv()
+        build_plamo2()
+    result: dict[str, Any] = {"corpus": CORPUS, "cases": []}
+    td = Path(tempfile.mkdtemp())
+    try:
+        for vocab, model, pre in cases():
+            p = td / "case.gguf"
+            write_gguf(p, case_metadata(vocab, model, pre))
+            refs = llama_refs(p)
+            result["cases"].append({"vocab": vocab, "model": model, "pre": pre, **refs})
+            print(f"{vocab} {model} {pre}: {sum(map(len, refs['ids']))} ids", flush=True)
+    finally:
+        shutil.rmtree(td)
+    raw = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
+    (HERE / "references.json.gz").write_bytes(gzip.compress(raw, 9, mtime=0))
+    print(f"wrote references.json.gz ({len(result['cases'])} cases)")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("LLAMA_LOG_LEVEL", "error")
+    sys.exit(main())

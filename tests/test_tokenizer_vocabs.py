@@ -1,0 +1,119 @@
+"""Every vocabulary kind and BPE pre-tokenizer of llama.cpp against llama.cpp's own ids.
+
+The vocabularies and references live in ``tests/data/tokenizers`` (see its README): small
+vocab-only GGUFs (cut from the ones llama.cpp ships, or written by ``regenerate.py``) and, for
+each case (vocabulary x ``tokenizer.ggml.model`` x ``tokenizer.ggml.pre``), llama.cpp's
+``llama_tokenize`` / ``llama_detokenize`` results on a corpus of whitespace runs, digits, code,
+CJK, emoji, accents, contractions, special-token text and U+FFFD.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import minirt
+from minirt.pretokenizers import PRE_NAMES
+from minirt.tokenizer import SUPPORTED_MODELS, Tokenizer
+
+DATA = Path(__file__).parent / "data" / "tokenizers"
+
+
+@functools.lru_cache(maxsize=None)
+def _refs() -> dict[str, Any]:
+    return json.loads(gzip.decompress((DATA / "references.json.gz").read_bytes()))
+
+
+
+@functools.lru_cache(maxsize=None)
+def _metadata(vocab: str, tmp: Path) -> dict[str, Any]:
+    raw = tmp / vocab.removesuffix(".gz")
+    raw.write_bytes(gzip.decompress((DATA / vocab).read_bytes()))
+    f = minirt.gguf.open(str(raw))
+    return dict(f.metadata)
+
+
+@pytest.fixture(scope="module")
+def tmpdir_vocabs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vocabs")
+
+
+def _case_id(case: dict[str, Any]) -> str:
+    return f"{case['vocab'].split('.')[0]}-{case['model']}-{case['pre']}"
+
+
+CASES = _refs()["cases"]
+
+
+def _tokenizer(case: dict[str, Any], tmp: Path, **kw: Any) -> Tokenizer:
+    md = dict(_metadata(case["vocab"], tmp))
+    md["tokenizer.ggml.model"] = case["model"]
+    if case["pre"] is not None:
+        md["tokenizer.ggml.pre"] = case["pre"]
+    return Tokenizer.from_metadata(md, **kw)
+
+
+def _check(tok: Tokenizer, case: dict[str, Any]) -> list[str]:
+    bad = []
+    for k, text in enumerate(_refs()["corpus"]):
+        for field, add, special in (("ids", False, False), ("ids_special", False, True), ("ids_add", True, False)):
+            got = tok.encode(text, add_special=add, parse_special=special)
+            if got != case[field][k]:
+                bad.append(f"{field} {text!r}: {got} != llama.cpp {case[field][k]}")
+    return bad
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_ids_equal_llama_cpp(case, tmpdir_vocabs):
+    tok = _tokenizer(case, tmpdir_vocabs)
+    bad = _check(tok, case)
+    assert not bad, "\n".join(bad[:5])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["model"] in ("gpt2", "gemma4", "whitespace")][::4],
+                         ids=_case_id)
+def test_python_bpe_loop_equals_llama_cpp(case, tmpdir_vocabs):
+    # the pure-Python merge loop (used without HF tokenizers) gives the same ids
+    tok = _tokenizer(case, tmpdir_vocabs, use_hf_bpe=False)
+    bad = _check(tok, case)
+    assert not bad, "\n".join(bad[:5])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_detokenize_and_stream_equal_llama_cpp(case, tmpdir_vocabs):
+    tok = _tokenizer(case, tmpdir_vocabs)
+    for k, text in enumerate(_refs()["corpus"]):
+        ids = case["ids_special"][k]
+        for skip, field in ((False, "detok"), (True, "detok_hidden")):
+            assert tok.decode(ids, skip_special=skip) == case[field][k], (text, skip)
+            dec = tok.stream_decoder(skip_special=skip)
+            streamed = "".join(dec.push(i) for i in ids) + dec.finish()
+            assert streamed == case[field][k], (text, skip)
+
+
+def test_every_llama_cpp_pre_tokenizer_and_model_is_covered():
+    covered = {(c["model"], PRE_NAMES[c["pre"]] if c["pre"] else None) for c in CASES}
+    specs = {spec for _, spec in covered}
+    missing = sorted(n for n, spec in PRE_NAMES.items() if spec not in specs)
+    assert not missing, f"pre-tokenizers without a llama.cpp reference: {missing}"
+    assert SUPPORTED_MODELS == {c["model"] for c in CASES}
+    # the names llama.cpp knows for the most used models of 2025-26
+    assert {"qwen35", "gpt-4o", "tekken", "llama4", "kimi-k2", "seed-coder", "deepseek-coder", "falcon",
+            "deepseek-v3", "gemma4", "glm4", "minimax-m2", "afmoe", "superbpe", "tiny_aya"} <= set(PRE_NAMES)
+
+
+def test_committed_vocabularies_stay_small():
+    sizes = {p.name: p.stat().st_size for p in DATA.glob("*.gz")}
+    assert sizes and max(sizes.values()) < 256 * 1024, sizes
+
+
+def test_unknown_model_names_the_key(tmpdir_vocabs):
+    md = dict(_metadata("wpm.gguf.gz", tmpdir_vocabs))
+    md["tokenizer.ggml.model"] = "no_vocab"
+    with pytest.raises(minirt.TokenizerError, match="tokenizer.ggml.model 'no_vocab'"):
+        Tokenizer.from_metadata(md)
