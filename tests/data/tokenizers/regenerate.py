@@ -60,6 +60,7 @@ CORPUS = [
 ]
 
 BYTELEVEL = "bpe-bytelevel.gguf.gz"
+TRAINED = "bpe-trained.gguf.gz"
 GEMMA4 = "bpe-gemma4.gguf.gz"
 WPM = "wpm.gguf.gz"
 SPM = "spm.gguf.gz"
@@ -161,6 +162,46 @@ def build_bytelevel(models: Path, n_merges: int = 5000) -> None:
         "tokenizer.ggml.eos_token_id": len(keep), "tokenizer.ggml.bos_token_id": len(keep),
     })
     save_gz(BYTELEVEL, md)
+
+
+def build_trained(models: Path, vocab_size: int = 3000) -> None:
+    """A byte-level BPE trained (HF ``tokenizers``) on text that was *not* pre-tokenized, so its
+    merges cross word, digit, space and punctuation boundaries: every difference between two
+    pre-tokenizers' splits shows in the ids."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models as hm
+    from tokenizers import pre_tokenizers, trainers
+
+    texts = list(CORPUS) * 3
+    for inp in sorted(models.glob("ggml-vocab-*.gguf.inp")):
+        texts += inp.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    tok = HFTokenizer(hm.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    spec = json.loads(tok.to_str())["model"]
+    vocab = sorted(spec["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]]
+    tokens = [t for t, _ in vocab]
+    specials = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<think>", 4), ("</think>", 4)]
+    types = [1] * len(tokens)
+    for t, ty in specials:  # a special text that training made a token keeps its id
+        if t in tokens:
+            types[tokens.index(t)] = ty
+        else:
+            tokens.append(t)
+            types.append(ty)
+    md = dict(_HPARAMS)
+    md.update({
+        "general.name": "bpe-trained", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": np.array(types, np.int32),
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
+    })
+    save_gz(TRAINED, md)
 
 
 def build_gemma4(models: Path, n_merges: int = 6000) -> None:
@@ -336,7 +377,7 @@ def cases() -> list[tuple[str, str, str | None]]:
             model = {"gemma4": "gemma4", "whitespace": "whitespace"}.get(PRE_NAMES[name].type, "gpt2")
             out.append((GEMMA4, model, name))
         else:
-            out.append((BYTELEVEL, "gpt2", name))
+            out += [(BYTELEVEL, "gpt2", name), (TRAINED, "gpt2", name)]
     out += [(BYTELEVEL, "whitespace", "gpt-2"), (SPM, "llama", None), (WPM, "bert", None), (UGM, "t5", None), (RWKV, "rwkv", None), (PLAMO2, "plamo2", None)]
     return out
 
@@ -395,6 +436,7 @@ def main() -> int:
     models = args.llama_cpp / "models"
     if args.vocabs:
         build_bytelevel(models)
+        build_trained(models)
         build_gemma4(models)
         build_spm(models)
         build_wpm(models)
