@@ -26,7 +26,6 @@ is rewritten to ``\\Z``.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -35,7 +34,6 @@ import regex
 
 from . import unicode_data
 
-log = logging.getLogger(__name__)
 
 # llama.cpp unicode_cpt_flags bits
 F_UNDEFINED = 0x0001
@@ -54,7 +52,7 @@ _MAX_CP = 0x110000
 # code point tables
 # ---------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flag_table() -> np.ndarray:
     """uint16 flags of every code point (llama.cpp ``unicode_cpt_flags_array``, whitespace bit set)."""
     starts, flags = [], []
@@ -68,7 +66,7 @@ def flag_table() -> np.ndarray:
     return table
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _collapse_table() -> np.ndarray:
     """Code point -> the byte llama.cpp's ``text_collapsed`` holds for it."""
     fl = flag_table()
@@ -81,7 +79,7 @@ def _collapse_table() -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lowercase_map() -> dict[int, int]:
     """llama.cpp ``unicode_tolower``: simple lowercase mappings."""
     out = {}
@@ -91,7 +89,7 @@ def lowercase_map() -> dict[int, int]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nfd_map() -> dict[int, int]:
     """llama.cpp ``unicode_cpts_normalize_nfd``: each code point -> the first code point of its NFD."""
     out = {}
@@ -130,7 +128,7 @@ def _wide(text: str) -> str:
     return cps.tobytes().decode("utf-32-le")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def char_class(mask: int) -> str:
     """A regex class body (no brackets) of the code points whose category flags intersect ``mask``."""
     fl = flag_table()
@@ -281,7 +279,7 @@ def _bracket_bare(pat: str, cls: dict[str, str]) -> str:
     return "".join(out)
 
 
-def _split_regex(rx: "regex.Pattern[str]", src: str, piece_len_ok: bool = True) -> list[int]:
+def _split_regex(rx: "regex.Pattern[str]", src: str) -> list[int]:
     """Lengths of the pieces ``rx`` cuts ``src`` into (matches and the gaps between them)."""
     out = []
     pos = 0
@@ -702,7 +700,7 @@ _reg(["solar-open"], "qwen2", clean_spaces=False)
 _reg(["mellum2"], "starcoder")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def splitter(type_: str) -> Splitter:
     """The (cached) splitter of a pre-tokenizer type."""
     return Splitter(PRE_TYPE_REGEXES[type_])

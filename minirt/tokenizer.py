@@ -52,40 +52,47 @@ from __future__ import annotations
 import heapq
 import logging
 from array import array
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import regex
 
-from .errors import TokenizerError
 from . import vocab_models
-from .pretokenizers import F_WHITESPACE, PRE_NAMES, RAW_UTF8_TYPES, PreSpec, flags_of, lowercase_map, splitter
+from .detokenizer import StreamDecoder, clean_spaces
+from .errors import TokenizerError
+from .pretokenizers import (
+    F_WHITESPACE,
+    PRE_NAMES,
+    RAW_UTF8_TYPES,
+    PreSpec,
+    flags_of,
+    lowercase_map,
+    splitter,
+)
 from .token_attrs import (  # noqa: F401 - re-exported: minirt.tokenizer.ATTR_* is public
-    TOKEN_TYPE_UNDEFINED,
-    TOKEN_TYPE_NORMAL,
-    TOKEN_TYPE_UNKNOWN,
-    TOKEN_TYPE_CONTROL,
-    TOKEN_TYPE_USER_DEFINED,
-    TOKEN_TYPE_UNUSED,
-    TOKEN_TYPE_BYTE,
+    ATTR_BYTE,
+    ATTR_CONTROL,
+    ATTR_LSTRIP,
+    ATTR_NORMAL,
+    ATTR_NORMALIZED,
+    ATTR_RSTRIP,
+    ATTR_SINGLE_WORD,
     ATTR_UNDEFINED,
     ATTR_UNKNOWN,
     ATTR_UNUSED,
-    ATTR_NORMAL,
-    ATTR_CONTROL,
     ATTR_USER_DEFINED,
-    ATTR_BYTE,
-    ATTR_NORMALIZED,
-    ATTR_LSTRIP,
-    ATTR_RSTRIP,
-    ATTR_SINGLE_WORD,
-    TYPE_TO_ATTR as _TYPE_TO_ATTR,
-    BYTE_TOKEN_RE as _BYTE_TOKEN_RE,
+    TOKEN_TYPE_BYTE,
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_NORMAL,
+    TOKEN_TYPE_UNDEFINED,
+    TOKEN_TYPE_UNKNOWN,
+    TOKEN_TYPE_UNUSED,
+    TOKEN_TYPE_USER_DEFINED,
 )
+from .token_attrs import BYTE_TOKEN_RE as _BYTE_TOKEN_RE
+from .token_attrs import TYPE_TO_ATTR as _TYPE_TO_ATTR
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .detokenizer import StreamDecoder
     from .gguf import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -846,8 +853,6 @@ class Tokenizer:
             pieces[0] = pieces[0][1:]
         text = b"".join(pieces).decode("utf-8", errors="replace")
         if self.clean_spaces:
-            from .detokenizer import clean_spaces
-
             text = clean_spaces(text)
         return text
 
@@ -910,11 +915,9 @@ class Tokenizer:
         """True when ``token_id`` ends generation (member of :attr:`eog_ids`)."""
         return token_id in self.eog_ids
 
-    def stream_decoder(self, skip_special: bool = False, continuation: bool = False) -> "StreamDecoder":
+    def stream_decoder(self, skip_special: bool = False, continuation: bool = False) -> StreamDecoder:
         """An incremental decoder: ``push(id) -> str`` deltas that add up to :meth:`decode`
         (``continuation=True`` for text that follows a prompt: its leading space is kept)."""
-        from .detokenizer import StreamDecoder
-
         return StreamDecoder(self, skip_special=skip_special, continuation=continuation)
 
     def __len__(self) -> int:

@@ -23,9 +23,24 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import TokenizerError
-from .token_attrs import ATTR_BYTE, ATTR_NORMAL, ATTR_UNUSED, ATTR_USER_DEFINED, BYTE_TOKEN_RE
-from .pretokenizers import (F_CONTROL, F_MARK, F_PUNCT, F_SYMBOL, F_WHITESPACE, codepoints, flag_table,
-                            lowercase_map, nfd_map)
+from .pretokenizers import (
+    F_CONTROL,
+    F_MARK,
+    F_PUNCT,
+    F_SYMBOL,
+    F_WHITESPACE,
+    codepoints,
+    flag_table,
+    lowercase_map,
+    nfd_map,
+)
+from .token_attrs import (
+    ATTR_BYTE,
+    ATTR_NORMAL,
+    ATTR_UNUSED,
+    ATTR_USER_DEFINED,
+    BYTE_TOKEN_RE,
+)
 
 _SPACE = "\u2581"
 

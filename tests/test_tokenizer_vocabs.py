@@ -24,13 +24,13 @@ from minirt.tokenizer import SUPPORTED_MODELS, Tokenizer
 DATA = Path(__file__).parent / "data" / "tokenizers"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _refs() -> dict[str, Any]:
     return json.loads(gzip.decompress((DATA / "references.json.gz").read_bytes()))
 
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _metadata(vocab: str, tmp: Path) -> dict[str, Any]:
     raw = tmp / vocab.removesuffix(".gz")
     raw.write_bytes(gzip.decompress((DATA / vocab).read_bytes()))

@@ -285,9 +285,7 @@ def build_ugm(models: Path, n: int = 6000) -> None:
     save_gz(UGM, md)
 
 
-_WORDS = ("the of and to in is was for on that with as by at from this be are it or an not have which "
-          "hello world token tokens tok en ize izer code def return print int float string 12 123 00 000 "
-          "ing ed er es ly tion ment ness able ous").split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "this", "be", "are", "it", "or", "an", "not", "have", "which", "hello", "world", "token", "tokens", "tok", "en", "ize", "izer", "code", "def", "return", "print", "int", "float", "string", "12", "123", "00", "000", "ing", "ed", "er", "es", "ly", "tion", "ment", "ness", "able", "ous"]
 
 
 def build_rwkv() -> None:
