@@ -413,6 +413,37 @@ def _trie_regex(words: Iterable[str]) -> str:
     return emit(trie)
 
 
+def decode_utf8_like_llama(data: bytes) -> str:
+    """Bytes -> str the way llama.cpp reads a tokenizer's input (``unicode_cpts_from_utf8``).
+
+    :meth:`Tokenizer.encode` takes ``str``; llama.cpp takes ``char *`` and turns each byte that
+    does not start a complete sequence into one U+FFFD (Python's ``errors="replace"`` would merge a
+    truncated sequence into one). For BPE, WordPiece and PLaMo-2 vocabularies,
+    ``encode(decode_utf8_like_llama(b))`` gives llama.cpp's ids for the raw bytes ``b``. (SPM,
+    RWKV and Unigram vocabularies match raw bytes, so invalid bytes have no ``str`` equivalent.)
+    Like llama.cpp, lead/continuation bits are all that is checked (an overlong form decodes).
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    out: list[str] = []
+    i, n = 0, len(data)
+    while i < n:
+        b0 = data[i]
+        need = 1 if b0 < 0x80 else 0 if b0 < 0xC0 else 2 if b0 < 0xE0 else 3 if b0 < 0xF0 else 4 if b0 < 0xF8 else 0
+        if need and i + need <= n and all(data[i + k] & 0xC0 == 0x80 for k in range(1, need)):
+            cp = b0 if need == 1 else b0 & (0x7F >> need)
+            for k in range(1, need):
+                cp = (cp << 6) | (data[i + k] & 0x3F)
+            out.append(chr(cp))
+            i += need
+        else:
+            out.append("\ufffd")
+            i += 1
+    return "".join(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # the tokenizer
 # ---------------------------------------------------------------------------------------------

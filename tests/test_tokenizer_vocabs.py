@@ -19,7 +19,7 @@ import pytest
 
 import minirt
 from minirt.pretokenizers import PRE_NAMES
-from minirt.tokenizer import SUPPORTED_MODELS, Tokenizer
+from minirt.tokenizer import SUPPORTED_MODELS, Tokenizer, decode_utf8_like_llama
 
 DATA = Path(__file__).parent / "data" / "tokenizers"
 
@@ -94,6 +94,21 @@ def test_detokenize_and_stream_equal_llama_cpp(case, tmpdir_vocabs):
             dec = tok.stream_decoder(skip_special=skip)
             streamed = "".join(dec.push(i) for i in ids) + dec.finish()
             assert streamed == case[field][k], (text, skip)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["model"] not in ("llama", "rwkv", "t5")], ids=_case_id)
+def test_invalid_utf8_decoded_like_llama_cpp(case, tmpdir_vocabs):
+    # llama.cpp reads each byte that starts no complete UTF-8 sequence as U+FFFD; SPM, RWKV and
+    # Unigram (its charsmap matches raw bytes) vocabularies see the raw bytes, which a str cannot carry
+    tok = _tokenizer(case, tmpdir_vocabs)
+    for raw, want in zip(_refs()["invalid_utf8"], case["ids_invalid"]):
+        assert tok.encode(decode_utf8_like_llama(bytes.fromhex(raw))) == want, raw
+
+
+def test_decode_utf8_like_llama():
+    assert decode_utf8_like_llama(b"\xe4\xb8 x") == "\ufffd\ufffd x"  # Python's "replace" gives one U+FFFD
+    assert decode_utf8_like_llama(b"\xc0\xaf") == "/"  # only the lead/continuation bits are checked
+    assert decode_utf8_like_llama("héllo 中".encode()) == "héllo 中"
 
 
 def test_every_llama_cpp_pre_tokenizer_and_model_is_covered():

@@ -13,7 +13,7 @@ writing the byte-level vocabulary again with that ``tokenizer.ggml.pre`` value.
 Output: ``references.json.gz``: ``{"corpus": [texts], "cases": [{"vocab", "model", "pre", "ids",
 "ids_special", "ids_add", "detok", "detok_hidden"}]}``, one list entry per corpus text:
 ``ids`` (no BOS/EOS, special-token text as text), ``ids_special`` (special-token text parsed),
-``ids_add`` (BOS/EOS as the vocabulary asks), ``detok`` (``llama_detokenize`` of ``ids_special``
+``ids_add`` (BOS/EOS as the vocabulary asks), ``ids_invalid`` (the raw bytes of ``invalid_utf8``, hex), ``detok`` (``llama_detokenize`` of ``ids_special``
 with special tokens rendered), ``detok_hidden`` (same, control tokens dropped).
 """
 
@@ -58,6 +58,10 @@ CORPUS = [
     "\U0001D400\U0001D401 \U00010400 \U00020000\U0002A700 \u1c89\u0870",
     "\ufffd\ufffd x \ufffd",  # what invalid UTF-8 becomes once decoded with errors="replace"
 ]
+
+# invalid UTF-8, given to llama.cpp as raw bytes (minirt: decode_utf8_like_llama, then encode)
+INVALID = [b"\xff", b"abc\x80def", b"\xe4\xb8", b"\xe4\xb8 x\xe4", b"\xc3\x28 caf\xc3", b"\xf0\x9f\x98 ok",
+           b"\xc0\xaf overlong", b"\xfe\xfe\xff\xff", b"a\xe4\xb8\xad\xe6\x96 b"]
 
 BYTELEVEL = "bpe-bytelevel.gguf.gz"
 TRAINED = "bpe-trained.gguf.gz"
@@ -399,8 +403,8 @@ def llama_refs(path: Path) -> dict[str, list[Any]]:
         raise RuntimeError(f"llama.cpp could not load {path}")
     vocab = llama_cpp.llama_model_get_vocab(model)
 
-    def tok(text: str, add: bool, special: bool) -> list[int]:
-        b = text.encode("utf-8")
+    def tok(text: str | bytes, add: bool, special: bool) -> list[int]:
+        b = text if isinstance(text, bytes) else text.encode("utf-8")
         cap = len(b) * 4 + 16
         arr = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(vocab, b, len(b), arr, cap, add, special)
@@ -414,7 +418,8 @@ def llama_refs(path: Path) -> dict[str, list[Any]]:
         assert n >= 0, n
         return buf.raw[:n].decode("utf-8", "replace")
 
-    out: dict[str, list[Any]] = {"ids": [], "ids_special": [], "ids_add": [], "detok": [], "detok_hidden": []}
+    out: dict[str, list[Any]] = {"ids": [], "ids_special": [], "ids_add": [], "detok": [], "detok_hidden": [],
+                                 "ids_invalid": [tok(b, False, False) for b in INVALID]}
     for text in CORPUS:
         out["ids"].append(tok(text, False, False))
         sp = tok(text, False, True)
@@ -441,7 +446,7 @@ def main() -> int:
         build_ugm(models)
         build_rwkv()
         build_plamo2()
-    result: dict[str, Any] = {"corpus": CORPUS, "cases": []}
+    result: dict[str, Any] = {"corpus": CORPUS, "invalid_utf8": [b.hex() for b in INVALID], "cases": []}
     td = Path(tempfile.mkdtemp())
     try:
         for vocab, model, pre in cases():
