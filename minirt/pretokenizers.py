@@ -132,9 +132,10 @@ def _wide(text: str) -> str:
 def char_class(mask: int) -> str:
     """A regex class body (no brackets) of the code points whose category flags intersect ``mask``."""
     fl = flag_table()
-    hit = (fl & mask) != 0
-    if mask & F_WHITESPACE:
-        hit |= (fl & F_WHITESPACE) != 0
+    return _class_body((fl & mask) != 0)
+
+
+def _class_body(hit: np.ndarray) -> str:
     edges = np.flatnonzero(np.diff(np.concatenate(([0], hit.astype(np.int8), [0]))))
     parts = []
     for lo, hi in zip(edges[0::2], edges[1::2] - 1):
@@ -233,6 +234,29 @@ RE_NEWLINES = "[^\\n]+|[\\n]+"
 RE_TINY_AYA_DIGITS = "\\d{1,3}(?=(?:\\d{3})*\\b)"
 
 
+@functools.cache
+def _risky() -> np.ndarray:
+    """True at the code points where ``regex``'s ``\\p{L}``, ``\\p{N}``, ``\\p{M}`` or ``\\s``
+    disagree with llama.cpp's table (e.g. letters assigned after Unicode 15.1): a text without
+    any of them can use the faster built-in classes."""
+    cps = np.concatenate([np.arange(0xD800), np.arange(0xE000, _MAX_CP)]).astype(np.uint32)
+    everything = cps.tobytes().decode("utf-32-le")
+    fl = flag_table()
+    risky = np.zeros(_MAX_CP, dtype=bool)
+    for prop, mask in (("\\p{L}", F_LETTER), ("\\p{N}", F_NUMBER), ("\\p{M}", F_MARK), ("\\s", F_WHITESPACE)):
+        have = np.zeros(_MAX_CP, dtype=bool)
+        for m in regex.finditer(prop + "+", everything):
+            have[ord(m.group()[0]):ord(m.group()[-1]) + 1] = True
+        risky |= have != ((fl & mask) != 0)
+    risky[0xD800:0xE000] = False
+    return risky
+
+
+def _fast(expr: str) -> "regex.Pattern[str]":
+    """A custom regex with ``regex``'s own classes: exact for texts :func:`_risky` does not match."""
+    return regex.compile(expr, regex.V0)
+
+
 def _exact(expr: str) -> "regex.Pattern[str]":
     """A custom regex over llama.cpp's full code point classes (no collapsing)."""
     cls = {"L": char_class(F_LETTER), "N": char_class(F_NUMBER), "M": char_class(F_MARK),
@@ -281,6 +305,10 @@ def _bracket_bare(pat: str, cls: dict[str, str]) -> str:
 
 def _split_regex(rx: "regex.Pattern[str]", src: str) -> list[int]:
     """Lengths of the pieces ``rx`` cuts ``src`` into (matches and the gaps between them)."""
+    if not rx.groups:  # fast path: matches that cover the text are the pieces
+        lengths = list(map(len, rx.findall(src)))
+        if sum(lengths) == len(src) and all(lengths):
+            return lengths
     out = []
     pos = 0
     for m in rx.finditer(src):
@@ -461,6 +489,7 @@ class _Step:
     kind: str  # "custom", "collapsed", "wide"
     rx: "regex.Pattern[str] | None" = None
     fn: "Callable[[str], list[int]] | None" = None
+    rx_fast: "regex.Pattern[str] | None" = None  # custom regexes: for texts without risky code points
 
 
 @dataclass
@@ -476,13 +505,14 @@ class Splitter:
     @staticmethod
     def _step(expr: str) -> _Step:
         if expr == RE_GPT2:
-            return _Step("custom", rx=_exact(RE_GPT2 + "|\\s+"))  # the loop also takes a lone \s run
+            gpt2 = RE_GPT2 + "|\\s+"  # llama.cpp's loop also takes a whitespace run the regex leaves
+            return _Step("custom", rx=_exact(gpt2), rx_fast=_fast(gpt2))
         if expr in (RE_LLAMA3_I, RE_LLAMA3):
-            return _Step("custom", rx=_exact(RE_LLAMA3))
+            return _Step("custom", rx=_exact(RE_LLAMA3), rx_fast=_fast(RE_LLAMA3))
         if expr == RE_QWEN2:
-            return _Step("custom", rx=_exact(RE_QWEN2))
+            return _Step("custom", rx=_exact(RE_QWEN2), rx_fast=_fast(RE_QWEN2))
         if expr == RE_QWEN35:
-            return _Step("custom", rx=_exact(RE_QWEN35))
+            return _Step("custom", rx=_exact(RE_QWEN35), rx_fast=_fast(RE_QWEN35))
         if expr == RE_KIMI:
             return _Step("custom", fn=_kimi_k2)
         if expr in (RE_AFMOE_DIGITS, RE_TINY_AYA_DIGITS):
@@ -497,6 +527,7 @@ class Splitter:
         """The words of ``text`` (before byte encoding), in order."""
         lengths = [len(text)]
         views: dict[str, str] = {}
+        safe = text.isascii() or not _risky()[codepoints(text)].any()
         for st in self.steps:
             if st.kind == "custom":
                 src = text
@@ -512,8 +543,9 @@ class Splitter:
                 if st.fn is not None:
                     new += st.fn(piece)
                 else:
-                    assert st.rx is not None
-                    new += _split_regex(st.rx, piece)
+                    rx = st.rx_fast if safe and st.rx_fast is not None else st.rx
+                    assert rx is not None
+                    new += _split_regex(rx, piece)
             lengths = new
         out = []
         start = 0

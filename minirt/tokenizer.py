@@ -921,6 +921,9 @@ class Tokenizer:
     def clear_cache(self) -> None:
         """Drop the per-word encode cache (benchmarks use it to measure cold encoding)."""
         self._cache.clear()
+        engine_cache = getattr(getattr(self, "_engine", None), "_cache", None)
+        if engine_cache is not None:
+            engine_cache.clear()
 
     def token_text(self, token_id: int) -> str:
         """The raw vocabulary entry of ``token_id`` (``▁`` and byte-level characters not decoded)."""

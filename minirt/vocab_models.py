@@ -278,6 +278,9 @@ class Unigram:
     # ---- Viterbi ----
 
     def encode(self, text: str, out: list[int]) -> None:
+        if len(text) > 256:  # long fragments are rarely repeated: not worth keeping
+            out.extend(self._viterbi(self.normalize(text)))
+            return
         ids = self._cache.get(text)
         if ids is None:
             ids = self._viterbi(self.normalize(text))
