@@ -1,5 +1,10 @@
 """Text ⇄ token ids from the ``tokenizer.ggml.*`` metadata of a GGUF file, the way llama.cpp does it.
 
+Every ``tokenizer.ggml.model`` llama.cpp reads is handled: ``llama`` (SPM) and ``gpt2`` / ``gemma4`` /
+``whitespace`` / ``hybriddna`` (BPE) here, with the pre-tokenizers of :mod:`minirt.pretokenizers`;
+``bert`` (WordPiece), ``t5`` (Unigram), ``rwkv``, ``plamo2`` and ``test`` in
+:mod:`minirt.vocab_models`. The SPM and byte-level BPE rules follow.
+
 Nothing outside the GGUF is read. :meth:`Tokenizer.from_gguf` builds the vocabulary from
 ``tokenizer.ggml.tokens`` / ``scores`` / ``token_type`` / ``merges`` / ``pre`` and the special ids,
 and reproduces llama.cpp's ``llama_vocab`` (``src/llama-vocab.cpp``) rule for rule:
@@ -101,6 +106,7 @@ _ATTR_SPECIAL = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN  # what the part
 _ATTR_HIDDEN = ATTR_CONTROL | ATTR_UNKNOWN  # what decode(skip_special=True) drops
 
 _SPM_SPACE = "\u2581"  # ▁
+_DNA_MARKER = "\ue000"  # hybriddna: suffix that keeps DNA k-mers apart from equal BPE tokens
 _C_SPACE = " \t\n\v\f\r"  # C isspace(), used for lstrip / rstrip of special tokens
 _MAX_CACHE = 1 << 17  # per-word / per-piece encode caches are cleared past this many entries
 
@@ -336,7 +342,8 @@ _GROUP_OF_TYPE = {"default": "default", "gpt2": "gpt2", "llama3": "llama3", "dbr
 
 SUPPORTED_PRE_TOKENIZERS = frozenset(PRE_NAMES)
 # tokenizer.ggml.model -> vocabulary kind (llama.cpp llama_vocab::impl::load)
-_MODEL_KIND = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "bert": "wpm", "t5": "ugm", "rwkv": "rwkv",
+_MODEL_KIND = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "hybriddna": "bpe",
+               "bert": "wpm", "t5": "ugm", "rwkv": "rwkv", "test": "test",
                "plamo2": "plamo2"}
 SUPPORTED_MODELS = frozenset(_MODEL_KIND)
 
@@ -420,7 +427,7 @@ def decode_utf8_like_llama(data: bytes) -> str:
     does not start a complete sequence into one U+FFFD (Python's ``errors="replace"`` would merge a
     truncated sequence into one). For BPE, WordPiece and PLaMo-2 vocabularies,
     ``encode(decode_utf8_like_llama(b))`` gives llama.cpp's ids for the raw bytes ``b``. (SPM,
-    RWKV and Unigram vocabularies match raw bytes, so invalid bytes have no ``str`` equivalent.)
+    RWKV, Unigram and "test" vocabularies read raw bytes: invalid bytes have no ``str`` equivalent.)
     Like llama.cpp, lead/continuation bits are all that is checked (an overlong form decodes).
     """
     try:
@@ -505,8 +512,15 @@ class Tokenizer:
             for i, t in enumerate(texts):
                 if not t:
                     texts[i] = f"[EMPTY_{i}]"  # llama.cpp renames empty entries the same way
-        self._texts = texts
         self._tok2id: dict[str, int] = {t: i for i, t in enumerate(texts)}
+        if model == "hybriddna" and "<oov>" in self._tok2id:
+            # llama.cpp: the k-mers after <oov> read back without their marker (ids still by marked text)
+            texts = list(texts)
+            for i in range(self._tok2id["<oov>"] + 1, len(texts)):
+                t = texts[i]
+                if len(t) > 1 and t.endswith(_DNA_MARKER):
+                    texts[i] = t[:-1]
+        self._texts = texts
         if len(self._tok2id) != n:
             seen: set[str] = set()
             dup = next(t for t in texts if t in seen or seen.add(t))  # type: ignore[func-returns-value]
@@ -734,6 +748,8 @@ class Tokenizer:
                 add_space_prefix=self.add_space_prefix, remove_extra_ws=self.remove_extra_whitespaces)
         elif self.vocab_type == "rwkv":
             self._engine = vocab_models.RWKV(texts, self.unk_id)
+        elif self.vocab_type == "test":
+            self._engine = vocab_models.HashTest(n)
         else:
             self._engine = vocab_models.Plamo2(texts, attrs, self._scores)
 
@@ -830,7 +846,7 @@ class Tokenizer:
         out: list[int] = []
         kind = self.vocab_type
         # llama.cpp: WordPiece always adds BOS (and SEP); RWKV and PLaMo-2 never add anything
-        add_special = add_special and kind not in ("rwkv", "plamo2")
+        add_special = add_special and kind not in ("rwkv", "plamo2", "test")
         if add_special and (self.add_bos or kind == "wpm"):
             if self.bos_id is None:
                 raise TokenizerError("add_special=True needs a BOS token, and the vocabulary has none")
@@ -855,6 +871,8 @@ class Tokenizer:
                 elif self.model == "whitespace":
                     for seg in self._whitespace_segments(frag):
                         self._bpe_encode(seg, out)
+                elif self.model == "hybriddna":
+                    self._dna_encode(frag, out)
                 else:
                     self._bpe_encode(frag.replace(" ", _SPM_SPACE) if esc else frag, out)
         else:
@@ -906,6 +924,8 @@ class Tokenizer:
         kind = self.vocab_type
         if kind == "rwkv":
             return vocab_models.rwkv_unescape(text)
+        if kind == "test":
+            return b"%x" % i
         if kind == "plamo2":
             return bytes([self._byte_of[i]]) if i in self._byte_of else text.encode("utf-8")
         if attr & _ATTR_SPECIAL:
@@ -1130,6 +1150,35 @@ class Tokenizer:
                 if ids is None:
                     ids = fresh[w] = self._bpe_fill([w])[w]
             ext(ids)
+
+    def _dna_encode(self, text: str, out: list[int]) -> None:
+        """llama.cpp's "hybriddna" model: BPE outside ``<dna>...</dna>``, inside it upper-cased
+        6-mers (the last padded with ``A``) looked up with the k-mer marker, else ``<oov>``."""
+        tid = self._tok2id.get
+        begin, end, oov = tid("<dna>"), tid("</dna>"), tid("<oov>")
+        if begin is None or end is None or oov is None:
+            self._bpe_encode(text, out)
+            return
+        pos = 0
+        while pos < len(text):
+            start = text.find("<dna>", pos)
+            if start < 0:
+                self._bpe_encode(text[pos:], out)
+                break
+            if start > pos:
+                self._bpe_encode(text[pos:start], out)
+            out.append(begin)
+            c0 = start + len("<dna>")
+            stop = text.find("</dna>", c0)
+            seq = text[c0:stop if stop >= 0 else len(text)]
+            seq = "".join(c.upper() if "a" <= c <= "z" else c for c in seq)
+            for k in range(0, len(seq), 6):
+                kmer = seq[k:k + 6].ljust(6, "A")
+                out.append(tid(kmer + _DNA_MARKER, oov))
+            if stop < 0:
+                break
+            out.append(end)
+            pos = stop + len("</dna>")
 
     def _whitespace_segments(self, text: str) -> list[str]:
         """llama.cpp's "whitespace" model: the runs between whitespace, lower-cased if the

@@ -507,3 +507,24 @@ class Plamo2:
                 for b in text[pos].encode("utf-8"):
                     out.append(self._bytes[b])
             pos += step[pos]
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's "test" vocabulary: a hash of each 5-byte chunk
+# ---------------------------------------------------------------------------------------------
+
+class HashTest:
+    """llama.cpp's ``test`` tokenizer (for its own tests): each 5-byte chunk of a fragment's
+    UTF-8 is one id, ``hash * 31 + byte`` over the chunk (64-bit) modulo the vocabulary size."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+
+    def encode(self, text: str, out: list[int]) -> None:
+        data = text.encode("utf-8")
+        mask = (1 << 64) - 1
+        for k in range(0, len(data), 5):
+            h = 0
+            for b in data[k:k + 5]:
+                h = (h * 31 + b) & mask
+            out.append(h % self.n_vocab)

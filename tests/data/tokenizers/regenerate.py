@@ -57,6 +57,7 @@ CORPUS = [
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "                                        x",
     "\U0001D400\U0001D401 \U00010400 \U00020000\U0002A700 \u1c89\u0870",
     "\ufffd\ufffd x \ufffd",  # what invalid UTF-8 becomes once decoded with errors="replace"
+    "gene <dna>acgtACGTTTGAcc</dna> done <dna>GGGNNNcat", "<dna></dna><dna>a",
 ]
 
 # invalid UTF-8, given to llama.cpp as raw bytes (minirt: decode_utf8_like_llama, then encode)
@@ -65,6 +66,7 @@ INVALID = [b"\xff", b"abc\x80def", b"\xe4\xb8", b"\xe4\xb8 x\xe4", b"\xc3\x28 ca
 
 BYTELEVEL = "bpe-bytelevel.gguf.gz"
 TRAINED = "bpe-trained.gguf.gz"
+DNA = "bpe-dna.gguf.gz"
 GEMMA4 = "bpe-gemma4.gguf.gz"
 WPM = "wpm.gguf.gz"
 SPM = "spm.gguf.gz"
@@ -166,6 +168,21 @@ def build_bytelevel(models: Path, n_merges: int = 5000) -> None:
         "tokenizer.ggml.eos_token_id": len(keep), "tokenizer.ggml.bos_token_id": len(keep),
     })
     save_gz(BYTELEVEL, md)
+
+
+def build_dna() -> None:
+    """The byte-level vocabulary plus hybriddna's tags and all DNA 6-mers (with its marker suffix)."""
+    import itertools
+
+    md = read_md(HERE / BYTELEVEL)
+    kmers = ["".join(p) + "\ue000" for p in itertools.product("ACGT", repeat=6)]
+    extra = ["<dna>", "</dna>", "<oov>"] + kmers
+    md["general.name"] = "bpe-dna"
+    md["tokenizer.ggml.model"] = "hybriddna"
+    md["tokenizer.ggml.tokens"] = list(md["tokenizer.ggml.tokens"]) + extra
+    md["tokenizer.ggml.token_type"] = np.concatenate([np.asarray(md["tokenizer.ggml.token_type"]),
+                                                      np.ones(len(extra), np.int32)]).astype(np.int32)
+    save_gz(DNA, md)
 
 
 def build_trained(models: Path, vocab_size: int = 3000) -> None:
@@ -380,7 +397,8 @@ def cases() -> list[tuple[str, str, str | None]]:
             out.append((GEMMA4, model, name))
         else:
             out += [(BYTELEVEL, "gpt2", name), (TRAINED, "gpt2", name)]
-    out += [(BYTELEVEL, "whitespace", "gpt-2"), (SPM, "llama", None), (WPM, "bert", None), (UGM, "t5", None), (RWKV, "rwkv", None), (PLAMO2, "plamo2", None)]
+    out += [(BYTELEVEL, "whitespace", "gpt-2"), (DNA, "hybriddna", "qwen2"), (WPM, "test", None),
+            (SPM, "llama", None), (WPM, "bert", None), (UGM, "t5", None), (RWKV, "rwkv", None), (PLAMO2, "plamo2", None)]
     return out
 
 
@@ -440,6 +458,7 @@ def main() -> int:
     if args.vocabs:
         build_bytelevel(models)
         build_trained(models)
+        build_dna()
         build_gemma4(models)
         build_spm(models)
         build_wpm(models)
