@@ -96,6 +96,24 @@ def test_detokenize_and_stream_equal_llama_cpp(case, tmpdir_vocabs):
             assert streamed == case[field][k], (text, skip)
 
 
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_special_tokens_equal_llama_cpp(case, tmpdir_vocabs):
+    # special ids, BOS/EOS flags, end-of-generation set and token attributes (control,
+    # user-defined, byte, unknown, unused, lstrip / rstrip) as llama.cpp's loader sets them
+    tok = _tokenizer(case, tmpdir_vocabs)
+    want = case["special"]
+    got_ids = {"bos": tok.bos_id, "eos": tok.eos_id, "sep": tok.sep_id}
+    assert got_ids == {k: want[k] for k in got_ids}
+    # EOT found by its text: llama.cpp takes the first candidate in its hash map's order, minirt the
+    # lowest id; both are end-of-generation tokens, so only which one is named EOT can differ
+    if tok.eot_id != want["eot"]:
+        assert {tok.eot_id, want["eot"]} <= set(want["eog"]) and tok.is_control(want["eot"])
+    assert (tok.add_bos, tok.add_eos) == (want["add_bos"], want["add_eos"])
+    assert sorted(tok.eog_ids) == want["eog"]
+    attrs = {str(i): a for i in range(tok.n_vocab) if (a := tok.token_attr(i)) != 4}
+    assert attrs == want["attrs"]
+
+
 _RAW_BYTE_MODELS = ("llama", "rwkv", "t5", "test")
 
 

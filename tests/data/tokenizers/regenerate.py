@@ -14,7 +14,9 @@ Output: ``references.json.gz``: ``{"corpus": [texts], "cases": [{"vocab", "model
 "ids_special", "ids_add", "detok", "detok_hidden"}]}``, one list entry per corpus text:
 ``ids`` (no BOS/EOS, special-token text as text), ``ids_special`` (special-token text parsed),
 ``ids_add`` (BOS/EOS as the vocabulary asks), ``ids_invalid`` (the raw bytes of ``invalid_utf8``, hex), ``detok`` (``llama_detokenize`` of ``ids_special``
-with special tokens rendered), ``detok_hidden`` (same, control tokens dropped).
+with special tokens rendered), ``detok_hidden`` (same, control tokens dropped), ``special``
+(BOS / EOS / EOT / SEP ids, add_bos / add_eos, the end-of-generation set, every token's attribute
+bits where they are not just NORMAL).
 """
 
 from __future__ import annotations
@@ -445,6 +447,20 @@ def llama_refs(path: Path) -> dict[str, list[Any]]:
         out["ids_add"].append(tok(text, True, False))
         out["detok"].append(detok(sp, True))
         out["detok_hidden"].append(detok(sp, False))
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+
+    def tid(t: int) -> int | None:
+        return None if t < 0 else int(t)
+
+    out["special"] = {
+        "bos": tid(llama_cpp.llama_vocab_bos(vocab)), "eos": tid(llama_cpp.llama_vocab_eos(vocab)),
+        "eot": tid(llama_cpp.llama_vocab_eot(vocab)), "sep": tid(llama_cpp.llama_vocab_sep(vocab)),
+        "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+        "add_eos": bool(llama_cpp.llama_vocab_get_add_eos(vocab)),
+        "eog": [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)],
+        # attribute bits of every token that is not a plain NORMAL one
+        "attrs": {str(i): a for i in range(n_vocab) if (a := int(llama_cpp.llama_vocab_get_attr(vocab, i))) != 4},
+    }
     llama_cpp.llama_model_free(model)
     return out
 
