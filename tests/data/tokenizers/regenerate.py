@@ -465,12 +465,45 @@ def llama_refs(path: Path) -> dict[str, list[Any]]:
     return out
 
 
+def check_shipped(models: Path) -> int:
+    """Compare minirt with llama.cpp on every full-size ``ggml-vocab-*.gguf`` llama.cpp ships, on
+    this corpus and the ``.inp`` texts beside them (a development check; nothing is written)."""
+    from minirt.tokenizer import Tokenizer
+
+    bad_total = 0
+    for path in sorted(models.glob("ggml-vocab-*.gguf")):
+        texts = list(CORPUS)
+        inp = path.with_name(path.name + ".inp")
+        if inp.exists():
+            texts += inp.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+        saved = list(CORPUS)
+        CORPUS[:] = texts
+        try:
+            refs = llama_refs(path)
+        finally:
+            CORPUS[:] = saved
+        tok = Tokenizer.from_gguf(mgguf.open(str(path)))
+        bad = 0
+        for k, text in enumerate(texts):
+            for field, add, special in (("ids", False, False), ("ids_special", False, True), ("ids_add", True, False)):
+                bad += tok.encode(text, add_special=add, parse_special=special) != refs[field][k]
+            bad += tok.decode(refs["ids_special"][k]) != refs["detok"][k]
+        bad += sorted(tok.eog_ids) != refs["special"]["eog"]
+        print(f"{path.name}: {len(texts)} texts, {bad} differences", flush=True)
+        bad_total += bad
+    return 1 if bad_total else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree (its models/ folder)")
     ap.add_argument("--vocabs", action="store_true", help="rebuild the vocabulary files too")
+    ap.add_argument("--check-shipped", action="store_true",
+                    help="only compare with llama.cpp on the full vocabularies it ships (writes nothing)")
     args = ap.parse_args()
     models = args.llama_cpp / "models"
+    if args.check_shipped:
+        return check_shipped(models)
     if args.vocabs:
         build_bytelevel(models)
         build_trained(models)
