@@ -55,11 +55,9 @@ _MAX_CP = 0x110000
 @functools.cache
 def flag_table() -> np.ndarray:
     """uint16 flags of every code point (llama.cpp ``unicode_cpt_flags_array``, whitespace bit set)."""
-    starts, flags = [], []
-    for item in unicode_data.FLAG_RANGES.split():
-        a, _, f = item.partition(":")
-        starts.append(int(a, 16))
-        flags.append(int(f, 16))
+    pairs = _hex_pairs(unicode_data.FLAG_RANGES)
+    starts = [int(a, 16) for a, _ in pairs]
+    flags = [f for _, f in pairs]
     lengths = np.diff(np.array(starts + [_MAX_CP], dtype=np.int64))
     table = np.repeat(np.array(flags, dtype=np.uint16), lengths)
     table[list(unicode_data.WHITESPACE)] |= F_WHITESPACE
@@ -79,25 +77,25 @@ def _collapse_table() -> np.ndarray:
     return out
 
 
+def _hex_pairs(spec: str) -> list[tuple[str, int]]:
+    """``"key:value"`` items of a :mod:`minirt.unicode_data` table -> (key, int(value, 16))."""
+    return [(k, int(v, 16)) for k, _, v in (item.partition(":") for item in spec.split())]
+
+
 @functools.cache
 def lowercase_map() -> dict[int, int]:
     """llama.cpp ``unicode_tolower``: simple lowercase mappings."""
-    out = {}
-    for item in unicode_data.LOWER.split():
-        a, _, b = item.partition(":")
-        out[int(a, 16)] = int(b, 16)
-    return out
+    return {int(a, 16): b for a, b in _hex_pairs(unicode_data.LOWER)}
 
 
 @functools.cache
 def nfd_map() -> dict[int, int]:
     """llama.cpp ``unicode_cpts_normalize_nfd``: each code point -> the first code point of its NFD."""
     out = {}
-    for item in unicode_data.NFD.split():
-        r, _, n = item.partition(":")
+    for r, n in _hex_pairs(unicode_data.NFD):
         a, _, b = r.partition("-")
         for c in range(int(a, 16), int(b, 16) + 1):
-            out[c] = int(n, 16)
+            out[c] = n
     return out
 
 
@@ -275,28 +273,20 @@ def _bracket_bare(pat: str, cls: dict[str, str]) -> str:
     i = 0
     bodies = sorted(set(cls.values()), key=len, reverse=True)
     while i < len(pat):
-        c = pat[i]
         if not inside:
-            for b in bodies:
-                if pat.startswith(b, i):
-                    out.append("[" + b + "]")
-                    i += len(b)
-                    break
-            else:
-                if c == "\\":
-                    out.append(pat[i:i + 2])
-                    i += 2
-                    continue
-                if c == "[":
-                    inside = True
-                out.append(c)
-                i += 1
-            continue
+            body = next((b for b in bodies if pat.startswith(b, i)), None)
+            if body is not None:
+                out.append("[" + body + "]")
+                i += len(body)
+                continue
+        c = pat[i]
         if c == "\\":
             out.append(pat[i:i + 2])
             i += 2
             continue
-        if c == "]":
+        if c == "[" and not inside:
+            inside = True
+        elif c == "]" and inside:
             inside = False
         out.append(c)
         i += 1
@@ -559,6 +549,20 @@ class Splitter:
 # llama.cpp's table: pre-tokenizer type -> regexes, and tokenizer.ggml.pre name -> type + flags
 # ---------------------------------------------------------------------------------------------
 
+# deepseek-llm's letter class, as llama.cpp writes it (code point ranges, not \p{L})
+DEEPSEEK_LETTERS = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+    "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
+    "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf"
+    "\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d"
+    "\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
+    "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+    "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
+    "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+    "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
+)
 _L3_BODY = "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+"
 _DS3 = ("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
         "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+")
@@ -576,17 +580,7 @@ PRE_TYPE_REGEXES: dict[str, list[str]] = {
     "dbrx": [RE_LLAMA3],
     "deepseek-llm": [
         "[\r\n]",
-        "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
-        "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
-        "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf"
-        "\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d"
-        "\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
-        "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
-        "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
-        "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
-        "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
-        "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
-        "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+        "\\s?[" + DEEPSEEK_LETTERS + "]+",
         "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
         "\\s+$",
         "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
