@@ -16,11 +16,13 @@ fragment to a list: the special-token partition, BOS/EOS and decoding stay in
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import Any, Sequence
 
 import numpy as np
+import regex
 
 from .errors import TokenizerError
 from .pretokenizers import (
@@ -49,10 +51,21 @@ _SPACE = "\u2581"
 # WordPiece (llama.cpp llm_tokenizer_wpm_session)
 # ---------------------------------------------------------------------------------------------
 
-def _is_chinese(c: int) -> bool:
-    # llama.cpp's list (0x2B920, not 0x2B820, as in HF's Rust code)
-    return (0x4E00 <= c <= 0x9FFF or 0x3400 <= c <= 0x4DBF or 0x20000 <= c <= 0x2A6DF or 0x2A700 <= c <= 0x2B73F
-            or 0x2B740 <= c <= 0x2B81F or 0x2B920 <= c <= 0x2CEAF or 0xF900 <= c <= 0xFAFF or 0x2F800 <= c <= 0x2FA1F)
+# llama.cpp's "Chinese character" ranges (0x2B920, not 0x2B820, as in HF's Rust code)
+_CHINESE = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+            (0x2B920, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+@functools.cache
+def _map_table(kind: str) -> np.ndarray:
+    """Code point -> code point array for ``lowercase_map()`` or ``nfd_map()`` (identity elsewhere)."""
+    table = np.arange(0x110000, dtype=np.uint32)
+    m = lowercase_map() if kind == "lower" else nfd_map()
+    table[np.fromiter(m.keys(), np.int64)] = np.fromiter(m.values(), np.uint32)
+    return table
+
+
+_WORD_OR_PUNCT = regex.compile(r"c+|p")
 
 
 class WordPiece:
@@ -67,37 +80,28 @@ class WordPiece:
         self._cache: dict[str, tuple[int, ...]] = {}
 
     def words(self, text: str) -> list[str]:
-        """llama.cpp ``preprocess``: normalise and split into words."""
-        cps = codepoints(text).tolist()
-        fl = flag_table()
+        """llama.cpp ``preprocess``: normalise and split into words (vectorised: one class letter
+        per code point, then runs of word characters and single punctuation characters)."""
+        if not text:
+            return []
+        cps = codepoints(text)
         if self.strip_accents:
-            nfd = nfd_map()
-            cps = [nfd.get(c, c) for c in cps]
-        lower = lowercase_map() if self.lowercase else None
-        words: list[str] = []
-        cur: list[str] = []
-        for c in cps:
-            f = int(fl[c])
-            if f & F_WHITESPACE:
-                if cur:
-                    words.append("".join(cur))
-                    cur = []
-                continue
-            if c == 0 or c == 0xFFFD or f & F_CONTROL:
-                continue
-            if self.strip_accents and f & F_MARK:
-                continue
-            s = chr(lower.get(c, c)) if lower is not None else chr(c)
-            if f & F_PUNCT or (c < 0x7F and f & F_SYMBOL) or _is_chinese(c):
-                if cur:
-                    words.append("".join(cur))
-                    cur = []
-                words.append(s)
-            else:
-                cur.append(s)
-        if cur:
-            words.append("".join(cur))
-        return words
+            cps = _map_table("nfd")[cps]
+        fl = flag_table()[cps]
+        ws = (fl & F_WHITESPACE) != 0
+        skip = ~ws & ((cps == 0) | (cps == 0xFFFD) | ((fl & F_CONTROL) != 0))
+        if self.strip_accents:
+            skip |= ~ws & ((fl & F_MARK) != 0)
+        punct = ((fl & F_PUNCT) != 0) | ((cps < 0x7F) & ((fl & F_SYMBOL) != 0))
+        for lo, hi in _CHINESE:
+            punct |= (cps >= lo) & (cps <= hi)
+        cls = np.where(ws, ord("w"), np.where(punct, ord("p"), ord("c"))).astype(np.uint8)
+        keep = ~skip
+        cps, cls = cps[keep], cls[keep]  # skipped characters do not end a word
+        if self.lowercase:
+            cps = _map_table("lower")[cps]
+        norm = cps.astype(np.uint32).tobytes().decode("utf-32-le")
+        return [norm[m.start():m.end()] for m in _WORD_OR_PUNCT.finditer(cls.tobytes().decode("latin-1"))]
 
     def encode(self, text: str, out: list[int]) -> None:
         cache = self._cache
