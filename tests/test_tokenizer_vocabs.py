@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import minirt
@@ -153,3 +154,38 @@ def test_unknown_model_names_the_key(tmpdir_vocabs):
     md["tokenizer.ggml.model"] = "no_vocab"
     with pytest.raises(minirt.TokenizerError, match="tokenizer.ggml.model 'no_vocab'"):
         Tokenizer.from_metadata(md)
+
+
+@pytest.mark.parametrize("vocab, change, match", [
+    ("bpe-gemma4.gguf.gz", {"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is missing"),
+    ("ugm.gguf.gz", {"tokenizer.ggml.precompiled_charsmap": np.zeros(3, np.uint8)}, "precompiled_charsmap"),
+    ("ugm.gguf.gz", {"tokenizer.ggml.precompiled_charsmap": np.array([255, 255, 0, 0, 1, 2], np.uint8)},
+     "precompiled_charsmap"),
+    ("plamo2.gguf.gz", {"tokenizer.ggml.token_type": "drop-bytes"}, "byte token <0x00>"),
+    ("bpe-bytelevel.gguf.gz", {"tokenizer.ggml.pre": "no-such-pre"}, "'no-such-pre'"),
+])
+def test_bad_vocabularies_raise_typed_errors(vocab, change, match, tmpdir_vocabs):
+    md = dict(_metadata(vocab, tmpdir_vocabs))
+    for k, v in change.items():
+        if v is None:
+            md.pop(k)
+        elif isinstance(v, str) and v == "drop-bytes":  # plamo2 without byte tokens: their types become NORMAL
+            md[k] = np.where(np.asarray(md[k]) == 6, 1, np.asarray(md[k])).astype(np.int32)
+        else:
+            md[k] = v
+    with pytest.raises(minirt.TokenizerError, match=match):
+        Tokenizer.from_metadata(md)
+
+
+def test_wordpiece_add_special_needs_sep(tmpdir_vocabs):
+    md = dict(_metadata("wpm.gguf.gz", tmpdir_vocabs))
+    tok = Tokenizer.from_metadata(md)
+    assert tok.encode("hi", add_special=True)[-1] == tok.sep_id
+    md.pop("tokenizer.ggml.seperator_token_id")
+    md["tokenizer.ggml.tokens"] = list(md["tokenizer.ggml.tokens"])[:102]  # default SEP id 102 out of range
+    md["tokenizer.ggml.token_type"] = np.asarray(md["tokenizer.ggml.token_type"])[:102]
+    md.pop("tokenizer.ggml.mask_token_id")
+    tok = Tokenizer.from_metadata(md)
+    assert tok.sep_id is None
+    with pytest.raises(minirt.TokenizerError, match="SEP"):
+        tok.encode("hi", add_special=True)
