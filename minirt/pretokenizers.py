@@ -480,6 +480,11 @@ class _Step:
     rx: "regex.Pattern[str] | None" = None
     fn: "Callable[[str], list[int]] | None" = None
     rx_fast: "regex.Pattern[str] | None" = None  # custom regexes: for texts without risky code points
+    cache: dict[str, list[int]] = field(default_factory=dict)
+    cache_fast: dict[str, list[int]] = field(default_factory=dict)
+
+
+_STEP_CACHE = 1 << 16  # pieces remembered per step
 
 
 @dataclass
@@ -513,6 +518,12 @@ class Splitter:
             return _Step("collapsed", rx=regex.compile(_ecma_to_python(_collapse_regex(expr)), regex.V0 | regex.ASCII))
         return _Step("wide", rx=regex.compile(_ecma_to_python(expr), regex.V0 | regex.ASCII))
 
+    def clear_cache(self) -> None:
+        """Forget the cuts remembered per piece."""
+        for st in self.steps:
+            st.cache.clear()
+            st.cache_fast.clear()
+
     def split(self, text: str) -> list[str]:
         """The words of ``text`` (before byte encoding), in order."""
         lengths = [len(text)]
@@ -527,15 +538,20 @@ class Splitter:
                 src = views.get("w") or views.setdefault("w", _wide(text))
             new: list[int] = []
             start = 0
+            fn = st.fn
+            rx = st.rx_fast if safe and st.rx_fast is not None else st.rx
+            # words repeat: a piece's cut is kept (per step and class set; a pure function of the piece)
+            cache = st.cache_fast if rx is st.rx_fast else st.cache
+            if len(cache) > _STEP_CACHE:
+                cache.clear()
+            get = cache.get
             for ln in lengths:
                 piece = src[start:start + ln]
                 start += ln
-                if st.fn is not None:
-                    new += st.fn(piece)
-                else:
-                    rx = st.rx_fast if safe and st.rx_fast is not None else st.rx
-                    assert rx is not None
-                    new += _split_regex(rx, piece)
+                cut = get(piece)
+                if cut is None:
+                    cut = cache[piece] = fn(piece) if fn is not None else _split_regex(rx, piece)  # type: ignore[arg-type]
+                new += cut
             lengths = new
         out = []
         start = 0

@@ -929,6 +929,9 @@ class Tokenizer:
     def clear_cache(self) -> None:
         """Drop the per-word encode cache (benchmarks use it to measure cold encoding)."""
         self._cache.clear()
+        split_cache = getattr(getattr(self, "_splitter", None), "clear_cache", None)
+        if split_cache is not None:
+            split_cache()
         engine_cache = getattr(getattr(self, "_engine", None), "_cache", None)
         if engine_cache is not None:
             engine_cache.clear()
