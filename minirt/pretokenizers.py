@@ -34,7 +34,6 @@ import regex
 
 from . import unicode_data
 
-
 # llama.cpp unicode_cpt_flags bits
 F_UNDEFINED = 0x0001
 F_NUMBER = 0x0002
