@@ -1161,10 +1161,15 @@ class Tokenizer:
             out.append(begin)
             c0 = start + len("<dna>")
             stop = text.find("</dna>", c0)
-            seq = text[c0:stop if stop >= 0 else len(text)]
-            seq = "".join(c.upper() if "a" <= c <= "z" else c for c in seq)
+            # k-mers are 6 *bytes* of the UTF-8 (as in llama.cpp); one that is no valid text is <oov>
+            seq = text[c0:stop if stop >= 0 else len(text)].encode("utf-8")
+            seq = bytes(b - 32 if 0x61 <= b <= 0x7A else b for b in seq)
             for k in range(0, len(seq), 6):
-                kmer = seq[k:k + 6].ljust(6, "A")
+                try:
+                    kmer = seq[k:k + 6].ljust(6, b"A").decode("utf-8")
+                except UnicodeDecodeError:
+                    out.append(oov)
+                    continue
                 out.append(tid(kmer + _DNA_MARKER, oov))
             if stop < 0:
                 break

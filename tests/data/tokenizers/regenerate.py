@@ -59,7 +59,7 @@ CORPUS = [
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "                                        x",
     "\U0001D400\U0001D401 \U00010400 \U00020000\U0002A700 \u1c89\u0870",
     "\ufffd\ufffd x \ufffd",  # what invalid UTF-8 becomes once decoded with errors="replace"
-    "gene <dna>acgtACGTTTGAcc</dna> done <dna>GGGNNNcat", "<dna></dna><dna>a",
+    "gene <dna>acgtACGTTTGAcc</dna> done <dna>GGGNNNcat", "<dna></dna><dna>a", "<dna>acé中gtacgtac</dna>",
 ]
 
 # invalid UTF-8, given to llama.cpp as raw bytes (minirt: decode_utf8_like_llama, then encode)
@@ -494,14 +494,52 @@ def check_shipped(models: Path) -> int:
     return 1 if bad_total else 0
 
 
+def fuzz(seed: int, n: int = 250) -> int:
+    """Compare minirt with llama.cpp on every case for ``n`` random texts (a development check)."""
+    import random
+
+    from minirt.tokenizer import Tokenizer
+
+    pool = list("abcdeXYZ  \t\n\r'’sStLlmMdDreve0123456789.,!?;:-_()[]{}<>/\\\"#$%&*+=|~^`@") + list(
+        "éèüñßİıΣσ中文日本語カタカナ한국어👍🏽😀\u200d\u0301\u0308\u00a0\u3000\u2028\u0085\ufffd\u1c89٣①ǅﬁ") + [
+        "<|endoftext|>", "<|im_start|>", "<think>", "<dna>", "</dna>", "<ud>", "[SEP]", "<s>", "</s>", "ACGT"]
+    rnd = random.Random(seed)
+    texts = ["".join(rnd.choice(pool) for _ in range(rnd.randint(1, 40))) for _ in range(n)]
+    saved = list(CORPUS)
+    CORPUS[:] = texts
+    bad_cases = 0
+    td = Path(tempfile.mkdtemp())
+    try:
+        for vocab, model, pre in cases():
+            md = case_metadata(vocab, model, pre)
+            write_gguf(td / "case.gguf", md)
+            refs = llama_refs(td / "case.gguf")
+            tok = Tokenizer.from_metadata(md)
+            bad = [(f, t) for k, t in enumerate(texts)
+                   for f, a, sp in (("ids", False, False), ("ids_special", False, True), ("ids_add", True, False))
+                   if tok.encode(t, add_special=a, parse_special=sp) != refs[f][k]]
+            bad += [("detok", t) for k, t in enumerate(texts) if tok.decode(refs["ids_special"][k]) != refs["detok"][k]]
+            if bad:
+                bad_cases += 1
+                print(f"{vocab} {model} {pre}: {len(bad)} differences, e.g. {bad[:2]}", flush=True)
+    finally:
+        CORPUS[:] = saved
+        shutil.rmtree(td)
+    print(f"seed {seed}: {n} random texts, {bad_cases} cases with differences")
+    return 1 if bad_cases else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree (its models/ folder)")
     ap.add_argument("--vocabs", action="store_true", help="rebuild the vocabulary files too")
     ap.add_argument("--check-shipped", action="store_true",
                     help="only compare with llama.cpp on the full vocabularies it ships (writes nothing)")
+    ap.add_argument("--fuzz", type=int, metavar="SEED", help="only compare on random texts (writes nothing)")
     args = ap.parse_args()
     models = args.llama_cpp / "models"
+    if args.fuzz is not None:
+        return fuzz(args.fuzz)
     if args.check_shipped:
         return check_shipped(models)
     if args.vocabs:
