@@ -12,7 +12,7 @@ Targets (Qwen2.5-Coder-0.5B Q4_K_M on an H200): decode >= 500 tok/s, pp512 >= 10
 VRAM <= GGUF size + KV cache + 10%. Exit status 1 when a kernel check or a parity check fails;
 missed speed targets are reported, not fatal.
 
-    python bench/gpu_check.py --reference-dir shared/reference \\
+    python bench/gpu_check.py \\
         --qwen models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --gemma models/gemma-3-270m-q4_k_m.gguf
     python bench/gpu_check.py --synthetic          # no model files: time random models with the
                                                    # real models' tensor tables (no parity)
@@ -245,7 +245,9 @@ def parity(r: Runner, key: str, refs: list[dict] | None, cpu_prompts: int, n: in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reference-dir", type=Path, help="directory holding <name>.greedy.jsonl")
+    ap.add_argument("--reference-dir", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "tests" / "data" / "reference",
+                    help="directory holding <name>.greedy.jsonl (default: the repository's tests/data/reference)")
     ap.add_argument("--qwen", type=Path, help="Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF")
     ap.add_argument("--gemma", type=Path, help="Gemma 3 270M Q4_K_M GGUF")
     ap.add_argument("--synthetic", action="store_true", help="time random models with the real tensor tables "
@@ -401,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         log("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
         for rec in rows:
             par = rec.get("parity", {})
-            fmt = lambda k: f"{par[k][0]}/{par[k][1]}" if k in par else "-"  # noqa: E731
+            fmt = lambda k, par=par: f"{par[k][0]}/{par[k][1]}" if k in par else "-"  # noqa: E731
             name = rec["model"] + (" (synthetic)" if rec["synthetic"] else "")
             log(f"| {name} | {rec['prefill_tok_s']:.0f} | {rec['decode_tok_s']:.0f} | "
                 f"{rec['ttft_pp_s'] * 1e3:.1f} ms | "

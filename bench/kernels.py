@@ -25,8 +25,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -153,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 cases.append((label, rows, cols, wv, runs, first))
     for _ in range(args.rounds):
-        for qtype, rows, cols, w, runs, _first in cases:
+        for qtype, _rows, _cols, w, runs, _first in cases:
+            q = qtype.rstrip("*")
             for n_tok, x, out, times in runs:
                 reps = args.reps if n_tok == 1 else prefill_reps
-                times.extend(time_calls(lambda: matmul(x, w, qtype.rstrip("*"), out=out), reps))
+                call = lambda x=x, w=w, q=q, out=out: matmul(x, w, q, out=out)  # noqa: E731
+                times.extend(time_calls(call, reps))
 
     header = (f"{'type':7s} {'rows x cols':>11s} {'W MB':>5s} | {'decode GB/s':>11s} {'best':>5s} {'GFLOP/s':>7s} | "
               f"{'prefill' + str(args.tokens) + ' GB/s':>15s} {'best':>5s} {'GFLOP/s':>7s} | {'1st call s':>10s}")

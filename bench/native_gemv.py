@@ -81,7 +81,8 @@ def main() -> int:
         for s in shapes:
             rows, cols = map(int, s.split("x"))
             for reg in regimes:
-                r = rows if reg != "l2" else max(8, min(rows, int(160e3 // (native.QTYPES[q][2] * cols / native.QTYPES[q][1]))) // 4 * 4)
+                l2_rows = int(160e3 // (native.QTYPES[q][2] * cols / native.QTYPES[q][1]))
+                r = rows if reg != "l2" else max(8, min(rows, l2_rows) // 4 * 4)
                 reps = args.reps or (200 if reg == "l2" else 30 if reg == "l3" else 4)
                 res = [f"t{t}: {bench(q, r, cols, args.tokens, t, reg, reps, args.packed):5.1f}" for t in threads]
                 print(f"{q:5s} {r:6d}x{cols:<5d} nt={args.tokens} {reg:4s} GB/s  " + "  ".join(res), flush=True)

@@ -28,7 +28,8 @@ def history(llm: minirt.Model, target_tokens: int) -> list[dict[str, str]]:
     while len(llm.tokenizer.encode(llm.apply_chat_template(msgs), parse_special=True)) < target_tokens:
         t = TOPICS[i % len(TOPICS)]
         msgs.append({"role": "user", "content": f"Tell me one surprising fact about {t} (question {i})."})
-        msgs.append({"role": "assistant", "content": f"Here is a fact about {t}: " + ("it is remarkable " * 6).strip() + "."})
+        msgs.append({"role": "assistant",
+                     "content": f"Here is a fact about {t}: " + ("it is remarkable " * 6).strip() + "."})
         i += 1
     return msgs
 

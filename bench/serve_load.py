@@ -475,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run the disconnect check with this fraction of clients dropping (e.g. 0.33)")
     ap.add_argument("--disconnect-clients", type=int, default=100, help="clients in the disconnect check (100)")
     ap.add_argument("--skip-throughput", action="store_true", help="run only the disconnect check")
-    ap.add_argument("--no-peer", action="store_true", help=f"do not run llama-server even if ${ENV_LLAMA_SERVER} is set")
+    ap.add_argument("--no-peer", action="store_true",
+                    help=f"do not run llama-server even if ${ENV_LLAMA_SERVER} is set")
     ap.add_argument("--time-limit", type=float, default=900, help="seconds for the whole run (default 900)")
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--seed", type=int, default=0)

@@ -216,7 +216,8 @@ def case_files(tmp: Path) -> list[Path]:
     """GGUF files for the tokenizer-test cases: one per (model, pre-tokenizer type)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("regenerate", REPO / "tests" / "data" / "tokenizers" / "regenerate.py")
+    script = REPO / "tests" / "data" / "tokenizers" / "regenerate.py"
+    spec = importlib.util.spec_from_file_location("regenerate", script)
     assert spec is not None and spec.loader is not None
     regen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(regen)
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         return f"{s * 1e3:7.1f} ms {n / s / 1e6:5.2f} MB/s" if s else f"{'n/a':>21}"
 
     print()
-    print(f"| {'model':44} | tokens | {'llama.cpp':21} | {'minirt cold':21} | ratio | {'minirt warm':21} | ratio | same ids |")
+    print(f"| {'model':44} | tokens | {'llama.cpp':21} | {'minirt cold':21} | ratio | "
+          f"{'minirt warm':21} | ratio | same ids |")
     print(f"|{'-' * 46}|-------:|{'-' * 23}|{'-' * 23}|------:|{'-' * 23}|------:|----------|")
     for r in rows:
         ratio_c = f"{r['llama_s'] / r['cold_s']:5.2f}" if r["llama_s"] else "  n/a"

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Model
 
 
-def load(model: str, **kwargs: Any) -> "Model":
+def load(model: str, **kwargs: Any) -> Model:
     """Load a model by registry name or GGUF path; see :class:`minirt.runtime.Model` for options."""
     from .runtime import Model
 

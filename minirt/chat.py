@@ -37,7 +37,8 @@ import re
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError, MinirtError, TemplateError
 
@@ -80,7 +81,8 @@ _LLAMA3 = r"""{%- for message in messages -%}
 
 def _llama2(system: bool, bos_in_history: bool, strip: bool) -> str:
     content = "(message['content'] | c_trim)" if strip else "message['content']"
-    sys_part = ("{{- '<<SYS>>\\n' + %s + '\\n<</SYS>>\\n\\n' -}}" % content) if system else ("{{- %s + '\\n' -}}" % content)
+    sys_part = (("{{- '<<SYS>>\\n' + %s + '\\n<</SYS>>\\n\\n' -}}" % content) if system
+                else ("{{- %s + '\\n' -}}" % content))
     turn = "'<s>[INST] '" if bos_in_history else "'[INST] '"
     return (
         "{%- set ns = namespace(inside=true) -%}\n"
@@ -108,7 +110,7 @@ _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding")
 _LLAMA2_ARCHS = ("llama", "mistral")
 
 
-def choose_builtin(architecture: str | None, tokenizer: "Tokenizer | None") -> str:
+def choose_builtin(architecture: str | None, tokenizer: Tokenizer | None) -> str:
     """The built-in template for a model without one: from its architecture and special tokens."""
     has = (lambda t: tokenizer.token_to_id(t) is not None) if tokenizer is not None else (lambda t: False)
     arch = architecture or ""
@@ -439,16 +441,16 @@ class ChatTemplate:
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, f: "GGUFFile", tokenizer: "Tokenizer", override: str | None = None,
-                  **kwargs: Any) -> "ChatTemplate":
+    def from_gguf(cls, f: GGUFFile, tokenizer: Tokenizer, override: str | None = None,
+                  **kwargs: Any) -> ChatTemplate:
         """The model's template: ``override`` (a built-in name, a named template of the GGUF, or a
         Jinja template string), else ``tokenizer.chat_template``, else a built-in chosen from the
         architecture and special tokens."""
         return cls.from_metadata(f.metadata, tokenizer, override, **kwargs)
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any], tokenizer: "Tokenizer | None",
-                      override: str | None = None, **kwargs: Any) -> "ChatTemplate":
+    def from_metadata(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer | None,
+                      override: str | None = None, **kwargs: Any) -> ChatTemplate:
         """Like :meth:`from_gguf`, from a GGUF metadata mapping."""
         tokens = _special_token_strings(tokenizer)
         if override is not None:
@@ -471,7 +473,7 @@ class ChatTemplate:
         return cls.builtin(name, tokenizer, **kwargs)
 
     @classmethod
-    def builtin(cls, name: str, tokenizer: "Tokenizer | None" = None, **kwargs: Any) -> "ChatTemplate":
+    def builtin(cls, name: str, tokenizer: Tokenizer | None = None, **kwargs: Any) -> ChatTemplate:
         """One of :data:`BUILTIN_TEMPLATES` by name."""
         if name not in BUILTIN_TEMPLATES:
             raise TemplateError(f"unknown built-in chat template {name!r} (have: {', '.join(BUILTIN_TEMPLATES)})")
@@ -556,7 +558,7 @@ class ChatTemplate:
         return f"ChatTemplate(name={self.name!r}, {len(self.source)} chars)"
 
 
-def _special_token_strings(tokenizer: "Tokenizer | None") -> dict[str, str]:
+def _special_token_strings(tokenizer: Tokenizer | None) -> dict[str, str]:
     out = {"bos_token": "", "eos_token": "", "unk_token": "", "pad_token": ""}
     if tokenizer is None:
         return out

@@ -15,9 +15,10 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from . import registry
+from . import loading, registry
 from .errors import MinirtError
 
 log = logging.getLogger("minirt.cli")
@@ -57,20 +58,8 @@ class ProgressBar:
 
 
 def _load(args: argparse.Namespace, **kw: Any) -> Any:
-    import minirt
-
-    name = args.model or registry.DEFAULT_MODEL
-    opts: dict[str, Any] = {"progress": ProgressBar(f"pulling {name}")}
-    if getattr(args, "ctx", None):
-        opts["n_ctx"] = args.ctx
-    if getattr(args, "threads", None):
-        opts["threads"] = args.threads
-    if getattr(args, "device", None):
-        opts["device"] = args.device
-    if getattr(args, "backend", None):
-        opts["backend"] = args.backend
-    opts.update(kw)
-    return minirt.load(name, **opts)
+    name = loading.model_name(args)
+    return loading.load_from_args(args, progress=ProgressBar(f"pulling {name}"), **kw)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,7 +72,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help=f"registry name or GGUF path (default {registry.DEFAULT_MODEL})")
-    p.add_argument("-c", "--ctx", type=int, help="context size in tokens (default: from the model, capped to fit memory)")
+    p.add_argument("-c", "--ctx", type=int,
+                   help="context size in tokens (default: from the model, capped to fit memory)")
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: physical cores)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device (default auto)")
     p.add_argument("--backend", choices=["auto", "native", "numba", "reference"], help="CPU kernels (default auto)")
@@ -217,9 +207,11 @@ def model_summary(path_or_name: str) -> dict[str, Any]:
         try:
             cfg = read_config(f)
             info.update(context_length=cfg.n_ctx_train, layers=cfg.n_layer, embedding=cfg.n_embd,
-                        heads=cfg.n_head, kv_heads=cfg.n_head_kv, head_dim=cfg.head_dim_k, ffn=cfg.n_ff)
+                        heads=cfg.n_head, kv_heads=cfg.n_head_kv, head_dim=cfg.head_dim_k, ffn=cfg.n_ff,
+                        supported=True)
         except MinirtError as e:
             info["config_error"] = str(e)
+            info["supported"] = False
     return info
 
 
@@ -244,7 +236,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print(f"file          {info['path']} ({info['file_size_bytes'] / 1e6:.1f} MB, GGUF v{info['gguf_version']})")
     print(f"name          {info.get('name')}")
-    print(f"architecture  {info['architecture']}")
+    status = "supported" if info["supported"] else "not supported: " + info["config_error"]
+    print(f"architecture  {info['architecture']} ({status})")
     print(f"parameters    {info['parameters'] / 1e6:.1f} M in {info['tensors']} tensors")
     if "layers" in info:
         print(f"shape         {info['layers']} layers, n_embd {info['embedding']}, {info['heads']} heads "
@@ -281,7 +274,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
-    return serve(args)
+    return serve(args, load=lambda: _load(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ class PieceSource(Protocol):
 
     def token_to_piece(self, token_id: int, skip_special: bool = False) -> bytes: ...
 
+
 _SPACE_BEFORE_PUNCT = re.compile(r" (?=[?!.,])")
 _SPACE_BEFORE_CONTRACTION = re.compile(r" (?='(?:s|m|re|ve))")
 

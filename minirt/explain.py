@@ -80,6 +80,7 @@ def format_trace(llm: Any, c: Completion, max_prompt_tokens: int = 64, top_n: in
     w("\n=== 8. detokenize + stream ===  " + _ms(total("detokenize")) + " total\n")
     w(f"  text: {c.text!r}\n")
     t = c.timings
-    w(f"\n  time to first token {t['time_to_first_token_s'] * 1e3:.1f} ms, prefill {t['prompt_tokens_per_s']:.1f} tok/s,"
+    w(f"\n  time to first token {t['time_to_first_token_s'] * 1e3:.1f} ms, "
+      f"prefill {t['prompt_tokens_per_s']:.1f} tok/s,"
       f" decode {t['generated_tokens_per_s']:.1f} tok/s\n")
     return "".join(out)

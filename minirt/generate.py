@@ -13,15 +13,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence as Seq
+from typing import Any
 
 import numpy as np
 
-from .archs.base import Segment, Transformer
 from .errors import ContextOverflowError, InvalidRequestError
+from .forward import Segment, Transformer
 from .kv_cache import KVCache
-from .sampling import Sampled, Sampler, SamplingParams
+from .sampling import Sampled, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class Completion:
     prompt_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    trace: "Trace | None" = None
+    trace: Trace | None = None
 
 
 @dataclass
@@ -331,7 +333,7 @@ class Engine:
         if not batch:
             return
         ids = np.concatenate(tokens)
-        for (s, seg, _), t in zip(batch, tokens):
+        for (s, _seg, _), t in zip(batch, tokens):
             s.cache.tokens[s.cache.n_past:s.cache.n_past + len(t)] = t
         t0 = time.perf_counter()
         logits = self.model.forward(ids, [seg for _, seg, _ in batch])

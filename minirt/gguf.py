@@ -25,8 +25,9 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # numpy order: (..., rows, cols); cols = ne[0]
     offset: int  # absolute byte offset of the data in the file
     nbytes: int
-    _file: "GGUFFile" = field(repr=False)
+    _file: GGUFFile = field(repr=False)
 
     @property
     def qtype(self) -> str:
@@ -174,7 +175,7 @@ class GGUFFile:
                 # numpy views of tensor data are still alive; the mapping is freed with them.
                 log.debug("%s: mapping still referenced by tensor views; freed when they are", self.path)
 
-    def __enter__(self) -> "GGUFFile":
+    def __enter__(self) -> GGUFFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -379,7 +380,8 @@ class _Parser:
             dt = _SCALAR_DTYPES.get(et)
             if dt is not None:
                 if n > left // dt.itemsize:
-                    raise self.fail(what + " count", cat, f"{n} {VALUE_TYPE_NAMES[et]} elements exceed the {left} bytes left")
+                    raise self.fail(what + " count", cat,
+                                    f"{n} {VALUE_TYPE_NAMES[et]} elements exceed the {left} bytes left")
                 arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos).copy()
                 self.pos += n * dt.itemsize
                 if et == _VT_BOOL:

@@ -66,10 +66,6 @@ class KVCache:
     def bytes_per_token(self) -> int:
         return (self.k.nbytes + self.v.nbytes) // self.n_ctx
 
-    @property
-    def n_free(self) -> int:
-        return self.n_ctx - self.n_past
-
     def token_ids(self) -> np.ndarray:
         """Ids of the cached positions (a view)."""
         return self.tokens[: self.n_past]
@@ -84,7 +80,7 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.n_past} positions to {n}")
         self.n_past = n
 
-    def copy_prefix_from(self, other: "KVCache", n: int) -> None:
+    def copy_prefix_from(self, other: KVCache, n: int) -> None:
         """Copy the first ``n`` positions of ``other`` (same model) into this cache."""
         if n > self.n_ctx or n > other.n_past:
             raise ValueError(f"cannot copy {n} positions (source has {other.n_past}, room {self.n_ctx})")

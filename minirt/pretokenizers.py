@@ -26,8 +26,8 @@ is rewritten to ``\\Z``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import regex
@@ -221,8 +221,10 @@ RE_GPT2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s
 RE_LLAMA3_I = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
                "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 _CONTR = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-RE_LLAMA3 = _CONTR + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
-RE_QWEN2 = _CONTR + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+RE_LLAMA3 = (_CONTR + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+"
+             "|\\s+(?!\\S)|\\s+")
+RE_QWEN2 = (_CONTR + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+"
+            "|\\s+(?!\\S)|\\s+")
 RE_QWEN35 = (_CONTR + "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+"
              "|\\s+(?!\\S)|\\s+")
 RE_KIMI = "\\p{Han}+"
@@ -249,12 +251,12 @@ def _risky() -> np.ndarray:
     return risky
 
 
-def _fast(expr: str) -> "regex.Pattern[str]":
+def _fast(expr: str) -> regex.Pattern[str]:
     """A custom regex with ``regex``'s own classes: exact for texts :func:`_risky` does not match."""
     return regex.compile(expr, regex.V0)
 
 
-def _exact(expr: str) -> "regex.Pattern[str]":
+def _exact(expr: str) -> regex.Pattern[str]:
     """A custom regex over llama.cpp's full code point classes (no collapsing)."""
     cls = {"L": char_class(F_LETTER), "N": char_class(F_NUMBER), "M": char_class(F_MARK),
            "WS": char_class(F_WHITESPACE)}
@@ -292,7 +294,7 @@ def _bracket_bare(pat: str, cls: dict[str, str]) -> str:
     return "".join(out)
 
 
-def _split_regex(rx: "regex.Pattern[str]", src: str) -> list[int]:
+def _split_regex(rx: regex.Pattern[str], src: str) -> list[int]:
     """Lengths of the pieces ``rx`` cuts ``src`` into (matches and the gaps between them)."""
     if not rx.groups:  # fast path: matches that cover the text are the pieces
         lengths = list(map(len, rx.findall(src)))
@@ -476,9 +478,9 @@ def _newlines(piece: str) -> list[int]:
 @dataclass
 class _Step:
     kind: str  # "custom", "collapsed", "wide"
-    rx: "regex.Pattern[str] | None" = None
-    fn: "Callable[[str], list[int]] | None" = None
-    rx_fast: "regex.Pattern[str] | None" = None  # custom regexes: for texts without risky code points
+    rx: regex.Pattern[str] | None = None
+    fn: Callable[[str], list[int]] | None = None
+    rx_fast: regex.Pattern[str] | None = None  # custom regexes: for texts without risky code points
     cache: dict[str, list[int]] = field(default_factory=dict)
     cache_fast: dict[str, list[int]] = field(default_factory=dict)
 
@@ -583,8 +585,10 @@ _DS3 = ("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P
         "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+")
 _GPT4O_WORDS = ("[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+" + _CONTR + "?"
                 "|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*" + _CONTR + "?")
-_CASED_WORDS = ("[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+" + _CONTR + "?"
-                "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*" + _CONTR + "?")
+_UPPERISH = "[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]"
+_LOWERISH = "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]"
+_CASED_WORDS = ("[^\\r\\n\\p{L}\\p{N}]?" + _UPPERISH + "*" + _LOWERISH + "+" + _CONTR + "?"
+                "|[^\\r\\n\\p{L}\\p{N}]?" + _UPPERISH + "+" + _LOWERISH + "*" + _CONTR + "?")
 _TAIL = "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 _CJK_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
 

@@ -18,15 +18,18 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import gguf as gguf_mod
 from . import registry
-from .archs.base import Segment, build
-from .errors import BackendError, InvalidRequestError, ModelClosedError, TokenizerError
-from .generate import (Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop)
+from .archs import build, read_config
+from .errors import InvalidRequestError, ModelClosedError, TokenizerError
+from .forward import Segment
+from .generate import Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
 
@@ -134,11 +137,11 @@ class GenerationHandle:
         self._cancel = threading.Event()
         self._result: Completion | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[["GenerationHandle"], Any]] = []
+        self._callbacks: list[Callable[[GenerationHandle], Any]] = []
         self._cb_lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
-    def add_done_callback(self, fn: Callable[["GenerationHandle"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[GenerationHandle], Any]) -> None:
         """Call ``fn(handle)`` when the generation ends (at once if it already has)."""
         with self._cb_lock:
             if not self._event.is_set():
@@ -195,13 +198,13 @@ class Model:
             self.tokenizer = Tokenizer.from_gguf(self.file)
             self.chat_template = ChatTemplate.from_gguf(self.file, self.tokenizer, override=chat_template)
             self.device, self.backend = self._pick_backend(device, backend, threads)
-            self.model = build(self.file, self.backend)
-            cfg = self.model.cfg
+            cfg = read_config(self.file)  # sizes the context before the weights are prepared
             if self.tokenizer.n_vocab > cfg.n_vocab:
                 raise TokenizerError(f"the vocabulary has {self.tokenizer.n_vocab} tokens but the model only "
                                      f"{cfg.n_vocab} embeddings")
             self.n_vocab = cfg.n_vocab
-            self.n_ctx = self._pick_n_ctx(n_ctx)
+            self.n_ctx = self._pick_n_ctx(n_ctx, cfg)
+            self.model = build(self.file, self.backend, self.n_ctx)
             if threads is not None and (not isinstance(threads, int) or threads <= 0):
                 raise InvalidRequestError(f"threads must be a positive integer, got {threads!r}")
             self.engine = Engine(self.model, n_batch)
@@ -218,32 +221,11 @@ class Model:
 
     # -- setup -------------------------------------------------------------------------------------
     def _pick_backend(self, device: str, backend: str | None, threads: int | None) -> tuple[str, Any]:
-        from .kernels import get_backend
+        from .kernels import select_backend
 
-        if device not in ("auto", "cpu", "cuda"):
-            raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-        if device in ("cuda", "auto"):
-            try:
-                from .kernels import cuda
+        return select_backend(device, backend, threads, self.file)
 
-                if cuda.available():
-                    b = cuda.CudaBackend(self.file)
-                    log.info("device: cuda (%s)", b.info().get("name", "GPU"))
-                    return "cuda", b
-                if device == "cuda":
-                    raise BackendError(f"device='cuda' requested but no usable GPU: {cuda.unavailable_reason()}")
-            except (ImportError, BackendError) as e:
-                if device == "cuda":
-                    if isinstance(e, BackendError):
-                        raise
-                    raise BackendError(f"device='cuda' requested but the CUDA backend cannot load: {e}") from e
-                log.warning("CUDA unavailable (%s); using the CPU", e)
-        b = get_backend(backend, threads)
-        log.info("device: cpu (%s backend)", b.name)
-        return "cpu", b
-
-    def _pick_n_ctx(self, n_ctx: int | None) -> int:
-        cfg = self.model.cfg
+    def _pick_n_ctx(self, n_ctx: int | None, cfg: Any) -> int:
         per_tok = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * 4
         if n_ctx is None:
             fit = int(_total_memory() * KV_MEMORY_FRACTION // per_tok)
@@ -377,7 +359,7 @@ class Model:
 
     # -- the scheduler ---------------------------------------------------------------------------
     @property
-    def scheduler(self) -> "Scheduler":
+    def scheduler(self) -> Scheduler:
         """The batching scheduler (started on first use)."""
         from .scheduler import Scheduler
 
@@ -418,7 +400,7 @@ class Model:
         else:
             self.cache_pool.release(cache)
 
-    def _submit(self, seq: Sequence) -> "EventStream":
+    def _submit(self, seq: Sequence) -> EventStream:
         from .scheduler import EventStream
 
         stream = EventStream()
@@ -430,7 +412,7 @@ class Model:
         """Run a sequence through the scheduler, delivering events to its callback on this thread."""
         return self._consume(seq, self._submit(seq))
 
-    def _consume(self, seq: Sequence, stream: "EventStream") -> Completion:
+    def _consume(self, seq: Sequence, stream: EventStream) -> Completion:
         """Deliver a submitted sequence's events to its callback on this thread; build the Completion."""
         on_token = getattr(seq, "user_sink", None)
         delivered: list[TokenEvent] = []
@@ -484,7 +466,8 @@ class Model:
                              n_keep=n_keep, sampling=sampling)
         return self._run(seq)
 
-    def stream(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS, **kw: Any) -> Iterator[TokenEvent]:
+    def stream(self, prompt: str | Seq[int], max_tokens: int | None = DEFAULT_MAX_TOKENS,
+               **kw: Any) -> Iterator[TokenEvent]:
         """Like :meth:`generate`, as an iterator of :class:`TokenEvent`; breaking out cancels."""
         if "on_token" in kw:
             raise InvalidRequestError("stream() yields events; use generate(on_token=...) for callbacks")
@@ -665,7 +648,8 @@ class Model:
         if stream:
             ids = self._prompt_ids(prompt, kw.pop("add_special", None), None)
             events = self._stream_ids(ids, max_tokens, None, kw)
-            return fmt.completion_chunks(self, events, cid, created, prompt if echo and isinstance(prompt, str) else "")
+            return fmt.completion_chunks(self, events, cid, created, prompt if echo and isinstance(prompt, str) else "",
+                                         want_logprobs=logprobs is not None)
         c = self.generate(prompt, max_tokens, **kw)
         return fmt.completion_dict(self, c, cid, created, logprobs is not None,
                                    prompt if echo and isinstance(prompt, str) else "")
@@ -681,7 +665,8 @@ class Model:
             kw["top_logprobs"] = _count("top_logprobs", top_logprobs or 0, 20) or 1
         cid, created = f"chatcmpl-{uuid.uuid4()}", int(time.time())
         if stream:
-            return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created, logprobs)
+            return fmt.chat_chunks(self, self.chat_stream(messages, max_tokens, tools=tools, **kw), cid, created,
+                                   logprobs)
         c = self.chat(messages, max_tokens, tools=tools, **kw)
         return fmt.chat_dict(self, c, cid, created, logprobs)
 
@@ -743,7 +728,8 @@ class Model:
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise StateError(f"{path}: not a minirt state file ({e})") from None
         if not isinstance(header, dict) or header.get("format") != STATE_FORMAT:
-            raise StateError(f"{path}: unsupported state format {header.get('format') if isinstance(header, dict) else header!r}")
+            fmt_seen = header.get("format") if isinstance(header, dict) else header
+            raise StateError(f"{path}: unsupported state format {fmt_seen!r}")
         if header.get("model") != self.fingerprint():
             raise StateError(f"{path}: saved from another model (fingerprint {str(header.get('model'))[:12]}…, "
                              f"this model {self.fingerprint()[:12]}…)")
@@ -787,7 +773,7 @@ class Model:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "Model":
+    def __enter__(self) -> Model:
         return self
 
     def __exit__(self, *exc: object) -> None:

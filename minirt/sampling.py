@@ -14,8 +14,9 @@ distribution.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0  # alternatives to report per token (0..20)
 
-    def validated(self, n_vocab: int) -> "SamplingParams":
+    def validated(self, n_vocab: int) -> SamplingParams:
         """Check every field; raise InvalidRequestError naming the first bad one."""
 
         def num(name: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
@@ -53,7 +54,8 @@ class SamplingParams:
 
         def integer(name: str, v: Any, lo: int, hi: int | None = None) -> int:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (hi is not None and v > hi):
-                raise InvalidRequestError(f"{name} must be an integer in [{lo}, {hi if hi is not None else '∞'}], got {v!r}")
+                raise InvalidRequestError(
+                    f"{name} must be an integer in [{lo}, {hi if hi is not None else '∞'}], got {v!r}")
             return int(v)
 
         num("temperature", self.temperature, 0.0, 1e4)
@@ -71,7 +73,8 @@ class SamplingParams:
         bias = None
         if self.logit_bias:
             if not isinstance(self.logit_bias, Mapping):
-                raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
+                raise InvalidRequestError("logit_bias must be a mapping of token id to bias, "
+                                          f"got {type(self.logit_bias).__name__}")
             bias = {}
             for k, v in self.logit_bias.items():
                 try:
@@ -88,7 +91,7 @@ class SamplingParams:
         return replace(self, logit_bias=bias)
 
     @classmethod
-    def from_kwargs(cls, **kw: Any) -> "SamplingParams":
+    def from_kwargs(cls, **kw: Any) -> SamplingParams:
         """Build from keyword arguments, ignoring None values; unknown names are an error."""
         names = {f.name for f in fields(cls)}
         bad = [k for k in kw if k not in names]

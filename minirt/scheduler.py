@@ -20,8 +20,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import CapacityError, ModelClosedError
 from .generate import Engine, Sequence, TokenEvent

@@ -29,17 +29,25 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from . import openai_format as fmt
-from .errors import (CapacityError, ContextOverflowError, InvalidRequestError, MinirtError, ModelClosedError,
-                     TemplateError, TokenizerError)
+from .errors import (
+    CapacityError,
+    ContextOverflowError,
+    InvalidRequestError,
+    MinirtError,
+    ModelClosedError,
+    TemplateError,
+    TokenizerError,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .generate import Completion, TokenEvent
+    from .generate import TokenEvent
     from .runtime import GenerationHandle, Model
 
 log = logging.getLogger(__name__)
@@ -329,78 +337,12 @@ def parse_completion(body: dict[str, Any], model: str) -> ParsedRequest:
 # ----------------------------------------------------------------------------------------------
 # response formatting (on top of minirt.openai_format)
 # ----------------------------------------------------------------------------------------------
-def _usage(c: "Completion") -> dict[str, Any]:
-    u: dict[str, Any] = {k: c.usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    u["prompt_tokens_details"] = {"cached_tokens": int(c.usage.get("cached_tokens", 0))}
-    return u
-
-
-class _ChunkMaker:
-    """Turns one request's TokenEvents into OpenAI stream chunk dicts."""
-
-    def __init__(self, llm: "Model", req: ParsedRequest, cid: str, created: int) -> None:
-        self.llm, self.req, self.cid, self.created = llm, req, cid, created
-        self.offset = 0
-        self.started = False
-
-    def _base(self) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        d: dict[str, Any] = {"id": self.cid, "object": obj, "created": self.created, "model": self.req.model,
-                             "system_fingerprint": f"minirt-{__version__}"}
-        if self.req.include_usage:
-            d["usage"] = None
-        return d
-
-    def _chat(self, delta: dict[str, Any], finish: str | None, lp: Any = None) -> dict[str, Any]:
-        d = self._base()
-        d["choices"] = [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]
-        return d
-
-    def _text(self, text: str, finish: str | None, lp: Any = None) -> dict[str, Any]:
-        d = self._base()
-        d["choices"] = [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]
-        return d
-
-    def first(self, echo: str = "") -> list[dict[str, Any]]:
-        """Chunks sent before any token: the assistant role (chat) or the echoed prompt."""
-        if self.req.kind == "chat":
-            return [self._chat({"role": "assistant", "content": ""}, None)]
-        if echo:
-            self.offset += len(echo)
-            return [self._text(echo, None)]
-        return []
-
-    def event(self, ev: "TokenEvent") -> list[dict[str, Any]]:
-        llm, want = self.llm, self.req.want_logprobs
-        has_lp = want and ev.token_id is not None and ev.logprob is not None
-        if self.req.kind == "chat":
-            if ev.finish_reason is not None:
-                out = [self._chat({"content": ev.text}, None)] if ev.text else []
-                return out + [self._chat({}, ev.finish_reason)]
-            if not ev.text and not has_lp:
-                return []
-            lp = None
-            if has_lp:
-                lp = _clean({"content": fmt.chat_logprobs_content(llm, [ev.token_id], [ev.logprob],
-                                                                  [ev.top_logprobs or []])})
-            return [self._chat({"content": ev.text}, None, lp)]
-        lp = None
-        if has_lp:
-            piece = fmt._piece(llm, ev.token_id)
-            top = ([{fmt._piece(llm, i): l for i, l in ev.top_logprobs}]
-                   if self.req.options.get("top_logprobs") and ev.top_logprobs is not None else None)
-            lp = _clean({"tokens": [piece], "token_logprobs": [ev.logprob], "top_logprobs": top,
-                         "text_offset": [self.offset]})
-        if not ev.text and lp is None and ev.finish_reason is None:
-            return []
-        self.offset += len(ev.text)
-        return [self._text(ev.text, ev.finish_reason, lp)]
-
-    def usage(self, c: "Completion") -> dict[str, Any]:
-        d = self._base()
-        d["choices"] = []
-        d["usage"] = _usage(c)
-        return d
+def _chunk_builder(llm: Model, req: ParsedRequest, cid: str, created: int) -> fmt.ChunkBuilder:
+    """The request's stream chunks: :class:`minirt.openai_format.ChunkBuilder` with the server's
+    model id, fingerprint and stream options."""
+    return fmt.ChunkBuilder(llm, "chat" if req.kind == "chat" else "completion", cid, created, req.model,
+                            want_logprobs=req.want_logprobs, top_logprobs=bool(req.options.get("top_logprobs")),
+                            include_usage=req.include_usage, extra={"system_fingerprint": f"minirt-{__version__}"})
 
 
 def _sse(obj: Any) -> bytes:
@@ -414,20 +356,20 @@ def _sse(obj: Any) -> bytes:
 class ServerState:
     """What the app knows about its requests (read by tests, /health and the load benchmark)."""
 
-    llm: "Model"
+    llm: Model
     model_id: str
     aliases: frozenset[str]
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     default_max_tokens: int | None = None
-    active: dict[str, "GenerationHandle"] = field(default_factory=dict)
+    active: dict[str, GenerationHandle] = field(default_factory=dict)
     requests: int = 0
     disconnects: int = 0
     errors: int = 0
     refused: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def track(self, rid: str, h: "GenerationHandle") -> None:
+    def track(self, rid: str, h: GenerationHandle) -> None:
         with self.lock:
             self.active[rid] = h
 
@@ -438,14 +380,14 @@ class ServerState:
         h.add_done_callback(done)
 
 
-def model_id_for(llm: "Model") -> str:
+def model_id_for(llm: Model) -> str:
     """The id clients use for the loaded model: its registry name, else its file name."""
     from . import registry
 
     return llm.name if llm.name in registry.MODELS else Path(llm.path).name
 
 
-def _aliases(llm: "Model", model_id: str) -> frozenset[str]:
+def _aliases(llm: Model, model_id: str) -> frozenset[str]:
     from . import registry
 
     p = Path(llm.path)
@@ -459,7 +401,7 @@ def _aliases(llm: "Model", model_id: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def build_app(llm: "Model", api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
+def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
               default_max_tokens: int | None = None, model_id: str | None = None) -> Any:
     """The ASGI app serving ``llm``.
 
@@ -600,8 +542,8 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
     return body
 
 
-def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
-                        on_token: Callable[["TokenEvent"], Any] | None) -> tuple["GenerationHandle", str]:
+def _prepare_and_submit(llm: Model, state: ServerState, req: ParsedRequest,
+                        on_token: Callable[[TokenEvent], Any] | None) -> tuple[GenerationHandle, str]:
     """Tokenize, pick max_tokens, submit (runs on a worker thread: tokenizing a long prompt must
     not stall the event loop). Returns the handle and the echo prefix."""
     echo = ""
@@ -639,15 +581,15 @@ def _prepare_and_submit(llm: "Model", state: ServerState, req: ParsedRequest,
     return h, echo
 
 
-async def _start(loop: asyncio.AbstractEventLoop, llm: "Model", state: ServerState, req: ParsedRequest,
-                 on_token: Callable[["TokenEvent"], Any] | None) -> tuple["GenerationHandle", str]:
+async def _start(loop: asyncio.AbstractEventLoop, llm: Model, state: ServerState, req: ParsedRequest,
+                 on_token: Callable[[TokenEvent], Any] | None) -> tuple[GenerationHandle, str]:
     """Run :func:`_prepare_and_submit` off the loop; if this task is cancelled meanwhile, the
     generation it started is cancelled too rather than left running for nobody."""
     fut = loop.run_in_executor(None, _prepare_and_submit, llm, state, req, on_token)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        def cleanup(f: "asyncio.Future[Any]") -> None:
+        def cleanup(f: asyncio.Future[Any]) -> None:
             if not f.cancelled() and f.exception() is None:
                 f.result()[0].cancel()
         fut.add_done_callback(cleanup)
@@ -675,7 +617,7 @@ async def _generate(request: Any, state: ServerState, req: ParsedRequest) -> Any
         h, echo = await _start(loop, llm, state, req, post)
         state.track(rid, h)
         h.add_done_callback(lambda _h: post(_END))
-        return _SSEResponse(state, h, q, _ChunkMaker(llm, req, rid, created), echo)
+        return _SSEResponse(state, h, q, _chunk_builder(llm, req, rid, created), echo)
 
     h, echo = await _start(loop, llm, state, req, None)
     state.track(rid, h)
@@ -709,7 +651,7 @@ async def _generate(request: Any, state: ServerState, req: ParsedRequest) -> Any
         d = fmt.completion_dict(llm, c, rid, created, req.want_logprobs, echo)
     d["model"] = req.model
     d["system_fingerprint"] = f"minirt-{__version__}"
-    d["usage"] = _usage(c)
+    d["usage"] = fmt.usage_dict(c)
     if req.want_logprobs:
         d = _clean(d)
     return Response(_json_bytes(d), media_type="application/json")
@@ -733,8 +675,8 @@ class _SSEResponse:
     cancels the generation, which the scheduler then drops at its next step.
     """
 
-    def __init__(self, state: ServerState, handle: "GenerationHandle", q: "asyncio.Queue[Any]",
-                 maker: _ChunkMaker, echo: str) -> None:
+    def __init__(self, state: ServerState, handle: GenerationHandle, q: asyncio.Queue[Any],
+                 maker: fmt.ChunkBuilder, echo: str) -> None:
         self.state, self.h, self.q, self.maker, self.echo = state, handle, q, maker, echo
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
@@ -764,7 +706,7 @@ class _SSEResponse:
                     tail = b""
                     try:
                         c = h.result(0)
-                        if self.maker.req.include_usage:
+                        if self.maker.include_usage:
                             tail = _sse(self.maker.usage(c))
                         tail += b"data: [DONE]\n\n"
                     except Exception as e:
@@ -777,6 +719,8 @@ class _SSEResponse:
                     break
                 try:
                     chunks = self.maker.event(item)
+                    if self.maker.want_logprobs:  # -inf / NaN logprobs -> JSON-safe values
+                        chunks = [_clean(ch) for ch in chunks]
                     data = b"".join(_sse(ch) for ch in chunks)
                 except Exception as e:  # a formatting bug ends this stream only
                     state.errors += 1
@@ -831,7 +775,7 @@ class BackgroundServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
         self.thread.start()
         t_end = time.monotonic() + timeout
         while not self.server.started:
@@ -845,7 +789,7 @@ class BackgroundServer:
         self.thread.join(timeout=10)
         self.sock.close()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -877,12 +821,13 @@ def _server_class() -> Any:
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
-def serve(args: Any) -> int:
-    """``minirt serve``: load the model, configure the scheduler, serve until interrupted."""
+def serve(args: Any, load: Callable[[], Any] | None = None) -> int:
+    """``minirt serve``: load the model (``load()``, default :func:`minirt.loading.load_from_args`
+    of ``args``), configure the scheduler, serve until interrupted."""
     _require_server_deps()
     import uvicorn
 
-    from .cli import _load
+    from .loading import load_from_args
 
     if args.ssl_keyfile and not args.ssl_certfile:
         raise InvalidRequestError("--ssl-keyfile needs --ssl-certfile")
@@ -893,7 +838,7 @@ def serve(args: Any) -> int:
     if args.host not in _LOOPBACK and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
-    llm = _load(args)
+    llm = load() if load is not None else load_from_args(args)
     with llm:
         llm.configure_scheduler(n_parallel=args.parallel, kv_budget_tokens=args.kv_budget_tokens,
                                 max_queue=args.queue)

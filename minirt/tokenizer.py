@@ -57,7 +57,8 @@ from __future__ import annotations
 import heapq
 import logging
 from array import array
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import regex
@@ -200,7 +201,8 @@ def _from_byte_level(text: str) -> bytes:
 # Unicode classes of llama.cpp (Unicode 15.1) on top of the `regex` module
 # ---------------------------------------------------------------------------------------------
 
-_WS_CHARS = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+_WS_CHARS = ("\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+             "\u2028\u2029\u202f\u205f\u3000")
 _WS_CLASS = r"\t-\r\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"  # White_Space
 # deepseek-llm runs some of its regexes on a copy of the text where non-ASCII whitespace is \x0b
 # (llama.cpp does this because std::wregex's \s only knows ASCII whitespace)
@@ -251,7 +253,7 @@ class _UnicodeClasses:
     point, so the fast patterns are used whenever a text contains none of them.
     """
 
-    _instance: "_UnicodeClasses | None" = None
+    _instance: _UnicodeClasses | None = None
 
     def __init__(self) -> None:
         # every code point except surrogates, as one string (UTF-32 decode is the fast way)
@@ -287,7 +289,7 @@ class _UnicodeClasses:
             log.debug("regex module's Unicode differs from llama.cpp's 15.1 table on %d ranges", len(risky))
 
     @classmethod
-    def get(cls) -> "_UnicodeClasses":
+    def get(cls) -> _UnicodeClasses:
         if cls._instance is None:
             cls._instance = cls()
         return cls._instance
@@ -744,12 +746,12 @@ class Tokenizer:
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, f: "GGUFFile", **kwargs: Any) -> "Tokenizer":
+    def from_gguf(cls, f: GGUFFile, **kwargs: Any) -> Tokenizer:
         """Build the tokenizer from an open :class:`minirt.gguf.GGUFFile` (its metadata only)."""
         return cls(f.metadata, **kwargs)
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any], **kwargs: Any) -> "Tokenizer":
+    def from_metadata(cls, metadata: Mapping[str, Any], **kwargs: Any) -> Tokenizer:
         """Build the tokenizer from a GGUF-style key/value mapping (``tokenizer.ggml.*`` keys)."""
         return cls(metadata, **kwargs)
 

@@ -61,9 +61,17 @@ typedef struct {
 typedef struct {
     long long n_embd, n_ff, n_head, n_head_kv, head_dim_k, head_dim_v, rope_dim;
     float eps, attn_scale, softcap;
+    float residual_scale;       /* x += residual_scale * block output (Granite); 1 otherwise */
     long long window;           /* > 0: each query sees only the last `window` positions */
-    int rope_neox, act, local;  /* act: 0 SiLU, 1 GELU (tanh); local: RoPE from the second table pair */
+    int rope_neox, act;         /* act: 0 SiLU, 1 GELU (tanh) gated; 2 xIELU without gate */
+    int rope_table;             /* index of this layer's cos/sin table pair; -1: no RoPE (NoPE layer) */
+    int norm_kind;              /* attn/ffn/post norms: 0 RMSNorm, 1 LayerNorm (with optional biases) */
+    int qk_norm_full;           /* q/k norms over the whole projection (H*D) instead of each head */
+    int parallel;               /* x += attn(n(x)) + mlp(n(x)) with the one attn_norm (Cohere) */
+    int qk_norm_after_rope;     /* q/k norms applied to the rotated q/k (HunYuan) */
+    float act_params[4];        /* act 2 (xIELU, MLP without gate: gate.data NULL): alpha_n, alpha_p, beta, eps */
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* NULL: none */
+    const float *attn_norm_b, *ffn_norm_b; /* LayerNorm biases or NULL */
     mr_weight wq, wk, wv, wo, gate, up, down;
 } mr_layer;
 
@@ -77,10 +85,10 @@ int mr_layer_check(const mr_layer *L, int isa);
 
 /* Runs n_layer layers over x (n_seq, n_embd), in place: token b belongs to sequence seqs[b], its key
  * and value are written at seqs[b].pos of each layer's cache (float32, or f16 bits when kv_f16).
- * cos/sin: (n_seq, rope_dim / 2) tables, *_g for layers with local == 0, *_l for the others.
- * Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed, see mr_pool_quiescent). */
+ * cos_t[i] / sin_t[i]: (n_seq, rope_dim / 2) tables of table pair i (n_tables of them; a layer reads
+ * pair rope_table). Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed, see mr_pool_quiescent). */
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs,
-                     int kv_f16, const float *cos_g, const float *sin_g, const float *cos_l, const float *sin_l,
+                     int kv_f16, const float *const *cos_t, const float *const *sin_t, int n_tables,
                      int threads, int isa);
 
 
@@ -107,12 +115,8 @@ int mr_dequantize(int qtype, const unsigned char *src, long long n, float *dst);
 int mr_rmsnorm(const float *x, const float *weight, float eps, long long rows, long long n,
                float *out, int isa);
 
-/* In-place rotary embedding of x (n_tokens, n_heads, head_dim), the first n_rot dims rotated.
- * neox != 0: pairs (i, i + n_rot/2); else pairs (2i, 2i+1). Angle = pos[t] * freqs[i] (freqs: n_rot/2). */
-int mr_rope(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
-            const int *pos, const float *freqs, int neox, int isa);
-
-/* Rotary embedding from precomputed cos/sin tables (n_tokens, n_rot/2), in place. */
+/* In-place rotary embedding of x (n_tokens, n_heads, head_dim), the first n_rot dims rotated, from
+ * precomputed cos/sin tables (n_tokens, n_rot/2). neox != 0: pairs (i, i + n_rot/2); else (2i, 2i+1). */
 int mr_rope_cs(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot,
                const float *cos_t, const float *sin_t, int neox, int isa);
 
@@ -155,3 +159,9 @@ int mr_attention_fast(int isa);
  * once no worker can still read w or x. */
 double mr_bench_matmul(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
                        const float *x, long long n_tokens, float *y, int threads, int isa, int reps);
+
+/* ---- memory-bandwidth probe (bandwidth.c) ----
+ * Streaming read of n_bytes at p (n_bytes > 0, a multiple of 8) in 2 MiB slices on `threads` threads
+ * (<= 0: the default), `reps` times. Returns the fastest pass in nanoseconds (< 0 = MR_E_* error) and
+ * in *sum the wrapping uint64 sum of the buffer's 64-bit words (proof that every byte was read). */
+double mr_read_bandwidth(const void *p, long long n_bytes, int threads, int reps, int isa, unsigned long long *sum);

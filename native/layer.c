@@ -1,17 +1,19 @@
 /* Decoder layers for decode steps (one new token per sequence), natively: the whole stack in one
  * call, so a step costs a few thread hand-offs per layer instead of a dozen Python round trips.
  *
- * Per layer (Llama / Qwen2 / Qwen3 / Gemma 3 blocks):
- *   h = rmsnorm(x) ; q, k, v = Wq h, Wk h, Wv h (+ bias)       one parallel job for the three
- *   [q, k per-head rmsnorm] ; RoPE ; k, v -> cache              caller thread (small)
+ * Per layer, as the block description says (minirt/blocks.py; this file knows no architecture):
+ *   h = [norm](x) ; q, k, v = Wq h, Wk h, Wv h (+ bias)         one parallel job for the three
+ *   [q, k rmsnorm per head or whole] ; [RoPE] ; k, v -> cache    caller thread (small)
  *   attention over each sequence's cache                        one parallel job (sequence x head)
- *   o = Wo att [post-norm] ; x += o                              one parallel job
- *   h = rmsnorm(x) ; a = act(Wg h) * (Wu h)                      one parallel job (gate and up rows together)
- *   d = Wd a [post-norm] ; x += d                                one parallel job
+ *   o = Wo att (+ bias) [post-norm] ; x += s * o                 one parallel job
+ *   h = [norm](x) ; a = act(Wg h) * (Wu h)                       one parallel job (gate and up rows together)
+ *   d = Wd a [post-norm] ; x += s * d                            one parallel job
+ * A parallel block (Cohere) feeds the MLP the attention's h and adds both outputs at once.
  * The matrix products are the integer kernels of mr_matmul / mr_matmul_packed (same activation
  * quantization, same results); the elementwise steps are the ones of the Python forward pass. */
 #include "common.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 void mr_call_lock(void);
@@ -160,33 +162,89 @@ int mr_layer_check(const mr_layer *L, int isa) {
     const int64_t rows[7] = {L->n_head * L->head_dim_k, L->n_head_kv * L->head_dim_k, L->n_head_kv * L->head_dim_v, d,
                              L->n_ff, L->n_ff, d};
     const int64_t cols[7] = {d, d, d, L->n_head * L->head_dim_v, d, d, L->n_ff};
+    const int gated = L->act != 2;
+    if (gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU runs without gate, the others with one */
     for (int i = 0; i < 7; i++) {
+        if (ws[i] == &L->gate && !gated) continue;
         const mr_mat m = weight_mat(ws[i]);
         if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i] || !mr_mat_xlayout(K, &m)) return MR_E_QTYPE;
     }
     if (L->gate.bias || L->up.bias) return MR_E_SHAPE;
+    if (L->n_head <= 0 || L->n_head_kv <= 0 || L->head_dim_k <= 0 || L->n_embd <= 0 || L->n_ff <= 0) return MR_E_SHAPE;
     if (L->head_dim_k != L->head_dim_v || L->n_head % L->n_head_kv || L->rope_dim > L->head_dim_k || (L->rope_dim & 1))
         return MR_E_SHAPE;
-    if (!L->attn_norm || !L->ffn_norm || L->act < 0 || L->act > 1) return MR_E_SHAPE;
+    if (L->act < 0 || L->act > 2 || L->norm_kind < 0 || L->norm_kind > 1 || L->rope_table < -1) return MR_E_SHAPE;
+    if ((L->parallel != 0 && L->parallel != 1) || (L->parallel && L->ffn_norm) || (L->qk_norm_full != 0 && L->qk_norm_full != 1) ||
+        (L->qk_norm_after_rope != 0 && L->qk_norm_after_rope != 1))
+        return MR_E_SHAPE;
+    if ((L->attn_norm_b && !L->attn_norm) || (L->ffn_norm_b && !L->ffn_norm)) return MR_E_SHAPE;
     return MR_OK;
 }
 
-/* residual stream of B rows of d: x += norm(o) (Gemma's post-block norm, in place in o) or x += o */
-MR_INLINE void residual(const mr_kernels *K, float *x, float *o, const float *norm, float eps, int64_t B, int64_t d) {
+/* out = norm(x) over rows of n: RMSNorm, or LayerNorm as RMSNorm of the centred row plus bias;
+ * no gain (w NULL and kind RMS with no norm asked): a copy. */
+MR_INLINE void norm_rows(const mr_kernels *K, const mr_layer *L, const float *x, const float *w, const float *bias,
+                         float *out, int64_t B, int64_t n) {
     for (int64_t b = 0; b < B; b++) {
-        if (norm) K->rmsnorm(o + b * d, norm, eps, d, o + b * d);
-        for (int64_t i = 0; i < d; i++) x[b * d + i] += o[b * d + i];
+        const float *xb = x + b * n;
+        float *ob = out + b * n;
+        if (L->norm_kind == 1) {
+            double mean = 0.0;
+            for (int64_t i = 0; i < n; i++) mean += xb[i];
+            const float m = (float)(mean / (double)n);
+            for (int64_t i = 0; i < n; i++) ob[i] = xb[i] - m;
+            K->rmsnorm(ob, w, L->eps, n, ob);
+            if (bias)
+                for (int64_t i = 0; i < n; i++) ob[i] += bias[i];
+        } else {
+            K->rmsnorm(xb, w, L->eps, n, ob);
+        }
     }
 }
 
+/* q (H x D), k (Hkv x D) of one token through their RMSNorms: per head, or over the whole projection */
+MR_INLINE void qk_norms(const mr_kernels *K, const mr_layer *L, float *qb, float *kb, int64_t H, int64_t Hkv, int64_t D) {
+    if (L->q_norm && L->qk_norm_full) K->rmsnorm(qb, L->q_norm, L->eps, H * D, qb);
+    else if (L->q_norm)
+        for (int64_t i = 0; i < H; i++) K->rmsnorm(qb + i * D, L->q_norm, L->eps, D, qb + i * D);
+    if (L->k_norm && L->qk_norm_full) K->rmsnorm(kb, L->k_norm, L->eps, Hkv * D, kb);
+    else if (L->k_norm)
+        for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(kb + i * D, L->k_norm, L->eps, D, kb + i * D);
+}
+
+/* xIELU in place over n values (Apertus' MLP activation; as ggml's op_xielu) */
+MR_INLINE void xielu_rows(float *a, int64_t n, const float *p) {
+    const float alpha_n = p[0], alpha_p = p[1], beta = p[2], eps = p[3];
+    for (int64_t i = 0; i < n; i++) {
+        const float x = a[i];
+        a[i] = x > 0.0f ? alpha_p * x * x + beta * x : (expm1f(fminf(x, eps)) - x) * alpha_n + beta * x;
+    }
+}
+
+/* h = the block's input norm of x, or x itself when the block has none */
+MR_INLINE void pre_norm(const mr_kernels *K, const mr_layer *L, const float *x, const float *w, const float *bias,
+                        float *h, int64_t B, int64_t d) {
+    if (w) norm_rows(K, L, x, w, bias, h, B, d);
+    else memcpy(h, x, (size_t)(B * d) * 4);
+}
+
+/* residual stream of B rows of d: x += s * norm(o) (post-block norm, in place in o) or x += s * o */
+MR_INLINE void residual(const mr_kernels *K, const mr_layer *L, float *x, float *o, const float *norm, int64_t B,
+                        int64_t d) {
+    if (norm) norm_rows(K, L, o, norm, NULL, o, B, d);
+    const float s = L->residual_scale;
+    for (int64_t i = 0; i < B * d; i++) x[i] += s == 1.0f ? o[i] : s * o[i];
+}
+
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int kv_f16,
-                     const float *cos_g, const float *sin_g, const float *cos_l, const float *sin_l, int threads, int isa) {
+                     const float *const *cos_t, const float *const *sin_t, int n_tables, int threads, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (n_layer <= 0 || n_seq <= 0 || n_seq > MR_PACKED_INT_MAX) return MR_E_SHAPE;
     for (long long l = 0; l < n_layer; l++) {
         const int rc = mr_layer_check(&layers[l], isa);
         if (rc != MR_OK) return rc;
+        if (layers[l].rope_table >= n_tables || (layers[l].rope_table >= 0 && (!cos_t || !sin_t))) return MR_E_SHAPE;
     }
     if (threads <= 0) threads = mr_pool_threads_default();
     const mr_layer *L0 = &layers[0];
@@ -202,8 +260,8 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
     mr_call_lock();
     int rc = MR_OK;
     unsigned long long steals = 0;
-    /* scratch: h, o (B x d), q, att (B x qd), k, v (B x kd), a (B x ff); grow-only (late workers) */
-    const size_t need = (size_t)(B * (2 * d + 2 * qd + 2 * kd + ff) + 64);
+    /* scratch: h, o, o2 (B x d), q, att (B x qd), k, v (B x kd), a (B x ff); grow-only (late workers) */
+    const size_t need = (size_t)(B * (3 * d + 2 * qd + 2 * kd + ff) + 64);
     if (need > lbuf_cap) {
         void *p = NULL;
         if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
@@ -212,14 +270,16 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             lbuf_cap = need * 2;
         }
     }
-    float *h = lbuf, *o = h + B * d, *q = o + B * d, *att = q + B * qd, *k = att + B * qd, *v = k + B * kd, *a = v + B * kd;
+    float *h = lbuf, *o = h + B * d, *o2 = o + B * d, *q = o2 + B * d, *att = q + B * qd, *k = att + B * qd,
+          *v = k + B * kd, *a = v + B * kd;
     for (long long l = 0; l < n_layer && rc == MR_OK; l++) {
         const mr_layer *L = &layers[l];
         const int64_t H = L->n_head, Hkv = L->n_head_kv, D = L->head_dim_k, half = L->rope_dim / 2;
-        const float *cs = L->local ? cos_l : cos_g, *sn = L->local ? sin_l : sin_g;
+        const float *cs = L->rope_table >= 0 ? cos_t[L->rope_table] : NULL;
+        const float *sn = L->rope_table >= 0 ? sin_t[L->rope_table] : NULL;
         /* attention block */
         double prof_t = prof_on ? prof_now() : 0.0;
-        for (int64_t b = 0; b < B; b++) K->rmsnorm(x + b * d, L->attn_norm, L->eps, d, h + b * d);
+        pre_norm(K, L, x, L->attn_norm, L->attn_norm_b, h, B, d);
         {
             const mr_weight *w[3] = {&L->wq, &L->wk, &L->wv};
             float *y[3] = {q, k, v};
@@ -231,12 +291,12 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         for (int64_t b = 0; b < B; b++) {
             const mr_kvseq *s = &seqs[b];
             float *qb = q + b * H * D, *kb = k + b * Hkv * D, *vb = v + b * Hkv * D;
-            if (L->q_norm)
-                for (int64_t i = 0; i < H; i++) K->rmsnorm(qb + i * D, L->q_norm, L->eps, D, qb + i * D);
-            if (L->k_norm)
-                for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(kb + i * D, L->k_norm, L->eps, D, kb + i * D);
-            for (int64_t i = 0; i < H; i++) mr_rope_row(qb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
-            for (int64_t i = 0; i < Hkv; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+            if (!L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, Hkv, D);
+            if (cs && half > 0) {
+                for (int64_t i = 0; i < H; i++) mr_rope_row(qb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+                for (int64_t i = 0; i < Hkv; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+            }
+            if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, Hkv, D);
             for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos of the cache */
                 const int64_t off = l * s->layer_stride + (i * s->n_ctx + s->pos) * D;
                 if (kv_f16) {
@@ -275,11 +335,21 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
-        residual(K, x, o, L->post_attn_norm, L->eps, B, d);
+        if (L->parallel) { /* the MLP reads the same h; both outputs join the stream together below */
+            if (L->post_attn_norm) norm_rows(K, L, o, L->post_attn_norm, NULL, o, B, d);
+        } else {
+            residual(K, L, x, o, L->post_attn_norm, B, d);
+            /* feed-forward block */
+            pre_norm(K, L, x, L->ffn_norm, L->ffn_norm_b, h, B, d);
+        }
         PROF(3);
-        /* feed-forward block */
-        for (int64_t b = 0; b < B; b++) K->rmsnorm(x + b * d, L->ffn_norm, L->eps, d, h + b * d);
-        {
+        if (L->act == 2) { /* no gate: a = xielu(Wu h) */
+            const mr_weight *w[1] = {&L->up};
+            float *y[1] = {a};
+            rc = run_mats(K, w, y, 1, -1, h, B, threads);
+            steals += mr_pool_steals();
+            if (rc == MR_OK) xielu_rows(a, B * L->n_ff, L->act_params);
+        } else {
             const mr_weight *w[2] = {&L->gate, &L->up};
             float *y[2] = {a, a};
             rc = run_mats(K, w, y, 2, L->act, h, B, threads);
@@ -289,12 +359,18 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         PROF(4);
         {
             const mr_weight *w[1] = {&L->down};
-            float *y[1] = {o};
+            float *y[1] = {o2};
             rc = run_mats(K, w, y, 1, -1, a, B, threads);
             steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
-        residual(K, x, o, L->post_ffn_norm, L->eps, B, d);
+        if (L->parallel) {
+            if (L->post_ffn_norm) norm_rows(K, L, o2, L->post_ffn_norm, NULL, o2, B, d);
+            for (int64_t i = 0; i < B * d; i++) o2[i] += o[i];
+            residual(K, L, x, o2, NULL, B, d);
+        } else {
+            residual(K, L, x, o2, L->post_ffn_norm, B, d);
+        }
         PROF(5);
         if (prof_on) prof_ns[6] += 1.0;
     }

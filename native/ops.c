@@ -3,8 +3,6 @@
  * kernels. */
 #include "common.h"
 
-#include <stdlib.h>
-
 void mr_call_lock(void);
 void mr_call_unlock(void);
 
@@ -38,33 +36,6 @@ int mr_rope_cs(float *x, long long n_tokens, long long n_heads, long long head_d
     for (long long t = 0; t < n_tokens; t++)
         for (long long h = 0; h < n_heads; h++)
             mr_rope_row(x + (t * n_heads + h) * head_dim, n_rot, cos_t + t * half, sin_t + t * half, neox);
-    return MR_OK;
-}
-
-int mr_rope(float *x, long long n_tokens, long long n_heads, long long head_dim, long long n_rot, const int *pos,
-            const float *freqs, int neox, int isa) {
-    if (!mr_get_kernels(isa)) return MR_E_ISA;
-    if (n_tokens < 0 || n_heads < 0 || n_rot < 0 || n_rot > head_dim || (n_rot & 1)) return MR_E_SHAPE;
-    const long long half = n_rot / 2;
-    float cbuf[512], sbuf[512];
-    float *cs = half <= 512 ? cbuf : (float *)malloc((size_t)half * 4);
-    float *sn = half <= 512 ? sbuf : (float *)malloc((size_t)half * 4);
-    if (!cs || !sn) {
-        if (cs != cbuf) free(cs);
-        if (sn != sbuf) free(sn);
-        return MR_E_NOMEM;
-    }
-    for (long long t = 0; t < n_tokens; t++) {
-        for (long long i = 0; i < half; i++) {
-            /* angle in double: positions reach 1e5 and float angles would lose digits of sin/cos */
-            const double th = (double)pos[t] * (double)freqs[i];
-            cs[i] = (float)cos(th);
-            sn[i] = (float)sin(th);
-        }
-        for (long long h = 0; h < n_heads; h++) mr_rope_row(x + (t * n_heads + h) * head_dim, n_rot, cs, sn, neox);
-    }
-    if (cs != cbuf) free(cs);
-    if (sn != sbuf) free(sn);
     return MR_OK;
 }
 

@@ -1,14 +1,17 @@
-"""Shared fixtures: the two real models (pulled into $MINIRT_HOME on first use) and the references."""
+"""Shared fixtures: the two real models (pulled into $MINIRT_HOME on first use) and the references.
+
+The llama.cpp and float32 references live in ``tests/data/reference`` (rebuilt by its
+``regenerate.py``, see tests/README.md); nothing here reads outside the repository and $MINIRT_HOME.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-REFERENCE_DIR = Path(os.environ.get("MINIRT_REFERENCE_DIR") or Path(__file__).resolve().parents[2] / "shared" / "reference")
+REFERENCE_DIR = Path(__file__).resolve().parent / "data" / "reference"
 MODEL_NAMES = {"qwen": "qwen2.5-coder-0.5b-instruct", "gemma": "gemma3-270m"}
 REF_NAMES = {"qwen": "qwen2.5-coder-0.5b", "gemma": "gemma3-270m"}
 
@@ -36,17 +39,20 @@ def real_model(request) -> tuple[str, Path]:
 
 
 def reference_jsonl(key: str, kind: str) -> list[dict]:
-    """Records of ``../shared/reference/<name>.<kind>.jsonl`` (kind: tokenizer | greedy)."""
+    """Records of ``tests/data/reference/<name>.<kind>.jsonl`` (kind: tokenizer | greedy)."""
     p = REFERENCE_DIR / f"{REF_NAMES[key]}.{kind}.jsonl"
     if not p.is_file():
-        pytest.fail(f"reference file missing: {p} (set MINIRT_REFERENCE_DIR)")
+        pytest.fail(f"reference file missing: {p} (see tests/README.md)")
     return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def reference_npz(key: str):
+    """The float32 reference ``<name>.float_ref.npz``: at the last prompt position its top-32
+    (``last_top_ids`` / ``last_top_logits``, descending) and its logits at llama.cpp's top-20 ids
+    (``last_logits_at_llama_top20``); ``greedy`` and ``tf_argmax`` as JSON strings."""
     import numpy as np
 
     p = REFERENCE_DIR / f"{REF_NAMES[key]}.float_ref.npz"
     if not p.is_file():
-        pytest.fail(f"reference file missing: {p} (set MINIRT_REFERENCE_DIR)")
+        pytest.fail(f"reference file missing: {p} (see tests/README.md)")
     return np.load(p)

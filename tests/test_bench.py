@@ -119,6 +119,7 @@ def test_full_harness_on_tiny_model_without_peer(tiny_path):
     # the floor share is tok/s over (bandwidth / bytes per token), sample by sample
     floor = report.bandwidth["gbs"] * 1e9 / report.model["bytes_per_token"]
     assert report.bandwidth["floor_tok_s"] == pytest.approx(floor)
+    assert report.bandwidth["method"].startswith("native streaming read"), report.bandwidth["method"]
     assert report.row("tg4 / floor").minirt.samples == pytest.approx(
         [v / floor for v in report.row("tg4").minirt.samples])
     busy = report.row("tg4 busy t=2").minirt
@@ -254,3 +255,21 @@ def test_harness_with_llama_cpp_peer_on_tiny_model(tiny_path):
     agree = report.row("tg8").extra["greedy_agreement_tokens"]
     assert agree == [8] * cfg.repetitions, agree
     assert np.isfinite(report.row("peak RSS gen8").llama.median)
+
+
+def test_bandwidth_falls_back_to_numpy_and_says_so(monkeypatch):
+    from minirt.kernels import native
+
+    def broken(*a, **k):
+        raise native.BackendError("no native kernels here")
+
+    monkeypatch.setattr(native, "read_bandwidth", broken)
+    bw = bench.measure_bandwidth(threads=2, megabytes=8, repeats=1)
+    assert bw["gbs"] > 0 and bw["threads"] == 2
+    assert bw["method"].startswith("numpy float64 sum") and "no native kernels here" in bw["method"]
+    assert "lower bound" in bw["method"]
+
+
+def test_native_bandwidth_figure_is_a_real_read():
+    bw = bench.measure_bandwidth(threads=1, megabytes=8, repeats=1)
+    assert bw["method"].startswith("native streaming read") and bw["gbs"] > 0

@@ -66,8 +66,8 @@ def test_qwen_prompt_tokenizes_to_control_tokens(qwen_tmpl, qwen_tok):
 
 
 def test_qwen_template_with_tools_and_tool_calls(qwen_tmpl):
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Météo",
-                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": params}}]
     out = qwen_tmpl.render(FRANCE, tools=tools)
     assert "# Tools" in out and json.dumps(tools[0], ensure_ascii=False) in out  # HF tojson: plain JSON
     msgs = FRANCE + [
@@ -83,7 +83,8 @@ def test_qwen_template_with_tools_and_tool_calls(qwen_tmpl):
 def test_gemma_uses_builtin_like_llama_cpp(gemma_file, gemma_tok):
     tmpl = ChatTemplate.from_gguf(gemma_file, gemma_tok)
     assert tmpl.name == "gemma" and "tokenizer.chat_template" not in gemma_file.metadata
-    assert tmpl.render(FRANCE) == "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+    assert tmpl.render(FRANCE) == ("<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n"
+                                   "<start_of_turn>model\n")
     msgs = [{"role": "system", "content": " Answer briefly.\n"}, {"role": "user", "content": "Hi "},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of Peru?"}]
     assert tmpl.render(msgs) == (
@@ -145,7 +146,8 @@ def test_builtins_match_llama_cpp():
         [{"role": "system", "content": "  Be terse.\n"}, {"role": "user", "content": " Hi \n"}],
         [{"role": "system", "content": "S1"}, {"role": "system", "content": "S2 "}, {"role": "user", "content": "u1"},
          {"role": "assistant", "content": " a1 "}, {"role": "user", "content": "u2"}],
-        [{"role": "assistant", "content": "first"}, {"role": "system", "content": "late"}, {"role": "user", "content": "q"}],
+        [{"role": "assistant", "content": "first"}, {"role": "system", "content": "late"}, {"role": "user",
+                                                                                            "content": "q"}],
         [{"role": "tool", "content": "{}"}, {"role": "user", "content": "\t\v tabs\f"}],
     ]
     req = [(name, c, add) for name in BUILTIN_TEMPLATES for c in convs for add in (True, False)]
@@ -175,8 +177,10 @@ def test_builtin_choice():
 
 
 def test_overrides(qwen_file, qwen_tok):
-    assert ChatTemplate.from_gguf(qwen_file, qwen_tok, override="gemma").render(FRANCE).startswith("<start_of_turn>user")
-    custom = ChatTemplate.from_gguf(qwen_file, qwen_tok, override="{{ bos_token }}|{{ eos_token }}|{{ messages[0].content }}")
+    assert ChatTemplate.from_gguf(qwen_file, qwen_tok,
+                                  override="gemma").render(FRANCE).startswith("<start_of_turn>user")
+    custom = ChatTemplate.from_gguf(qwen_file, qwen_tok,
+                                    override="{{ bos_token }}|{{ eos_token }}|{{ messages[0].content }}")
     assert custom.render(FRANCE) == "<|endoftext|>|<|im_end|>|What is the capital of France?"
     md = {**qwen_file.metadata, "tokenizer.chat_template.tool_use": "TOOLS {{ tools | length }}"}
     assert ChatTemplate.from_metadata(md, qwen_tok, override="tool_use").render(FRANCE, tools=[{}]) == "TOOLS 1"
@@ -300,7 +304,8 @@ def test_bad_messages(qwen_tmpl, messages, match):
 
 
 def test_message_shapes_accepted(qwen_tmpl):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text",
+                                                                                             "text": "of France?"}]}]
     assert qwen_tmpl.render(parts) == qwen_tmpl.render(FRANCE)
     # an unknown role is refused before any template sees it
     with pytest.raises(minirt.InvalidRequestError, match="'narrator'"):
@@ -308,7 +313,8 @@ def test_message_shapes_accepted(qwen_tmpl):
     with pytest.raises(minirt.InvalidRequestError, match="empty"):
         ChatTemplate.builtin("chatml").render([])
     # a known role the template does not handle: the template's own raise_exception surfaces as TemplateError
-    assert "<|im_start|>tool\nonce<|im_end|>" in ChatTemplate.builtin("chatml").render([{"role": "tool", "content": "once"}])
+    assert "<|im_start|>tool\nonce<|im_end|>" in ChatTemplate.builtin("chatml").render([{"role": "tool",
+                                                                                         "content": "once"}])
     strict = ChatTemplate("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
                           "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{% endfor %}")
     with pytest.raises(minirt.TemplateError, match="unknown role tool"):

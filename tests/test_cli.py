@@ -99,7 +99,8 @@ def test_chat_ctrl_c_stops_the_answer_not_the_program(tiny):
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     p = subprocess.Popen([sys.executable, "-m", "minirt", "chat", "-m", tiny, "-c", "4096", "-n", "4000",
-                          "--temp", "1.0", "--seed", "1", "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          "--temp", "1.0", "--seed", "1", "--ignore-eos"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=e)
     try:
         p.stdin.write("tell me a long story\n")

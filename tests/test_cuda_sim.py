@@ -156,7 +156,8 @@ def test_dequant_and_matmuls_match_gguf_reference(qtype):
 def test_blas_tile_path_chunks_rows(qtype, monkeypatch):
     """The cuBLAS path dequantizes row tiles into a scratch buffer; with a scratch of 2 rows every
     tile boundary, the bias epilogue and accumulation are exercised."""
-    from minirt.kernels.cuda import backend as B, selfcheck
+    from minirt.kernels.cuda import backend as B
+    from minirt.kernels.cuda import selfcheck
 
     monkeypatch.setattr(B, "WTMP_BYTES", 2 * 256 * 4)
     be = _backend(blas=sim_blas)
@@ -369,20 +370,25 @@ def test_context_overflow_and_unsupported_model(tiny_pair):
         be.forward(dev, np.arange(1, 6), [Segment(c, 5, "last")])
     assert c.n_past == 0
 
-    class Custom(type(dev)):  # a block the device path does not know: the host path must run
-        def block(self, i, x, ctx):
-            return super().block(i, x, ctx)
+    # a description with a feature the device path has no kernel for: the host path must run
+    import copy
+    import dataclasses
 
-    odd = Custom.__new__(Custom)
-    odd.__dict__.update(dev.__dict__)
-    assert be.forward(odd, np.array([1]), [Segment(_cache(dev), 1, "last")]) is None
+    from minirt.forward import Transformer
+
+    for change in (dict(parallel=True, ffn_norm=None), dict(residual_scale=0.5)):
+        desc = copy.copy(dev.desc)
+        desc.blocks = [dataclasses.replace(b, **change) for b in dev.desc.blocks]
+        odd = Transformer.__new__(Transformer)
+        odd.__dict__.update(dev.__dict__, desc=desc)
+        assert be.forward(odd, np.array([1]), [Segment(_cache(dev), 1, "last")]) is None, change
 
 
 @in_sim
 def test_matmul_per_op_and_vram_accounting(tiny_pair):
     """The per-op contract (host in/out) and the byte counts info() reports."""
     name, cpu, dev, be = tiny_pair
-    lin = dev.blocks[0]["wq"]
+    lin = dev.desc.blocks[0].attn.wq
     x = np.random.default_rng(3).standard_normal((3, lin.in_features)).astype(np.float32)
     W = gguf.quants.dequantize(np.asarray(lin.w), QT[lin.qtype]).reshape(lin.out_features, lin.in_features)
     ref = x.astype(np.float64) @ W.astype(np.float64).T
@@ -408,7 +414,7 @@ def test_upload_reports_progress_per_tensor(tmp_path):
     assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
     be.close()
     with pytest.raises(minirt.BackendError):
-        be.matmul(np.zeros((1, 32), np.float32), build(f, ReferenceBackend()).blocks[0]["wq"])
+        be.matmul(np.zeros((1, 32), np.float32), build(f, ReferenceBackend()).desc.blocks[0].attn.wq)
     f.close()
 
 

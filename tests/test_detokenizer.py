@@ -6,14 +6,13 @@ import random
 
 import numpy as np
 import pytest
+from conftest import reference_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minirt import gguf as mgguf
 from minirt.detokenizer import StreamDecoder, clean_spaces
 from minirt.tokenizer import Tokenizer
-
-from conftest import reference_jsonl
 
 
 @pytest.fixture(scope="module")

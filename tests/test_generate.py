@@ -7,7 +7,6 @@ import asyncio
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import minirt

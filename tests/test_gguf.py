@@ -221,7 +221,8 @@ SCALARS: list[tuple[str, int, Any]] = [
 ]
 ARRAYS: list[tuple[str, int, list]] = [
     ("a.u8", VT.UINT8, [0, 1, 255]), ("a.i8", VT.INT8, [-128, 0, 127]), ("a.u16", VT.UINT16, [0, 65535]),
-    ("a.i16", VT.INT16, [-32768, 5]), ("a.u32", VT.UINT32, [2**32 - 1, 0, 7]), ("a.i32", VT.INT32, [-(2**31), 2**31 - 1]),
+    ("a.i16", VT.INT16, [-32768, 5]), ("a.u32", VT.UINT32, [2**32 - 1, 0, 7]), ("a.i32", VT.INT32, [-(2**31),
+                                                                                                    2**31 - 1]),
     ("a.f32", VT.FLOAT32, [0.5, -1.25, 1e30, 3.14159]), ("a.bool", VT.BOOL, [True, False, True]),
     ("a.u64", VT.UINT64, [2**64 - 1, 0]), ("a.i64", VT.INT64, [-(2**63), 2**63 - 1]),
     ("a.f64", VT.FLOAT64, [1 / 3, -2.0**-1000]), ("a.str", VT.STRING, ["a", "", "ünïcödé", "🦙 llama", "x" * 300]),
@@ -323,7 +324,8 @@ def test_every_value_type_matches_writer_and_reader(tmp_path):
                 if isinstance(e[0], str):
                     assert g == e
                 else:
-                    np.testing.assert_array_equal(g, np.array(e, dtype=np.float32 if isinstance(e[0], float) else np.int32))
+                    np.testing.assert_array_equal(g, np.array(e, dtype=np.float32 if isinstance(e[0],
+                                                                                                float) else np.int32))
         compare_with_reader(p, f)
 
 
@@ -339,7 +341,8 @@ def test_craft_layout_is_gguf_writer_layout(tmp_path):
     for k, v, _ in NESTED:
         sub = VT.STRING if isinstance(v[0][0], str) else VT.FLOAT32 if isinstance(v[0][0], float) else VT.INT32
         kvs.append((k, Val(VT.ARRAY, [Val(VT.ARRAY, e, sub) for e in v], VT.ARRAY)))
-    c = Craft(kvs, [T("a", [4, 3], 0, np.arange(12, dtype=np.float32).tobytes()), T("b", [32, 2], 8, _bytes_for("b", 68))],
+    c = Craft(kvs, [T("a", [4, 3], 0, np.arange(12, dtype=np.float32).tobytes()),
+                    T("b", [32, 2], 8, _bytes_for("b", 68))],
               alignment=64)
     assert c.bytes == p.read_bytes()
 
@@ -445,7 +448,7 @@ def test_data_is_zero_copy_readonly_view(tmp_path):
     assert held.tobytes() == c.bytes[c.at["data:token_embd.weight"]:][:held.nbytes]
     assert tokens[-1] == "🦙" and scores[2] == np.float32(-2.5)
     with pytest.raises(minirt.GGUFError, match="closed"):
-        f.tensors["token_embd.weight"].data
+        _ = f.tensors["token_embd.weight"].data
 
 
 def _resident_fraction(path: Path, start: int, length: int) -> float:
@@ -588,7 +591,8 @@ def test_truncated_metadata(tmp_path):
     expect_error(tmp_path, d[:at[f"kv:{tok}[1]"]], f"metadata['{tok}'] count", at[f"kv:{tok}.count"], "7 strings")
     sc = "tokenizer.ggml.scores"
     # 7 float32 scores need 28 bytes: a cut inside them is caught at the count
-    expect_error(tmp_path, d[:at[f"kv:{sc}.value"] + 12 + 20], f"metadata['{sc}'] count", at[f"kv:{sc}.count"], "exceed")
+    expect_error(tmp_path, d[:at[f"kv:{sc}.value"] + 12 + 20], f"metadata['{sc}'] count", at[f"kv:{sc}.count"],
+                 "exceed")
 
 
 def test_truncated_tensor_infos(tmp_path):
@@ -621,7 +625,8 @@ def test_absurd_counts(tmp_path, value):
     expect_error(tmp_path, patch(d, at["tensor_count"], "Q", value), "tensor_count", 8, "corrupt count")
     expect_error(tmp_path, patch(d, at["kv_count"], "Q", value), "metadata_kv_count", 16, "corrupt count")
     tok, sc = "tokenizer.ggml.tokens", "tokenizer.ggml.scores"
-    expect_error(tmp_path, patch(d, at[f"kv:{tok}.count"], "Q", value), f"metadata['{tok}'] count", at[f"kv:{tok}.count"])
+    expect_error(tmp_path, patch(d, at[f"kv:{tok}.count"], "Q", value), f"metadata['{tok}'] count",
+                 at[f"kv:{tok}.count"])
     expect_error(tmp_path, patch(d, at[f"kv:{sc}.count"], "Q", value), f"metadata['{sc}'] count", at[f"kv:{sc}.count"])
 
 
@@ -634,7 +639,8 @@ def test_absurd_string_lengths(tmp_path, value):
     arch = "general.architecture"
     expect_error(tmp_path, patch(d, at[f"kv:{arch}.str"], "Q", value), f"metadata['{arch}']", at[f"kv:{arch}.str"])
     tok = "tokenizer.ggml.tokens"
-    expect_error(tmp_path, patch(d, at[f"kv:{tok}[2]"], "Q", value), f"metadata['{tok}'][2]", at[f"kv:{tok}[2]"], "exceeds")
+    expect_error(tmp_path, patch(d, at[f"kv:{tok}[2]"], "Q", value), f"metadata['{tok}'][2]", at[f"kv:{tok}[2]"],
+                 "exceeds")
     n = "token_embd.weight"
     expect_error(tmp_path, patch(d, at[f"ti:{n}"], "Q", value), "tensor[0].name", at[f"ti:{n}"], "exceeds")
 
@@ -669,7 +675,8 @@ def test_bad_dims(tmp_path):
         c = one(ne)
         expect_error(tmp_path, c.bytes, f"tensor '{n}' dims", c.at[f"ti:{n}.dims"], "overflow")
     c = one([100, 2], GGML_TYPES_BY_NAME["Q4_K"].id)
-    expect_error(tmp_path, c.bytes, f"tensor '{n}' dims", c.at[f"ti:{n}.dims"], "not a multiple of the Q4_K block size 256")
+    expect_error(tmp_path, c.bytes, f"tensor '{n}' dims", c.at[f"ti:{n}.dims"],
+                 "not a multiple of the Q4_K block size 256")
     for nd in (0, 5, 2**32 - 1):
         c = small_model()
         m = "blk.0.attn_norm.weight"
@@ -752,7 +759,8 @@ def test_nested_arrays_depth_bound(tmp_path):
     for _ in range(mgguf.MAX_ARRAY_DEPTH):
         v = Val(VT.ARRAY, [v], VT.ARRAY)
     c = Craft([("deep", v)], [])
-    expect_error(tmp_path, c.bytes, "metadata['deep']" + "[0]" * mgguf.MAX_ARRAY_DEPTH, c.at["kv:deep" + "[0]" * mgguf.MAX_ARRAY_DEPTH],
+    deepest = "[0]" * mgguf.MAX_ARRAY_DEPTH
+    expect_error(tmp_path, c.bytes, "metadata['deep']" + deepest, c.at["kv:deep" + deepest],
                  "nested deeper")
     ok = Val(VT.ARRAY, [Val(VT.ARRAY, [Val(VT.ARRAY, [7, 8], VT.UINT16)], VT.ARRAY)], VT.ARRAY)
     with mgguf.open(write(tmp_path, Craft([("ok", ok)], []).bytes)) as f:

@@ -20,9 +20,9 @@ import signal
 import sys
 import threading
 import tracemalloc
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -203,7 +203,7 @@ def test_hostile_values_in_every_integer_field(run):
     fields = [f for f in MODEL.ints if f[1] < HEADER_END]
     assert len(fields) > 40
     opened = 0
-    for (name, off, width), value in itertools.chain.from_iterable(
+    for (_name, off, width), value in itertools.chain.from_iterable(
             ((f, v) for v in _hostile_values(f[2])) for f in fields):
         out = run(_poke(DATA, off, width, value))
         opened += isinstance(out, mgguf.GGUFFile)

@@ -34,10 +34,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -74,7 +75,7 @@ class Desc:
     def __repr__(self) -> str:
         return f"Desc({len(self.kv)} keys, {len(self.tensors)} tensors)"
 
-    def copy(self) -> "Desc":
+    def copy(self) -> Desc:
         return Desc({k: KV(copy.deepcopy(v.value), v.vtype, v.sub) for k, v in self.kv.items()}, dict(self.tensors))
 
     @property
@@ -315,8 +316,8 @@ def case(cid: str, base: str, mutate: Callable[[Desc], None], names: tuple[str, 
 # tokenizer arrays of the wrong length
 for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
     for n in (0, 1, -1):
-        case(f"{key.split('.')[-1]}-len{n}", "spm", (lambda k, n: lambda d: truncate_kv(k, n if n >= 0 else d.n_vocab - 1)(d))(key, n),
-             (key,))
+        case(f"{key.split('.')[-1]}-len{n}", "spm",
+             lambda d, k=key, n=n: truncate_kv(k, n if n >= 0 else d.n_vocab - 1)(d), (key,))
 case("token_type-short-bpe", "bpe", truncate_kv("tokenizer.ggml.token_type", 10), ("tokenizer.ggml.token_type",))
 case("tokens-longer-than-scores", "spm", append_kv("tokenizer.ggml.tokens", ["x1", "x2"]), ("tokenizer.ggml.scores",))
 case("tokens-more-than-embeddings", "bpe", append_kv("tokenizer.ggml.tokens", [f"extra{i}" for i in range(3)]),
@@ -331,7 +332,8 @@ for sp in _SPECIAL:
     case(f"{sp}-string", "spm", set_kv(f"tokenizer.ggml.{sp}", "1", VT.STRING), (f"tokenizer.ggml.{sp}",))
     case(f"{sp}-float", "bpe", set_kv(f"tokenizer.ggml.{sp}", 1.0, VT.FLOAT32), (f"tokenizer.ggml.{sp}",))
 # merges naming unknown tokens / malformed merges
-for label, m in (("unknown-right", "Ġ zz"), ("unknown-result", "q q"), ("three-parts", "x y z"), ("no-space", "nospace"),
+for label, m in (("unknown-right", "Ġ zz"), ("unknown-result", "q q"), ("three-parts", "x y z"),
+                 ("no-space", "nospace"),
                  ("leading-space", " a"), ("result-missing", "Ġt h")):
     case(f"merge-{label}", "bpe", append_kv("tokenizer.ggml.merges", [m]), ("tokenizer.ggml.merges",))
 case("merges-ints", "bpe", set_kv("tokenizer.ggml.merges", [1, 2], VT.ARRAY, VT.INT32), ("tokenizer.ggml.merges",))
@@ -344,7 +346,8 @@ case("missing-merges", "bpe", del_kv("tokenizer.ggml.merges"), ("tokenizer.ggml.
 case("unknown-pre", "bpe", set_kv("tokenizer.ggml.pre", "no-such-pre", VT.STRING), ("tokenizer.ggml.pre",))
 case("unknown-model", "spm", set_kv("tokenizer.ggml.model", "wordpiece-ish", VT.STRING), ("tokenizer.ggml.model",))
 # wrong metadata types
-case("tokens-are-ints", "spm", set_kv("tokenizer.ggml.tokens", list(range(10)), VT.ARRAY, VT.INT32), ("tokenizer.ggml.tokens",))
+case("tokens-are-ints", "spm", set_kv("tokenizer.ggml.tokens", list(range(10)), VT.ARRAY, VT.INT32),
+     ("tokenizer.ggml.tokens",))
 case("scores-are-strings", "spm", lambda d: set_kv("tokenizer.ggml.scores", ["a"] * d.n_vocab, VT.ARRAY, VT.STRING)(d),
      ("tokenizer.ggml.scores",))
 case("model-is-int", "spm", set_kv("tokenizer.ggml.model", 5, VT.UINT32), ("tokenizer.ggml.model",))
@@ -368,7 +371,7 @@ case("rope.scaling.factor-string", "bpe",
                 set_kv("{arch}.rope.scaling.factor", "x", VT.STRING)(d)), ("rope.scaling.factor",))
 for hp in ("attention.key_length", "attention.scale", "final_logit_softcapping"):
     case(f"{hp}-string", "bpe", set_kv(f"{{arch}}.{hp}", "x", VT.STRING), (hp,))
-case("rope.scaling.type-unknown", "bpe", set_kv("{arch}.rope.scaling.type", "yarn", VT.STRING), ("yarn",))
+case("rope.scaling.type-unknown", "bpe", set_kv("{arch}.rope.scaling.type", "dynamic-ntk", VT.STRING), ("dynamic-ntk",))
 case("head_count-not-multiple", "spm", set_kv("{arch}.attention.head_count", 3, VT.UINT32), ("head_count",))
 case("head_count-per-layer-mixed", "bpe", set_kv("{arch}.attention.head_count", [4, 2], VT.ARRAY, VT.INT32),
      ("head_count",))
@@ -402,12 +405,14 @@ for t in ("blk.0.attn_k.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_down.weight
     case(f"row-missing-{t}", "spm", map_tensor(t, lambda a: a[:-1]), (t, "embeddings", "vocabulary"))
     case(f"3d-{t}", "spm", map_tensor(t, lambda a: a[None]), (t,))
 for b in ("spm", "gemma3"):
-    case(f"1d-token_embd.weight-{b}", b, map_tensor("token_embd.weight", lambda a: a.reshape(-1)), ("token_embd.weight",))
+    case(f"1d-token_embd.weight-{b}", b, map_tensor("token_embd.weight", lambda a: a.reshape(-1)),
+         ("token_embd.weight",))
 for t in ("output_norm.weight", "blk.0.attn_norm.weight"):
     case(f"short-{t}", "spm", map_tensor(t, lambda a: a[:-1]), (t,))
     case(f"2d-{t}", "spm", map_tensor(t, lambda a: np.stack([a, a])), (t,))
 case("bias-wrong-length", "bpe", map_tensor("blk.0.attn_q.bias", lambda a: a[:-2]), ("blk.0.attn_q.bias",))
-case("q_norm-wrong-length", "gemma3", map_tensor("blk.0.attn_q_norm.weight", lambda a: a[:-1]), ("blk.0.attn_q_norm.weight",))
+case("q_norm-wrong-length", "gemma3", map_tensor("blk.0.attn_q_norm.weight", lambda a: a[:-1]),
+     ("blk.0.attn_q_norm.weight",))
 case("rope_freqs-wrong-length", "spm", lambda d: d.tensors.__setitem__("rope_freqs.weight", np.ones(5, np.float32)),
      ("rope_freqs",))
 case("output-rows-differ-from-vocab", "spm", map_tensor("output.weight", lambda a: a[:-1]), ("output.weight",))
@@ -510,7 +515,8 @@ else:
 
     # stray exceptions already reported (and pinned by the xfail cases above): (type, file) of their origin
     KNOWN_STRAYS = {
-        ("ValueError", "minirt/archs/base.py"), ("TypeError", "minirt/archs/base.py"), ("OverflowError", "minirt/archs/base.py"),
+        ("ValueError", "minirt/archs/base.py"), ("TypeError", "minirt/archs/base.py"), ("OverflowError",
+                                                                                        "minirt/archs/base.py"),
         ("IndexError", "minirt/archs/base.py"),
         ("ValueError", "minirt/archs/gemma3.py"), ("TypeError", "minirt/archs/gemma3.py"),
         ("ValueError", "minirt/tokenizer.py"),
@@ -575,7 +581,8 @@ else:
 
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                     HealthCheck.data_too_large])
     @given(data=st.data())
     def test_random_mutations_fail_typed(bases, folder, data):
         base = data.draw(st.sampled_from(sorted(bases)), label="base")
@@ -705,7 +712,8 @@ _SAMPLER_APIS = sorted(set(PROMPT_APIS) | {"chat", "create_chat_completion", "cr
 
 # create_chat_completion reads top_logprobs only with logprobs=True (see test_other_entry_points)
 @pytest.mark.parametrize("api,opts,word", [
-    pytest.param(api, o, w, id=f"{api}-{w}={list(o.values())[0]!r:.20}") for o, w in BAD_OPTIONS for api in _SAMPLER_APIS
+    pytest.param(api, o, w,
+                 id=f"{api}-{w}={list(o.values())[0]!r:.20}") for o, w in BAD_OPTIONS for api in _SAMPLER_APIS
     if not (api.startswith("create_chat_completion") and w == "top_logprobs")])
 def test_bad_options(llm, api, opts, word):
     kw = {"max_tokens": 3, **opts}
@@ -727,7 +735,7 @@ def test_huge_finite_logit_bias_is_obeyed(llm):
 def test_every_token_banned_is_a_typed_error(llm):
     ban = {i: float("-inf") for i in range(llm.n_vocab)}
     for api in ("generate", "stream", "submit"):
-        expect_typed(lambda: PROMPT_APIS[api](llm, "the capital", max_tokens=2, logit_bias=ban),
+        expect_typed(lambda api=api: PROMPT_APIS[api](llm, "the capital", max_tokens=2, logit_bias=ban),
                      minirt.InvalidRequestError, ("sampled", "banned", "logit"))
     still_works(llm)
 
@@ -737,7 +745,8 @@ BAD_MESSAGES = [
     pytest.param(None, id="none"), pytest.param(["hello"], id="list-of-strings"),
     pytest.param([None], id="list-of-none"), pytest.param([[("role", "user")]], id="list-of-lists"),
     pytest.param([{"role": "user"}], id="no-content"), pytest.param([{"content": "x"}], id="no-role"),
-    pytest.param([{"role": None, "content": "x"}], id="role-none"), pytest.param([{"role": 5, "content": "x"}], id="role-int"),
+    pytest.param([{"role": None, "content": "x"}], id="role-none"), pytest.param([{"role": 5, "content": "x"}],
+                                                                                 id="role-int"),
     pytest.param([{"role": "user", "content": 5}], id="content-int"),
     pytest.param([{"role": "user", "content": b"\xff"}], id="content-bytes"),
     pytest.param([{"role": "user", "content": ["a", 1]}], id="content-parts-bad"),

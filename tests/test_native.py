@@ -393,16 +393,15 @@ def test_rope(nat, neox):
     for hd, n_rot in ((64, 64), (128, 64), (256, 256)):
         x = rng.standard_normal((5, 3, hd)).astype(np.float32)
         pos = np.array([0, 1, 7, 1000, 40000], dtype=np.int64)
-        freqs = native.rope_freqs(n_rot, 1e6 if hd == 64 else 1e4)
+        base = 1e6 if hd == 64 else 1e4
+        freqs = (base ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
         ref = rope_ref(x, pos, freqs, n_rot, neox)
-        y = native.rope(x.copy(), pos, neox=neox, n_rot=n_rot, freq_base=1e6 if hd == 64 else 1e4)
-        np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(x).max())
         th = pos[:, None] * freqs[None, :].astype(np.float64)
-        y2 = native.rope(x.copy(), neox=neox, n_rot=n_rot, cos=np.cos(th).astype(np.float32),
-                         sin=np.sin(th).astype(np.float32))
-        np.testing.assert_allclose(y2, ref, rtol=0, atol=2e-6 * np.abs(x).max())
-    with pytest.raises(minirt.InvalidRequestError, match="positions"):
-        native.rope(x, np.zeros(2, np.int32), neox=neox)
+        y = native.rope(x.copy(), neox=neox, n_rot=n_rot, cos=np.cos(th).astype(np.float32),
+                        sin=np.sin(th).astype(np.float32))
+        np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(x).max())
+    with pytest.raises(minirt.InvalidRequestError, match="cos/sin"):
+        native.rope(x, neox=neox, cos=np.ones((2, 2), np.float32), sin=np.ones((2, 2), np.float32))
 
 
 def test_softmax(nat):
@@ -472,7 +471,7 @@ def test_jit_build_concurrent(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
-    for p, (o, e) in zip(procs, outs):
+    for p, (_o, e) in zip(procs, outs):
         if p.returncode != 0 and "no C compiler" in e:
             pytest.skip("no C compiler")
         assert p.returncode == 0, e
@@ -668,7 +667,9 @@ def test_pack_real_tensors(nat, model, request):
             y0 = native.matmul(x, w, t.qtype)
             ref = x.astype(np.float64) @ W.T
             assert np.all(np.abs(y - ref) <= error_bound(x, W, native.matmul_path(t.qtype, nt, packed=True))), name
-            if native.matmul_path(t.qtype, nt) == "int16":  # same quantized activations on both sides
+            # same quantized activations on both sides (without packed kernels for this ISA the packed
+            # layout is read by the float path)
+            if native.matmul_path(t.qtype, nt) == native.matmul_path(t.qtype, nt, packed=True) == "int16":
                 np.testing.assert_allclose(y, y0, rtol=0, atol=2e-5 * np.abs(ref).max())
     assert {q for q, _ in seen} >= {"Q5_0", "Q8_0"}
 
@@ -742,20 +743,37 @@ def test_native_layers_batched_sequences(tiny_quant):
     for step, tok in enumerate((7, 8, 9)):
         out = m.forward(np.full(len(prompts), tok), [Segment(cc, 1, "last") for cc in caches])
         for i, lg in enumerate(out):
-            np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=1e-5 * np.abs(lg).max())
+            # bit-identical on the packed AVX-512 kernels; elsewhere a batch's RoPE rows may round in
+            # the last bit, which the int16 activation quantization of the next matmul can turn into one
+            # quantization step: within the matmul's documented 5e-4 error bound
+            np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=5e-4 * np.abs(lg).max())
 
 
 def test_layer_stack_refuses_unsupported(nat, tiny_quant):
+    import dataclasses
+
+    from minirt.blocks import Linear
+
     _, llm = tiny_quant
-    specs = llm.model.native_layer_specs()
-    sp = dict(specs[0])
-    for k in ("wq", "wk", "wv", "wo", "gate", "up", "down"):
-        lin = sp[k]
-        sp[k] = (lin.w, lin.qtype, lin.bias)
-    native.LayerStack([sp])  # the ggml layout runs too
-    bad = dict(sp, wq=(np.zeros((sp["wq"][0].shape[0], 128 * 4), np.uint8), "F32", None))
+    blocks = llm.model.desc.blocks
+    b = blocks[0]
+    plain = dataclasses.replace(b, attn=dataclasses.replace(b.attn), mlp=dataclasses.replace(b.mlp))
+    for lin_name in ("wq", "wk", "wv", "wo"):  # the ggml layout runs too (no packed copies)
+        lin = getattr(plain.attn, lin_name)
+        view = lin.rows(0, lin.out_features, "all")
+        setattr(plain.attn, lin_name, view)
+    native.LayerStack([plain], [0])
+    bad = dataclasses.replace(plain, attn=dataclasses.replace(plain.attn))
+    f32 = object.__new__(Linear)
+    for k in Linear.__slots__:
+        setattr(f32, k, getattr(plain.attn.wq, k))
+    f32.w, f32.qtype = np.zeros((plain.attn.wq.out_features, 128 * 4), np.uint8), "F32"
+    bad.attn.wq = f32
     with pytest.raises(minirt.BackendError, match="layer 0"):
-        native.LayerStack([bad])
+        native.LayerStack([bad], [0])
+    no_gate = dataclasses.replace(plain, mlp=dataclasses.replace(plain.mlp, gate=None))
+    with pytest.raises(minirt.BackendError, match="layer 0 .*without gate"):
+        native.LayerStack([no_gate], [0])
 
 
 @pytest.mark.parametrize("model", ["qwen", "gemma"])
@@ -783,7 +801,7 @@ def test_native_layers_real_models(model, request):
 def test_attention_prefill(nat, dtype):
     """Causal grouped-query attention of many new queries against the numpy implementation of the
     forward pass: windows (crossing the query blocks), softcap, caches holding older positions."""
-    from minirt.archs.base import attention
+    from minirt.blocks import attention
 
     rng = np.random.default_rng(21)
     for n, n_head, n_kv, hd, p0, window, softcap in [(1, 4, 2, 32, 0, 0, 0.0), (17, 4, 2, 32, 5, 0, 0.0),
@@ -805,7 +823,7 @@ def test_attention_prefill(nat, dtype):
 
 
 def test_act_mul(nat):
-    from minirt.archs.base import gelu_tanh, silu
+    from minirt.blocks import gelu_tanh, silu
 
     rng = np.random.default_rng(22)
     g = (rng.standard_normal((3, 1001)) * 6).astype(np.float32)

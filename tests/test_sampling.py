@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from minirt import InvalidRequestError
-from minirt import sampling
+from minirt import InvalidRequestError, sampling
 from minirt.kernels import native
 from minirt.sampling import Sampler, SamplingParams
 

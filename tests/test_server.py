@@ -565,7 +565,8 @@ def test_serve_load_bench_smoke(tiny_path, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MINIRT_LLAMA_SERVER", None)
     p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", tiny_path, "-n", "4",
-                        "--max-tokens", "8", "-c", "96", "-r", "2", "--disconnect-fraction", "0.34", "--disconnect-clients", "12",
+                        "--max-tokens", "8", "-c", "96", "-r", "2", "--disconnect-fraction", "0.34",
+                        "--disconnect-clients", "12",
                         "--time-limit", "240", "--log-dir", str(tmp_path), "--json", str(out)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr

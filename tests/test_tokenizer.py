@@ -13,24 +13,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import reference_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minirt
 from minirt import gguf as mgguf
 from minirt.tokenizer import (
+    _RANGES_L,
+    _RANGES_N,
+    _RANGES_P,
     ATTR_RSTRIP,
     SUPPORTED_PRE_TOKENIZERS,
     Tokenizer,
     _parse_ranges,
-    _RANGES_L,
-    _RANGES_N,
-    _RANGES_P,
     _Splitter,
     _UnicodeClasses,
 )
-
-from conftest import reference_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +169,8 @@ def test_special_ids_and_flags(qwen, gemma):
     assert (qwen.vocab_type, qwen.pre, qwen.n_vocab) == ("bpe", "qwen2", 151936)
     assert (qwen.bos_id, qwen.eos_id, qwen.add_bos, qwen.add_eos) == (151643, 151645, False, False)
     assert (gemma.vocab_type, gemma.n_vocab) == ("spm", 262144)
-    assert (gemma.bos_id, gemma.eos_id, gemma.add_bos, gemma.add_eos, gemma.add_space_prefix) == (2, 1, True, False, False)
+    assert (gemma.bos_id, gemma.eos_id, gemma.add_bos, gemma.add_eos, gemma.add_space_prefix) == (2, 1, True, False,
+                                                                                                  False)
     assert gemma.encode("Hi", add_special=True)[0] == 2
     assert qwen.encode("Hi", add_special=True) == qwen.encode("Hi")
 
@@ -490,8 +490,9 @@ json.dump(out, sys.stdout)
 
 def _random_texts(n: int, seed: int) -> list[str]:
     rnd = random.Random(seed)
-    pool = ["Hello", " world", "  ", "\t", "\n", "\r\n", "\xa0", "\u3000", "'s", "'VE", "12345", "3.5", "你好世界", "ひらがな",
-            "한국어", "😀", "👨‍👩‍👧", "e\u0301", "مرحبا", "नमस्ते", "<|im_start|>", "<|im_end|>", "<start_of_turn>", "</s>",
+    pool = ["Hello", " world", "  ", "\t", "\n", "\r\n", "\xa0", "\u3000", "'s", "'VE", "12345", "3.5",
+            "你好世界", "ひらがな", "한국어", "😀", "👨‍👩‍👧", "e\u0301", "مرحبا", "नमस्ते",
+            "<|im_start|>", "<|im_end|>", "<start_of_turn>", "</s>",
             "<tool_call>", "\u1c89", "Ｆｕｌｌ", "don't", " ,", " .", " ' ", "x==y", "->", "\x00", "▁", "<0x0A>"]
     texts = ["".join(rnd.choice(pool) for _ in range(rnd.randint(1, 8))) for _ in range(n)]
     texts += ["".join(chr(rnd.randint(0x20, 0x2FFFF)) for _ in range(rnd.randint(1, 6))) for _ in range(n // 4)]

@@ -59,7 +59,6 @@ def write_tiny(path: Path, spec: TinySpec) -> TinySpec:
     rng = np.random.default_rng(spec.seed)
     w = gguf.GGUFWriter(str(path), spec.arch)
     n_vocab = spm_vocab(w, n_extra=40)
-    a = spec.arch
     w.add_block_count(spec.n_layer)
     w.add_context_length(spec.n_ctx)
     w.add_embedding_length(spec.n_embd)

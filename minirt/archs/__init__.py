@@ -1,5 +1,14 @@
-"""Model architectures: one file each on the shared layers of :mod:`minirt.archs.base`."""
+"""Model architectures: one file each, turning a GGUF's metadata and tensors into a
+:class:`minirt.blocks.ModelDesc` with the helpers of :mod:`minirt.archs.base`."""
 
-from .base import ARCHITECTURES, Config, Segment, Transformer, build, read_config
+from .base import (
+    ARCHITECTURES,
+    Segment,
+    Transformer,
+    build,
+    describe,
+    read_config,
+    supported,
+)
 
-__all__ = ["ARCHITECTURES", "Config", "Segment", "Transformer", "build", "read_config"]
+__all__ = ["ARCHITECTURES", "Segment", "Transformer", "build", "describe", "read_config", "supported"]

@@ -1,66 +1,36 @@
-"""Shared decoder machinery: hyperparameters from GGUF metadata, the layers every architecture is
-built from (RMSNorm, RoPE, grouped-query attention over the KV cache, gated MLP), and the
-layer-by-layer forward pass over a batch that may mix several sequences.
+"""What architecture files are written with: checked metadata readers, tensor loaders, builders of
+the common parts of a description (attention, gated MLP, RoPE from metadata, the decoder around the
+blocks), and the registry that maps ``general.architecture`` to an architecture's ``describe``.
 
-Step 4 of the pipeline. Architectures (``llama.py``, ``qwen2.py``, ``gemma3.py`` ...) only say how
-their block differs; everything here reads hyperparameters from metadata, never from tensor names
-or sizes guessed after the fact.
-
-Shapes: ``T`` tokens in the batch, ``d`` = n_embd, ``H`` / ``Hkv`` query / KV heads, ``Dk`` / ``Dv``
-head sizes. Activations are float32 row-major ``(T, features)``.
+An architecture file turns a GGUF into a :class:`~minirt.blocks.ModelDesc` and says nothing about
+computing it. Hyperparameters come from metadata only, never from tensor names, sizes or layer counts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ..errors import ContextOverflowError, GGUFError, UnsupportedArchitectureError, UnsupportedQuantError
+from ..blocks import MLP, Attention, Block, Linear, ModelDesc, Norm, Rope
+from ..errors import GGUFError, UnsupportedArchitectureError
+from ..forward import Config, Segment, Transformer  # noqa: F401  (Segment re-exported: a batch's sequences)
 from ..gguf import GGUFFile, GGUFTensor
-from ..kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+# Sanity bounds: far beyond any real model, small enough that nothing sized by them can exhaust memory.
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 20
 
 
 # ----------------------------------------------------------------------------------------------
-# hyperparameters
+# metadata
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class Config:
-    """Hyperparameters of a decoder, all read from ``<arch>.*`` metadata keys."""
-
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim_k: int
-    head_dim_v: int
-    n_vocab: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_base: float = 10000.0
-    rope_dim: int = 0  # rotated dims per head (may be < head_dim)
-    rope_neox: bool = False  # NEOX pairs (i, i + r/2) vs normal pairs (2i, 2i + 1)
-    rope_freq_scale: float = 1.0  # linear scaling: positions multiplied by this
-    rope_freq_factors: np.ndarray | None = None  # llama3-style per-frequency divisors (r/2,)
-    attn_scale: float = 0.0  # multiplier of q·k; 0 → 1/sqrt(head_dim_k)
-    sliding_window: int = 0  # window of local layers (0 = none)
-    swa_layers: tuple[bool, ...] = ()  # per layer: uses the sliding window
-    rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (0 = rope_base)
-    attn_softcap: float = 0.0
-    final_softcap: float = 0.0
-    embed_scale: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def n_group(self) -> int:
-        """Query heads per KV head."""
-        return self.n_head // self.n_head_kv
-
-
 def _meta(f: GGUFFile, key: str, default: Any = None, required: bool = False) -> Any:
     v = f.metadata.get(f"{f.architecture}.{key}", default)
     if required and v is None:
@@ -68,9 +38,9 @@ def _meta(f: GGUFFile, key: str, default: Any = None, required: bool = False) ->
     return v
 
 
-# Sanity bounds: far beyond any real model, small enough that nothing sized by them can exhaust memory.
-MAX_LAYERS = 1024
-MAX_DIM = 1 << 20
+def _show(v: Any) -> str:
+    r = repr(v.tolist() if isinstance(v, np.ndarray) else v)
+    return f"{type(v).__name__} {r[:60]}"
 
 
 def meta_int(f: GGUFFile, key: str, default: Any = None, required: bool = False, lo: int = 1,
@@ -96,9 +66,26 @@ def meta_float(f: GGUFFile, key: str, default: Any = None, required: bool = Fals
     return v
 
 
-def _show(v: Any) -> str:
-    r = repr(v.tolist() if isinstance(v, np.ndarray) else v)
-    return f"{type(v).__name__} {r[:60]}"
+def meta_str(f: GGUFFile, key: str, default: str | None = None) -> str | None:
+    v = _meta(f, key, default)
+    if v is not None and not isinstance(v, str):
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be a string, got {_show(v)}")
+    return v
+
+
+def meta_layers(f: GGUFFile, key: str, n_layer: int, default: Any = None) -> list[int] | None:
+    """A per-layer integer list ``<arch>.<key>`` (one value is repeated for every layer); None if absent."""
+    v = _meta(f, key, default)
+    if v is None:
+        return None
+    if isinstance(v, np.ndarray):
+        if v.ndim != 1 or v.size != n_layer or v.dtype.kind not in "biu":
+            raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must hold {n_layer} integers, got {_show(v)}")
+        return [int(x) for x in v]
+    if isinstance(v, (bool, np.bool_, int, np.integer)):
+        return [int(v)] * n_layer
+    raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
+                    f"got {_show(v)}")
 
 
 def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, required: bool = False) -> int:
@@ -109,19 +96,31 @@ def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, require
             raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
                             f"got {_show(v)}")
         if len(set(v.tolist())) != 1:
-            raise UnsupportedArchitectureError(f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
+            raise UnsupportedArchitectureError(
+                f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
         v = int(v[0])
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 1 <= int(v) <= MAX_DIM:
-        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], got {_show(v)}")
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], "
+                        f"got {_show(v)}")
     return int(v)
 
 
-def read_config(f: GGUFFile) -> Config:
-    """Common hyperparameters; architectures refine the result in their ``configure``.
+@dataclass
+class HParams(Config):
+    """The hyperparameters every decoder has, read and checked once (the :class:`Config` summary plus
+    what the description builders need)."""
 
-    Every value is type- and range-checked: a malformed file raises GGUFError naming the key,
-    never a stray ValueError or an allocation sized by a corrupt count."""
-    arch = f.architecture or "?"
+    rms_eps: float
+    rope_dim: int
+    rope_base: float
+    attn_scale: float  # multiplier of q·k (1/sqrt(head_dim_k) unless the file says otherwise)
+    attn_softcap: float
+    final_softcap: float
+
+
+def read_hparams(f: GGUFFile) -> HParams:
+    """Common hyperparameters; every value type- and range-checked (GGUFError naming the key, never a
+    stray ValueError or an allocation sized by a corrupt count)."""
     n_layer = meta_int(f, "block_count", required=True, hi=MAX_LAYERS)
     n_embd = meta_int(f, "embedding_length", required=True)
     n_head = _per_layer(f, "attention.head_count", n_layer, required=True)
@@ -136,93 +135,66 @@ def read_config(f: GGUFFile) -> Config:
         raise GGUFError(f"{f.path}: tensor 'token_embd.weight' is missing")
     if len(emb.shape) != 2 or emb.shape[1] != n_embd:
         raise GGUFError(f"{f.path}: tensor 'token_embd.weight' has shape {emb.shape}, expected (n_vocab, {n_embd})")
-    n_vocab = emb.shape[0]
     rope_dim = meta_int(f, "rope.dimension_count", head_dim_k)
     if rope_dim > head_dim_k or rope_dim % 2:
         raise GGUFError(f"{f.path}: rope.dimension_count {rope_dim} invalid for head size {head_dim_k}")
-    cfg = Config(
-        arch=arch, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim_k=head_dim_k, head_dim_v=head_dim_v, n_vocab=n_vocab,
+    scale = meta_float(f, "attention.scale", 0.0, hi=1e6)
+    return HParams(
+        arch=f.architecture or "?", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k, head_dim_v=head_dim_v, n_vocab=emb.shape[0],
         n_ctx_train=meta_int(f, "context_length", 2048, hi=1 << 24),
         rms_eps=meta_float(f, "attention.layer_norm_rms_epsilon", 1e-5, hi=1.0),
-        rope_base=meta_float(f, "rope.freq_base", 10000.0, lo=1e-3),
-        rope_dim=rope_dim,
-        attn_scale=meta_float(f, "attention.scale", 0.0, hi=1e6),
+        rope_dim=rope_dim, rope_base=meta_float(f, "rope.freq_base", 10000.0, lo=1e-3),
+        attn_scale=scale or 1.0 / math.sqrt(head_dim_k),
         attn_softcap=meta_float(f, "attn_logit_softcapping", 0.0, hi=1e6),
         final_softcap=meta_float(f, "final_logit_softcapping", 0.0, hi=1e6),
     )
-    scaling = _meta(f, "rope.scaling.type")
-    if scaling is not None and not isinstance(scaling, str):
-        raise GGUFError(f"{f.path}: metadata '{arch}.rope.scaling.type' must be a string, got {_show(scaling)}")
+
+
+def rope_from_meta(f: GGUFFile, hp: HParams, neox: bool, base: float | None = None, scaled: bool = True,
+                   dim: int | None = None, longrope: bool = False) -> Rope:
+    """RoPE as the file's ``rope.*`` metadata describes it (linear, llama3 frequency factors, YaRN).
+
+    ``base``: another base (e.g. Gemma 3's local layers); ``scaled=False``: ignore the scaling
+    (layers the model applies it to only partly); ``longrope``: the caller sets LongRoPE's factors
+    itself (a scaling type "longrope" is refused otherwise)."""
+    r = Rope(dim=hp.rope_dim if dim is None else dim, base=hp.rope_base if base is None else base, neox=neox)
+    if not scaled:
+        return r
+    kind = meta_str(f, "rope.scaling.type")
     factor = meta_float(f, "rope.scaling.factor", 0.0, hi=1e6)
-    if scaling in (None, "none") and factor and factor != 1.0:
-        scaling = "linear"  # older GGUFs store only the factor
-    if scaling == "linear" and factor:
-        cfg.rope_freq_scale = 1.0 / factor
-    elif scaling not in (None, "none", "linear"):
-        raise UnsupportedArchitectureError(f"RoPE scaling type {scaling!r} is not supported (supported: none, linear, llama3 freq factors)")
+    if kind in (None, "none") and factor and factor != 1.0:
+        kind = "linear"  # older GGUFs store only the factor
+    if kind in ("linear", "yarn") and factor:
+        r.freq_scale = 1.0 / factor
+    if kind == "yarn":
+        r.ext_factor = meta_float(f, "rope.scaling.yarn_ext_factor", 1.0, lo=-1.0, hi=1e3) if factor > 1 else 0.0
+        r.attn_factor = meta_float(f, "rope.scaling.attn_factor", 1.0, hi=1e3)
+        r.beta_fast = meta_float(f, "rope.scaling.yarn_beta_fast", 32.0, hi=1e6)
+        r.beta_slow = meta_float(f, "rope.scaling.yarn_beta_slow", 1.0, hi=1e6)
+        r.n_ctx_orig = meta_int(f, "rope.scaling.original_context_length", hp.n_ctx_train, hi=1 << 24)
+    elif kind not in (None, "none", "linear") and not (kind == "longrope" and longrope):
+        raise UnsupportedArchitectureError(f"RoPE scaling type {kind!r} is not supported "
+                                           "(supported: none, linear, yarn, llama3 frequency factors)")
     rf = f.tensors.get("rope_freqs.weight")
     if rf is not None:
-        ff = rf.dequantize().reshape(-1)
-        if ff.size != rope_dim // 2:
-            raise GGUFError(f"{f.path}: rope_freqs.weight has {ff.size} entries, expected {rope_dim // 2}")
-        if not np.all(np.isfinite(ff)) or np.any(ff <= 0):
-            raise GGUFError(f"{f.path}: rope_freqs.weight must hold finite positive factors")
-        cfg.rope_freq_factors = ff.astype(np.float32)
-    cfg.swa_layers = (False,) * n_layer
-    return cfg
+        r.factors = rope_factors(f, rf, r.dim)
+    return r
+
+
+def rope_factors(f: GGUFFile, t: GGUFTensor, dim: int) -> np.ndarray:
+    """Per-frequency divisors (dim/2,) from a tensor, checked finite and positive."""
+    ff = t.dequantize().reshape(-1)
+    if ff.size != dim // 2:
+        raise GGUFError(f"{f.path}: {t.name} has {ff.size} entries, expected {dim // 2}")
+    if not np.all(np.isfinite(ff)) or np.any(ff <= 0):
+        raise GGUFError(f"{f.path}: {t.name} must hold finite positive factors")
+    return ff.astype(np.float32)
 
 
 # ----------------------------------------------------------------------------------------------
-# weights
+# tensors
 # ----------------------------------------------------------------------------------------------
-class Linear:
-    """A (possibly quantized) weight ``W (out_features, in_features)`` with an optional bias.
-
-    The weight stays in the mapped file; ``backend.matmul`` dequantizes on the fly.
-    """
-
-    __slots__ = ("name", "w", "qtype", "out_features", "in_features", "bias", "backend_data")
-
-    def __init__(self, t: GGUFTensor, bias: GGUFTensor | None = None) -> None:
-        if len(t.shape) != 2:
-            raise GGUFError(f"tensor {t.name!r}: expected 2 dimensions, got shape {t.shape}")
-        from ..quants import get_spec
-
-        try:
-            get_spec(t.qtype)
-        except UnsupportedQuantError as e:
-            raise UnsupportedQuantError(f"tensor {t.name!r}: {e}") from None
-        self.name = t.name
-        self.w = t.data  # uint8 (out, row_bytes), zero-copy
-        self.qtype = t.qtype
-        self.out_features, self.in_features = t.shape
-        self.bias = None
-        if bias is not None:
-            if bias.shape != (self.out_features,):
-                raise GGUFError(f"tensor {bias.name!r}: shape {bias.shape} does not match {t.name} {t.shape}")
-            self.bias = bias.dequantize()
-        self.backend_data: Any = None  # a backend may cache a repacked/uploaded copy here
-
-    @property
-    def nbytes(self) -> int:
-        return self.w.nbytes
-
-
-def vector(f: GGUFFile, name: str, size: int) -> np.ndarray:
-    """A 1-D float32 weight (norm gains, biases) checked against its expected length."""
-    t = f.tensors.get(name)
-    if t is None:
-        raise GGUFError(f"{f.path}: tensor {name!r} is missing")
-    try:
-        v = t.dequantize().reshape(-1)
-    except UnsupportedQuantError as e:
-        raise UnsupportedQuantError(f"tensor {name!r}: {e}") from None
-    if v.size != size:
-        raise GGUFError(f"{f.path}: tensor {name!r} has {v.size} elements, expected {size}")
-    return np.ascontiguousarray(v, dtype=np.float32)
-
-
 def tensor(f: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> GGUFTensor:
     """A required tensor, optionally checked against an expected numpy shape."""
     t = f.tensors.get(name)
@@ -233,8 +205,22 @@ def tensor(f: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> GGUF
     return t
 
 
-def linear(f: GGUFFile, name: str, out_f: int, in_f: int, bias: bool | None = False) -> Linear:
-    """Linear layer ``name.weight`` (+ ``name.bias``: True = required, None = if present)."""
+def vector(f: GGUFFile, name: str, size: int) -> np.ndarray:
+    """A 1-D float32 weight (norm gains, biases) checked against its expected length."""
+    from ..errors import UnsupportedQuantError
+
+    t = tensor(f, name)
+    try:
+        v = t.dequantize().reshape(-1)
+    except UnsupportedQuantError as e:
+        raise UnsupportedQuantError(f"tensor {name!r}: {e}") from None
+    if v.size != size:
+        raise GGUFError(f"{f.path}: tensor {name!r} has {v.size} elements, expected {size}")
+    return np.ascontiguousarray(v, dtype=np.float32)
+
+
+def linear(f: GGUFFile, name: str, out_f: int, in_f: int, bias: bool | None = None) -> Linear:
+    """Linear layer ``name.weight`` (+ ``name.bias``: True = required, None = if present, False = never)."""
     w = tensor(f, name + ".weight", (out_f, in_f))
     b = f.tensors.get(name + ".bias")
     if bias is True and b is None:
@@ -242,372 +228,144 @@ def linear(f: GGUFFile, name: str, out_f: int, in_f: int, bias: bool | None = Fa
     return Linear(w, b if bias is not False else None)
 
 
-# ----------------------------------------------------------------------------------------------
-# layers (numpy float32; hot ones have native versions selected by the backend)
-# ----------------------------------------------------------------------------------------------
-def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
-    """``x / sqrt(mean(x**2) + eps) * w`` over the last axis. x: (..., n)."""
-    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
-    y = x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32)
-    if w is not None:
-        y *= w
-    return y
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
-
-
-_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * (x + np.float32(0.044715) * x * x * x)))
-
-
-def rope_cos_sin(positions: np.ndarray, cfg: Config, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables (T, rope_dim/2) for integer positions (T,)."""
-    half = cfg.rope_dim // 2
-    inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
-    if cfg.rope_freq_factors is not None:
-        inv = inv / cfg.rope_freq_factors.astype(np.float64)
-    ang = np.asarray(positions, dtype=np.float64)[:, None] * (inv[None, :] * cfg.rope_freq_scale)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool, rope_dim: int) -> None:
-    """Rotate ``x (T, heads, head_dim)`` in place; the first ``rope_dim`` dims of each head rotate."""
-    half = rope_dim // 2
-    c = cos[:, None, :]
-    s = sin[:, None, :]
-    if neox:
-        a = x[..., :half].copy()
-        b = x[..., half:rope_dim]
-        x[..., :half] = a * c - b * s
-        x[..., half:rope_dim] = a * s + b * c
-    else:
-        a = x[..., 0:rope_dim:2].copy()
-        b = x[..., 1:rope_dim:2]
-        x[..., 0:rope_dim:2] = a * c - b * s
-        x[..., 1:rope_dim:2] = a * s + b * c
-
-
-def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-              softcap: float = 0.0) -> np.ndarray:
-    """Causal grouped-query attention of new queries over the cached keys/values.
-
-    q: (n, H, Dk) queries at positions p0..p0+n-1; kc: (Hkv, L, Dk), vc: (Hkv, L, Dv) hold
-    positions 0..L-1 with L = p0 + n. ``window`` > 0 limits each query to its last ``window``
-    positions (sliding-window layers). Returns (n, H * Dv).
-    """
-    n, H, Dk = q.shape
-    Hkv, L, Dv = vc.shape
-    g = H // Hkv
-    qg = q.transpose(1, 0, 2).reshape(Hkv, g * n, Dk)  # head h ↔ kv head h // g
-    s = np.matmul(qg, kc.transpose(0, 2, 1)).reshape(Hkv, g, n, L)  # (Hkv, g, n, L)
-    s *= np.float32(scale)
-    if softcap:
-        s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
-    qpos = p0 + np.arange(n)[:, None]
-    kpos = np.arange(L)[None, :]
-    masked = kpos > qpos
-    if window:
-        masked |= (qpos - kpos) >= window
-    if masked.any():
-        s[..., masked] = -np.inf
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    o = np.matmul(s.reshape(Hkv, g * n, L), vc)  # (Hkv, g*n, Dv)
-    return o.reshape(H, n, Dv).transpose(1, 0, 2).reshape(n, H * Dv)
-
-
-# ----------------------------------------------------------------------------------------------
-# the forward pass
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class Segment:
-    """Tokens of one sequence inside a batch: appended to ``cache`` at ``cache.n_past``."""
-
-    cache: KVCache
-    n_tokens: int
-    logits: str = "last"  # "last" | "all" | "none"
-
-
-class Transformer:
-    """Decoder-only transformer over mapped GGUF weights; subclasses define ``load_block``/``block``."""
-
-    arch: str = ""
-
-    def __init__(self, f: GGUFFile, backend: Any) -> None:
-        self.file = f
-        self.backend = backend
-        self.cfg = read_config(f)
-        self.configure(self.cfg)
-        c = self.cfg
-        self.tok_embd = tensor(f, "token_embd.weight", (c.n_vocab, c.n_embd))
-        Linear(self.tok_embd)  # validates that its type can be dequantized (names the tensor if not)
-        self.output_norm = vector(f, "output_norm.weight", c.n_embd)
-        out = f.tensors.get("output.weight")
-        self.output = Linear(out if out is not None else self.tok_embd)  # tied to the embedding when absent
-        if (self.output.out_features, self.output.in_features) != (c.n_vocab, c.n_embd):
-            raise GGUFError(f"{f.path}: {self.output.name} has shape {(self.output.out_features, self.output.in_features)}, "
-                            f"expected ({c.n_vocab}, {c.n_embd}) to match the {c.n_vocab} rows of token_embd.weight")
-        self.blocks = [self.load_block(i) for i in range(c.n_layer)]
-        self.scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim_k)
-        # small ops: the backend's versions when it has them (native), numpy otherwise
-        self.norm = getattr(backend, "rms_norm", rms_norm)
-        self.rope = getattr(backend, "rope", apply_rope)
-        self._attn_decode = getattr(backend, "attention_decode", None)
-        self._attn_prefill = getattr(backend, "attention_prefill", None)
-        self._act_mul = getattr(backend, "act_mul", None)
-        self._backend_forward = getattr(backend, "forward", None)
-        self._decode_layers = getattr(backend, "decode_layers", None)
-        self.native_stack: Any = None  # set by a backend that runs decode steps natively
-        prepare = getattr(backend, "prepare", None)
-        if prepare is not None:  # e.g. repack weights for the backend's kernels, once
-            prepare(self)
-
-    # -- hooks ---------------------------------------------------------------------------------
-    def configure(self, cfg: Config) -> None:
-        """Architecture-specific metadata (RoPE style, windows, scales)."""
-
-    def load_block(self, i: int) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def native_layer_specs(self) -> list[dict[str, Any]] | None:
-        """Each block described for a backend's fused decode step (see ``LayerStack`` in
-        ``minirt.kernels.native``), or None when this architecture has no such description."""
+def norm(f: GGUFFile, name: str, size: int, eps: float, kind: str = "rms", required: bool = True) -> Norm | None:
+    """``name.weight`` (and ``name.bias`` for LayerNorm, if present) as a Norm; None when absent and
+    not required."""
+    if name + ".weight" not in f.tensors and not required:
         return None
-
-    def _layer_spec(self, i: int, act: str, q_norm: Any = None, k_norm: Any = None, post_attn_norm: Any = None,
-                    post_ffn_norm: Any = None) -> dict[str, Any]:
-        """The common part of a block's description: sizes, RoPE/attention settings, weights."""
-        b, c = self.blocks[i], self.cfg
-        swa = c.swa_layers[i]
-        return dict(n_embd=c.n_embd, n_ff=c.n_ff, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim_k=c.head_dim_k,
-                    head_dim_v=c.head_dim_v, rope_dim=c.rope_dim, eps=c.rms_eps, attn_scale=self.scale,
-                    softcap=c.attn_softcap, window=c.sliding_window if swa else 0, rope_neox=c.rope_neox, act=act,
-                    local=swa, attn_norm=b["attn_norm"], ffn_norm=b["ffn_norm"], q_norm=q_norm, k_norm=k_norm,
-                    post_attn_norm=post_attn_norm, post_ffn_norm=post_ffn_norm, wq=b["wq"], wk=b["wk"], wv=b["wv"],
-                    wo=b["wo"], gate=b["gate"], up=b["up"], down=b["down"])
-
-    def block(self, i: int, x: np.ndarray, ctx: "ForwardContext") -> np.ndarray:
-        raise NotImplementedError
-
-    # -- shared pieces ---------------------------------------------------------------------------
-    def linears(self) -> list[Linear]:
-        """Every quantized weight the forward pass streams (for backends that prepare them)."""
-        out = [self.output]
-        for b in self.blocks:
-            out += [v for v in b.values() if isinstance(v, Linear)]
-        return out
-
-    def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
-        """Context shift: drop positions ``n_keep .. n_keep+n_discard-1`` and move the rest down.
-
-        Cached keys carry RoPE of their old positions; rotating them by ``-n_discard`` positions
-        (RoPE is a rotation, so rotations compose) gives exactly the keys of their new positions.
-        """
-        c = self.cfg
-        n_past = cache.n_past
-        src0 = n_keep + n_discard
-        if not (0 <= n_keep and n_discard > 0 and src0 <= n_past):
-            raise ValueError(f"invalid context shift keep={n_keep} discard={n_discard} of {n_past}")
-        n_move = n_past - src0
-        delta = np.full(n_move, -n_discard, dtype=np.int64)
-        tables = {}
-        for i in range(c.n_layer):
-            swa = c.swa_layers[i]
-            if swa not in tables:
-                base = c.rope_base_swa if (swa and c.rope_base_swa) else c.rope_base
-                tables[swa] = rope_cos_sin(delta, c, base)
-            kc, vc = cache.layer(i)
-            k = kc[:, src0:n_past].transpose(1, 0, 2).copy()  # (n_move, Hkv, Dk)
-            apply_rope(k, *tables[swa], c.rope_neox, c.rope_dim)
-            kc[:, n_keep:n_keep + n_move] = k.transpose(1, 0, 2)
-            vc[:, n_keep:n_keep + n_move] = vc[:, src0:n_past].copy()
-        cache.tokens[n_keep:n_keep + n_move] = cache.tokens[src0:n_past].copy()
-        cache.n_past = n_keep + n_move
-
-    def embed(self, ids: np.ndarray) -> np.ndarray:
-        """(T,) token ids → (T, d) float32, dequantizing only the rows used."""
-        rows = self.tok_embd.data[ids]
-        x = None
-        dq = getattr(self.backend, "dequantize_rows", None)
-        if dq is not None:
-            x = dq(rows, self.tok_embd.qtype, self.cfg.n_embd)
-        if x is None:
-            from ..quants import dequantize
-
-            x = dequantize(rows, self.tok_embd.qtype, (len(ids), self.cfg.n_embd))
-        if self.cfg.embed_scale != 1.0:
-            x *= np.float32(self.cfg.embed_scale)
-        return x
-
-    def gated(self, g: np.ndarray, u: np.ndarray, act: str) -> np.ndarray:
-        """``act(g) * u`` of a gated MLP (act "silu" or "gelu_tanh"); may overwrite g."""
-        if self._act_mul is not None:
-            out = self._act_mul(g, u, act)
-            if out is not None:
-                return out
-        return (silu(g) if act == "silu" else gelu_tanh(g)) * u
-
-    def mm(self, lin: Linear, x: np.ndarray) -> np.ndarray:
-        """x (T, in) → (T, out) through the quantized kernel, plus bias."""
-        y = self.backend.matmul(x, lin)
-        if lin.bias is not None:
-            y += lin.bias
-        return y
-
-    def attend(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, ctx: "ForwardContext") -> np.ndarray:
-        """RoPE q/k, append k/v to each sequence's cache, attend. q (T,H,Dk) k (T,Hkv,Dk) v (T,Hkv,Dv)."""
-        c = self.cfg
-        swa = c.swa_layers[i]
-        cos, sin = ctx.rope_tables(swa)
-        self.rope(q, cos, sin, c.rope_neox, c.rope_dim)
-        self.rope(k, cos, sin, c.rope_neox, c.rope_dim)
-        out = np.empty((q.shape[0], c.n_head * c.head_dim_v), dtype=np.float32)
-        window = c.sliding_window if swa else 0
-        for seg, s0, p0 in ctx.spans:
-            n = seg.n_tokens
-            kc, vc = seg.cache.layer(i)
-            kc[:, p0:p0 + n] = k[s0:s0 + n].transpose(1, 0, 2)
-            vc[:, p0:p0 + n] = v[s0:s0 + n].transpose(1, 0, 2)
-            if n == 1 and self._attn_decode is not None:
-                o = self._attn_decode(q[s0], kc, vc, p0 + 1, self.scale, window, c.attn_softcap)
-                if o is not None:
-                    out[s0] = o.reshape(-1)
-                    continue
-            elif n > 1 and self._attn_prefill is not None:
-                o = self._attn_prefill(q[s0:s0 + n], kc, vc, p0, self.scale, window, c.attn_softcap)
-                if o is not None:
-                    out[s0:s0 + n] = o
-                    continue
-            lo = max(0, p0 - window + 1) if window else 0  # keys older than the window are never read
-            out[s0:s0 + n] = attention(q[s0:s0 + n], kc[:, lo:p0 + n], vc[:, lo:p0 + n], p0 - lo,
-                                       self.scale, window, c.attn_softcap)
-        return out
-
-    def forward(self, tokens: np.ndarray, segments: Sequence[Segment]) -> list[np.ndarray | None]:
-        """Run ``tokens`` (T,) — the concatenated new tokens of each segment — through every layer.
-
-        Each segment's cache grows by its token count. Returns per segment the logits it asked for:
-        (n_vocab,) for "last", (n_tokens, n_vocab) for "all", None for "none".
-        """
-        fwd = self._backend_forward
-        if fwd is not None:  # a device backend runs the whole pass where activations live (GPU)
-            out = fwd(self, tokens, segments)
-            if out is not None:
-                return out
-        ctx = ForwardContext(self, segments)
-        x = self.embed(tokens)
-        if not self._native_decode(x, ctx):
-            for i in range(self.cfg.n_layer):
-                x = self.block(i, x, ctx)
-        for seg in segments:
-            seg.cache.n_past += seg.n_tokens
-        # only rows whose logits were asked for go through the (large) output matmul
-        rows: list[int] = []
-        for seg, s0, _ in ctx.spans:
-            if seg.logits == "all":
-                rows.extend(range(s0, s0 + seg.n_tokens))
-            elif seg.logits == "last":
-                rows.append(s0 + seg.n_tokens - 1)
-        logits = None
-        if rows:
-            h = self.norm(x[rows], self.output_norm, self.cfg.rms_eps)
-            logits = self.mm(self.output, h)
-            if self.cfg.final_softcap:
-                sc = np.float32(self.cfg.final_softcap)
-                logits = np.tanh(logits / sc) * sc
-        return split_logits(ctx.spans, logits)
-
-    def _native_decode(self, x: np.ndarray, ctx: "ForwardContext") -> bool:
-        """Decode steps (one new token per sequence): every layer in one backend call when the
-        backend offers it; x (T, d) is updated in place. False: run the Python layers."""
-        if self.native_stack is None or self._decode_layers is None:
-            return False
-        caches = []
-        for seg, _, p0 in ctx.spans:
-            k, v = getattr(seg.cache, "k", None), getattr(seg.cache, "v", None)
-            if seg.n_tokens != 1 or not isinstance(k, np.ndarray) or not isinstance(v, np.ndarray):
-                return False
-            caches.append((k, v, p0))
-        local = ctx.rope_tables(True) if any(self.cfg.swa_layers) else None
-        return bool(self._decode_layers(self, x, caches, ctx.rope_tables(False), local))
-
-
-def batch_spans(segments: Sequence["Segment"]) -> list[tuple["Segment", int, int]]:
-    """(segment, row offset in the batch, first position) of each segment, in order; raises
-    ContextOverflowError when a segment's new tokens do not fit its cache."""
-    spans = []
-    s0 = 0
-    for seg in segments:
-        p0 = seg.cache.n_past
-        if p0 + seg.n_tokens > seg.cache.n_ctx:
-            raise ContextOverflowError(
-                f"{seg.n_tokens} new tokens at position {p0} exceed the context of {seg.cache.n_ctx} tokens")
-        spans.append((seg, s0, p0))
-        s0 += seg.n_tokens
-    return spans
-
-
-def split_logits(spans: Sequence[tuple[Any, int, int]], out: np.ndarray | None) -> list[np.ndarray | None]:
-    """Each segment's share of ``out``, the logits of the rows asked for, in span order: (n, V) for
-    ``logits="all"``, (V,) for ``"last"``, None for segments that asked for none."""
-    res: list[np.ndarray | None] = []
-    j = 0
-    for seg, _, _ in spans:
-        if seg.logits == "all":
-            res.append(out[j:j + seg.n_tokens])
-            j += seg.n_tokens
-        elif seg.logits == "last":
-            res.append(out[j])
-            j += 1
-        else:
-            res.append(None)
-    return res
-
-
-class ForwardContext:
-    """Per-call bookkeeping: where each segment's tokens sit in the batch and their positions."""
-
-    def __init__(self, model: Transformer, segments: Sequence[Segment]) -> None:
-        self.model = model
-        self.spans = batch_spans(segments)  # (segment, row offset in batch, first position)
-        pos = [np.arange(p0, p0 + seg.n_tokens) for seg, _, p0 in self.spans]
-        self.positions = np.concatenate(pos) if pos else np.zeros(0, dtype=np.int64)
-        self._rope: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
-
-    def rope_tables(self, swa: bool) -> tuple[np.ndarray, np.ndarray]:
-        t = self._rope.get(swa)
-        if t is None:
-            c = self.model.cfg
-            base = c.rope_base_swa if (swa and c.rope_base_swa) else c.rope_base
-            t = self._rope[swa] = rope_cos_sin(self.positions, c, base)
-        return t
+    bias = vector(f, name + ".bias", size) if kind == "layer" and name + ".bias" in f.tensors else None
+    return Norm(vector(f, name + ".weight", size), eps, kind, bias)
 
 
 # ----------------------------------------------------------------------------------------------
-# registry of architectures
+# common parts of a description
 # ----------------------------------------------------------------------------------------------
-ARCHITECTURES: dict[str, Callable[[GGUFFile, Any], Transformer]] = {}
+def attention(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, *, qk_norm: bool | None = False,
+              qk_norm_per_head: bool = True, window: int = 0, bias: bool | None = None,
+              out_bias: bool | None = None, scale: float | None = None) -> Attention:
+    """Self-attention of block i from ``attn_q/k/v`` or a fused ``attn_qkv`` (split into row views),
+    ``attn_output``; q/k norms ``attn_q_norm``/``attn_k_norm`` (``qk_norm`` None: if present)."""
+    p = f"blk.{i}."
+    H, Hkv, Dk, Dv, d = hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.n_embd
+    if p + "attn_qkv.weight" in f.tensors:
+        qkv = linear(f, p + "attn_qkv", H * Dk + Hkv * (Dk + Dv), d, bias=bias)
+        wq, wk, wv = qkv.split([H * Dk, Hkv * Dk, Hkv * Dv], ["q", "k", "v"])
+    else:
+        wq = linear(f, p + "attn_q", H * Dk, d, bias=bias)
+        wk = linear(f, p + "attn_k", Hkv * Dk, d, bias=bias)
+        wv = linear(f, p + "attn_v", Hkv * Dv, d, bias=bias)
+    a = Attention(n_head=H, n_head_kv=Hkv, head_dim_k=Dk, head_dim_v=Dv, wq=wq, wk=wk, wv=wv,
+                  wo=linear(f, p + "attn_output", d, H * Dv, bias=out_bias),
+                  scale=hp.attn_scale if scale is None else scale,
+                  rope=rope, qk_norm_per_head=qk_norm_per_head, softcap=hp.attn_softcap, window=window)
+    if qk_norm is not False:
+        required = qk_norm is True
+        nq, nk = (Dk, Dk) if qk_norm_per_head else (H * Dk, Hkv * Dk)
+        a.q_norm = norm(f, p + "attn_q_norm", nq, hp.rms_eps, required=required)
+        a.k_norm = norm(f, p + "attn_k_norm", nk, hp.rms_eps, required=required)
+    return a
 
 
-def register(cls: type[Transformer]) -> type[Transformer]:
-    ARCHITECTURES[cls.arch] = cls
-    return cls
+def gated_mlp(f: GGUFFile, i: int, hp: HParams, act: str = "silu") -> MLP:
+    """``ffn_down(act(ffn_gate(x)) · ffn_up(x))``; a fused gate+up ``ffn_up`` (2·n_ff rows, no
+    ``ffn_gate``) is split into row views."""
+    p = f"blk.{i}."
+    d, F = hp.n_embd, hp.n_ff
+    down = linear(f, p + "ffn_down", d, F, bias=None)
+    if p + "ffn_gate.weight" not in f.tensors:
+        gate, up = linear(f, p + "ffn_up", 2 * F, d, bias=False).split([F, F], ["gate", "up"])
+    else:
+        gate, up = linear(f, p + "ffn_gate", F, d, bias=False), linear(f, p + "ffn_up", F, d, bias=False)
+    return MLP(act=act, gate=gate, up=up, down=down)
 
 
-def build(f: GGUFFile, backend: Any) -> Transformer:
-    """Instantiate the architecture named by ``general.architecture``."""
-    from . import gemma3, llama, qwen2  # noqa: F401  (registration)
+def decoder(f: GGUFFile, hp: HParams, blocks: list[Block], *, embed_scale: float = 1.0, logit_scale: float = 1.0,
+            output_norm: str = "rms", **extra: Any) -> ModelDesc:
+    """The description around the blocks: embedding, final norm, output head (tied to the embedding
+    when ``output.weight`` is absent)."""
+    tok = tensor(f, "token_embd.weight", (hp.n_vocab, hp.n_embd))
+    Linear(tok)  # validates that its type can be dequantized (names the tensor if not)
+    out = f.tensors.get("output.weight")
+    output = Linear(out if out is not None else tok)
+    if (output.out_features, output.in_features) != (hp.n_vocab, hp.n_embd):
+        raise GGUFError(f"{f.path}: {output.name} has shape {(output.out_features, output.in_features)}, "
+                        f"expected ({hp.n_vocab}, {hp.n_embd}) to match the {hp.n_vocab} rows of token_embd.weight")
+    eps = hp.rms_eps if output_norm == "rms" else meta_float(f, "attention.layer_norm_epsilon", 1e-5, hi=1.0)
+    return ModelDesc(arch=hp.arch, n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_ctx_train=hp.n_ctx_train, tok_embd=tok,
+                     blocks=blocks, output=output, output_norm=norm(f, "output_norm", hp.n_embd, eps, output_norm),
+                     embed_scale=embed_scale, logit_scale=logit_scale, final_softcap=hp.final_softcap,
+                     extra=dict(extra))
 
-    arch = f.architecture
-    cls = ARCHITECTURES.get(arch or "")
-    if cls is None:
+
+def swa_pattern(f: GGUFFile, n_layer: int, default_period: int) -> list[bool]:
+    """Which layers use the sliding window: ``attention.sliding_window_pattern`` as per-layer
+    booleans, or a period n (layer i is local unless i % n == n - 1; 0: none)."""
+    pattern = _meta(f, "attention.sliding_window_pattern", default_period)
+    if isinstance(pattern, np.ndarray):
+        if pattern.ndim != 1 or pattern.size != n_layer or pattern.dtype.kind not in "biu":
+            raise GGUFError(f"{f.path}: metadata '{f.architecture}.attention.sliding_window_pattern' must hold "
+                            f"{n_layer} booleans, got {pattern.dtype} of shape {pattern.shape}")
+        return [bool(v) for v in pattern]
+    n = meta_int(f, "attention.sliding_window_pattern", default_period, lo=0, hi=1 << 16)
+    return [n > 0 and (i % n) < n - 1 for i in range(n_layer)]
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------
+Describe = Callable[[GGUFFile, "int | None"], ModelDesc]
+ARCHITECTURES: dict[str, Describe] = {}
+
+
+def register(*names: str) -> Callable[[Describe], Describe]:
+    """Decorator: ``describe(f, n_ctx) -> ModelDesc`` serves the GGUF architectures ``names``.
+
+    ``n_ctx`` is the context the model will run with (None: not known yet); only descriptions that
+    depend on it (LongRoPE's short / long factors) read it."""
+
+    def deco(fn: Describe) -> Describe:
+        for n in names:
+            ARCHITECTURES[n] = fn
+        return fn
+
+    return deco
+
+
+def _load_all() -> None:
+    import importlib
+    import pkgutil
+
+    from .. import archs
+
+    for m in pkgutil.iter_modules(archs.__path__):
+        if m.name != "base":
+            importlib.import_module(f"{archs.__name__}.{m.name}")
+
+
+def supported() -> list[str]:
+    """GGUF architecture names that load."""
+    _load_all()
+    return sorted(ARCHITECTURES)
+
+
+def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    """The description of the architecture named by ``general.architecture`` (for a context of
+    ``n_ctx`` positions when known)."""
+    _load_all()
+    fn = ARCHITECTURES.get(f.architecture or "")
+    if fn is None:
         raise UnsupportedArchitectureError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
-    return cls(f, backend)
+            f"architecture {f.architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    return fn(f, n_ctx)
+
+
+def build(f: GGUFFile, backend: Any, n_ctx: int | None = None) -> Transformer:
+    """The runnable model (:class:`minirt.forward.Transformer`) of a GGUF file on ``backend``."""
+    return Transformer(describe(f, n_ctx), backend, file=f)
+
+
+def read_config(f: GGUFFile) -> Any:
+    """The :class:`minirt.forward.Config` summary of a file's model (what ``minirt info`` shows)."""
+    from ..forward import config_of
+
+    return config_of(describe(f))

@@ -1,59 +1,30 @@
-"""Llama family: Llama 2 / 3 (incl. llama3 RoPE frequency factors), Mistral, TinyLlama, SmolLM.
-
-Pre-norm blocks: ``x += Wo·attn(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x))`` then
-``x += Wdown·(silu(Wgate·n(x)) * Wup·n(x))`` with RMSNorm ``n``. RoPE rotates consecutive pairs
-(the GGUF converter permuted Q/K rows for that), optional biases are used when present.
-"""
+"""Llama family (Llama 2 / 3 / 3.1 / 3.2 with llama3 RoPE frequency factors, TinyLlama, SmolLM, Mistral
+files written as ``llama``): pre-norm blocks with RMSNorm, GQA attention with RoPE on consecutive
+pairs (the converter permuted Q/K rows for that), SwiGLU MLP; biases used where the file has them,
+output tied to the embedding when ``output.weight`` is absent."""
 
 from __future__ import annotations
 
-from typing import Any
+from ..blocks import Block, ModelDesc
+from ..gguf import GGUFFile
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+)
 
-import numpy as np
 
-from .base import ForwardContext, Transformer, linear, register, vector
-
-
-@register
-class Llama(Transformer):
-    arch = "llama"
-    qkv_bias: bool | None = None  # None: use biases when the file has them
-
-    def configure(self, cfg) -> None:
-        cfg.rope_neox = False
-
-    def load_block(self, i: int) -> dict[str, Any]:
-        f, c, p = self.file, self.cfg, f"blk.{i}."
-        return {
-            "attn_norm": vector(f, p + "attn_norm.weight", c.n_embd),
-            "wq": linear(f, p + "attn_q", c.n_head * c.head_dim_k, c.n_embd, bias=self.qkv_bias),
-            "wk": linear(f, p + "attn_k", c.n_head_kv * c.head_dim_k, c.n_embd, bias=self.qkv_bias),
-            "wv": linear(f, p + "attn_v", c.n_head_kv * c.head_dim_v, c.n_embd, bias=self.qkv_bias),
-            "wo": linear(f, p + "attn_output", c.n_embd, c.n_head * c.head_dim_v, bias=None),
-            "ffn_norm": vector(f, p + "ffn_norm.weight", c.n_embd),
-            "gate": linear(f, p + "ffn_gate", c.n_ff, c.n_embd),
-            "up": linear(f, p + "ffn_up", c.n_ff, c.n_embd),
-            "down": linear(f, p + "ffn_down", c.n_embd, c.n_ff),
-        }
-
-    def native_layer_specs(self) -> list[dict[str, Any]] | None:
-        return [self._layer_spec(i, "silu") for i in range(self.cfg.n_layer)]
-
-    def qkv(self, b: dict[str, Any], h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Projections of the normed input h (T, d) → q (T,H,Dk), k (T,Hkv,Dk), v (T,Hkv,Dv)."""
-        c, T = self.cfg, h.shape[0]
-        q = self.mm(b["wq"], h).reshape(T, c.n_head, c.head_dim_k)
-        k = self.mm(b["wk"], h).reshape(T, c.n_head_kv, c.head_dim_k)
-        v = self.mm(b["wv"], h).reshape(T, c.n_head_kv, c.head_dim_v)
-        return q, k, v
-
-    def mlp(self, b: dict[str, Any], h: np.ndarray) -> np.ndarray:
-        g = self.mm(b["gate"], h)
-        u = self.mm(b["up"], h)
-        return self.mm(b["down"], self.gated(g, u, "silu"))
-
-    def block(self, i: int, x: np.ndarray, ctx: ForwardContext) -> np.ndarray:
-        b, eps = self.blocks[i], self.cfg.rms_eps
-        q, k, v = self.qkv(b, self.norm(x, b["attn_norm"], eps))
-        x = x + self.mm(b["wo"], self.attend(i, q, k, v, ctx))
-        return x + self.mlp(b, self.norm(x, b["ffn_norm"], eps))
+@register("llama")
+def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    hp = read_hparams(f)
+    rope = rope_from_meta(f, hp, neox=False)
+    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", hp.n_embd, hp.rms_eps),
+                    attn=attention(f, i, hp, rope),
+                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", hp.n_embd, hp.rms_eps),
+                    mlp=gated_mlp(f, i, hp))
+              for i in range(hp.n_layer)]
+    return decoder(f, hp, blocks)

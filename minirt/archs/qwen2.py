@@ -1,45 +1,37 @@
-"""Qwen2 / Qwen2.5 (and Qwen3): the Llama block with NEOX-style RoPE; Qwen2 has Q/K/V biases,
-Qwen3 drops them and RMS-normalizes each query and key head before RoPE."""
+"""Qwen2 / Qwen2.5 and Qwen3: the Llama block with NEOX-style RoPE. Qwen2 has Q/K/V biases; Qwen3
+drops them and RMS-normalizes each query and key head before RoPE."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
-from .base import register, vector
-from .llama import Llama
-
-
-@register
-class Qwen2(Llama):
-    arch = "qwen2"
-    qkv_bias = True
-
-    def configure(self, cfg) -> None:
-        cfg.rope_neox = True
+from ..blocks import Block, ModelDesc
+from ..gguf import GGUFFile
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+)
 
 
-@register
-class Qwen3(Llama):
-    arch = "qwen3"
-    qkv_bias = False
+def _describe(f: GGUFFile, qk_norm: bool) -> ModelDesc:
+    hp = read_hparams(f)
+    rope = rope_from_meta(f, hp, neox=True)
+    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", hp.n_embd, hp.rms_eps),
+                    attn=attention(f, i, hp, rope, qk_norm=qk_norm, bias=not qk_norm),
+                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", hp.n_embd, hp.rms_eps),
+                    mlp=gated_mlp(f, i, hp))
+              for i in range(hp.n_layer)]
+    return decoder(f, hp, blocks)
 
-    def configure(self, cfg) -> None:
-        cfg.rope_neox = True
 
-    def load_block(self, i: int) -> dict[str, Any]:
-        b = super().load_block(i)
-        p, c = f"blk.{i}.", self.cfg
-        b["q_norm"] = vector(self.file, p + "attn_q_norm.weight", c.head_dim_k)
-        b["k_norm"] = vector(self.file, p + "attn_k_norm.weight", c.head_dim_k)
-        return b
+@register("qwen2")
+def describe_qwen2(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    return _describe(f, qk_norm=False)
 
-    def native_layer_specs(self) -> list[dict[str, Any]] | None:
-        return [self._layer_spec(i, "silu", q_norm=self.blocks[i]["q_norm"], k_norm=self.blocks[i]["k_norm"])
-                for i in range(self.cfg.n_layer)]
 
-    def qkv(self, b: dict[str, Any], h: np.ndarray):
-        q, k, v = super().qkv(b, h)
-        eps = self.cfg.rms_eps
-        return self.norm(q, b["q_norm"], eps), self.norm(k, b["k_norm"], eps), v
+@register("qwen3")
+def describe_qwen3(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    return _describe(f, qk_norm=True)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
 
@@ -50,15 +51,15 @@ class StreamController:
     None), :attr:`error` (the exception the last generation ended with, or None).
     """
 
-    def __init__(self, llm: "Model") -> None:
+    def __init__(self, llm: Model) -> None:
         self.llm = llm
         self._gen = 0  # number of the current generation; GUI thread only
-        self._handle: "GenerationHandle | None" = None
+        self._handle: GenerationHandle | None = None
         self._stop_event: threading.Event | None = None
         self._stopping = False  # stop() called for the current generation
         self.text = ""
         self.n_tokens = 0
-        self.completion: "Completion | None" = None
+        self.completion: Completion | None = None
         self.error: BaseException | None = None
 
     # -- GUI thread ------------------------------------------------------------------------------
@@ -67,8 +68,8 @@ class StreamController:
         """True from :meth:`start` until the generation's end has been delivered to the GUI thread."""
         return self._handle is not None
 
-    def start(self, prompt: "str | Sequence[int] | None" = None, *,
-              messages: "list[dict[str, Any]] | None" = None, **kw: Any) -> None:
+    def start(self, prompt: str | Sequence[int] | None = None, *,
+              messages: list[dict[str, Any]] | None = None, **kw: Any) -> None:
         """Start generating (a prompt, or chat ``messages``); keywords as :meth:`Model.submit`.
 
         A generation still running is stopped first and its remaining events dropped. Bad
@@ -83,7 +84,7 @@ class StreamController:
         stop_event = threading.Event()
         post = self._post
 
-        def on_token(ev: "TokenEvent") -> bool:  # worker thread: no widget is touched here
+        def on_token(ev: TokenEvent) -> bool:  # worker thread: no widget is touched here
             if stop_event.is_set():
                 return False  # ends the generation at its next step
             post((TOKEN, gen, ev))
@@ -159,7 +160,7 @@ class StreamController:
     def _on_started(self) -> None:
         """GUI thread: a generation started."""
 
-    def _on_token(self, ev: "TokenEvent") -> None:
+    def _on_token(self, ev: TokenEvent) -> None:
         """GUI thread: a token (or the text flushed at the end) arrived."""
 
     def _on_finished(self, finish_reason: str) -> None:

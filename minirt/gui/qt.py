@@ -25,11 +25,12 @@ import collections
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QLineEdit, QPushButton, QTextEdit, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QPushButton, QTextEdit, QVBoxLayout, QWidget
 
 from . import StreamController, run_in_background
 
@@ -69,7 +70,7 @@ _check_binding()
 class _Controller(StreamController):
     """The toolkit-free state machine, wired to a :class:`QtStreamer`'s signals."""
 
-    def __init__(self, llm: "Model", owner: "QtStreamer") -> None:
+    def __init__(self, llm: Model, owner: QtStreamer) -> None:
         super().__init__(llm)
         self._owner = owner
         self.pending: collections.deque[tuple] = collections.deque()  # append/popleft are thread-safe
@@ -89,7 +90,7 @@ class _Controller(StreamController):
     def _on_started(self) -> None:
         self._owner.started.emit()
 
-    def _on_token(self, ev: "TokenEvent") -> None:
+    def _on_token(self, ev: TokenEvent) -> None:
         self._owner.token.emit(ev.text, -1 if ev.token_id is None else int(ev.token_id))
 
     def _on_finished(self, finish_reason: str) -> None:
@@ -113,7 +114,7 @@ class QtStreamer(QObject):
     failed = Signal(object)
     _wake = Signal()  # worker → GUI thread (queued): events are waiting in the controller's queue
 
-    def __init__(self, llm: "Model", parent: QObject | None = None) -> None:
+    def __init__(self, llm: Model, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self._ctl = _Controller(llm, self)
         self._wake.connect(self._drain, Qt.ConnectionType.QueuedConnection)
@@ -122,8 +123,8 @@ class QtStreamer(QObject):
     def _drain(self) -> None:
         self._ctl.drain()
 
-    def start(self, prompt: "str | Sequence[int] | None" = None, *,
-              messages: "list[dict[str, Any]] | None" = None, **kw: Any) -> None:
+    def start(self, prompt: str | Sequence[int] | None = None, *,
+              messages: list[dict[str, Any]] | None = None, **kw: Any) -> None:
         """Start generating; keywords as :meth:`minirt.runtime.Model.submit` (max_tokens,
         temperature, stop ...). A running generation is stopped first. Bad arguments raise here."""
         self._ctl.start(prompt, messages=messages, **kw)
@@ -138,7 +139,7 @@ class QtStreamer(QObject):
         return self._ctl.wait(timeout)
 
     @property
-    def llm(self) -> "Model":
+    def llm(self) -> Model:
         return self._ctl.llm
 
     @property
@@ -155,7 +156,7 @@ class QtStreamer(QObject):
         return self._ctl.n_tokens
 
     @property
-    def completion(self) -> "Completion | None":
+    def completion(self) -> Completion | None:
         return self._ctl.completion
 
     @property
@@ -178,7 +179,7 @@ class QtChatWindow(QWidget):
     replied = Signal(str)  # finish_reason, or "error"
     model_ready = Signal()
 
-    def __init__(self, llm: "Model | None" = None, *, load: Callable[[], "Model"] | None = None,
+    def __init__(self, llm: Model | None = None, *, load: Callable[[], Model] | None = None,
                  title: str = "minirt chat", system_prompt: str | None = None, **gen_kw: Any) -> None:
         super().__init__()
         self.setWindowTitle(title)
@@ -221,7 +222,7 @@ class QtChatWindow(QWidget):
             run_in_background(load, self._loader.done.emit)
 
     # -- model -----------------------------------------------------------------------------------
-    def _attach(self, llm: "Model") -> None:
+    def _attach(self, llm: Model) -> None:
         self.streamer = QtStreamer(llm, self)
         self.streamer.token.connect(self._on_token)
         self.streamer.finished.connect(self._on_finished)

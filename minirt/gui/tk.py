@@ -20,7 +20,8 @@ import logging
 import queue
 import time
 import tkinter as tk
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import StreamController, run_in_background
 
@@ -42,7 +43,7 @@ class TkStreamer(StreamController):
     ``widget`` is any Tk widget (its ``after`` schedules the polling).
     """
 
-    def __init__(self, widget: tk.Misc, llm: "Model", *,
+    def __init__(self, widget: tk.Misc, llm: Model, *,
                  on_token: Callable[[str, int], Any] | None = None,
                  on_finished: Callable[[str], Any] | None = None,
                  on_failed: Callable[[BaseException], Any] | None = None,
@@ -103,7 +104,7 @@ class TkStreamer(StreamController):
         if self.on_started is not None:
             self.on_started()
 
-    def _on_token(self, ev: "TokenEvent") -> None:
+    def _on_token(self, ev: TokenEvent) -> None:
         if self.on_token is not None:
             self.on_token(ev.text, -1 if ev.token_id is None else int(ev.token_id))
 
@@ -124,7 +125,7 @@ class TkChatWindow(tk.Frame):
     ``on_reply(finish_reason | "error")`` is called after each reply.
     """
 
-    def __init__(self, master: tk.Misc, llm: "Model | None" = None, *, load: Callable[[], "Model"] | None = None,
+    def __init__(self, master: tk.Misc, llm: Model | None = None, *, load: Callable[[], Model] | None = None,
                  system_prompt: str | None = None, on_reply: Callable[[str], Any] | None = None,
                  **gen_kw: Any) -> None:
         super().__init__(master)
@@ -175,7 +176,7 @@ class TkChatWindow(tk.Frame):
             self._write(f"[{type(value).__name__}: {value}]\n", "error")
             self._replied("error")
 
-    def _attach(self, llm: "Model") -> None:
+    def _attach(self, llm: Model) -> None:
         self.streamer = TkStreamer(self, llm, on_token=self._on_token, on_finished=self._on_finished,
                                    on_failed=self._on_failed)
         self._set_busy(False)

@@ -1,8 +1,9 @@
-"""Compute backends for the quantized matmul at the heart of the forward pass.
+"""Compute backends: the operations of the forward pass (:class:`~minirt.kernels.base.Backend` lists
+them), never architectures.
 
-``get_backend(name)`` returns an object with ``name`` and ``matmul(x, lin) -> y`` where ``x`` is
-float32 ``(T, in_features)`` and ``lin`` a :class:`minirt.archs.base.Linear` whose weight stays
-quantized. Backends, fastest first:
+``matmul(x, lin) -> y`` takes float32 ``x (T, in_features)`` and a :class:`minirt.blocks.Linear`
+whose weight stays quantized. :func:`select_backend` picks the device (CUDA when usable, else the
+CPU) and :func:`get_backend` the CPU backend by name, fastest first:
 
 - ``native``: C kernels (SIMD chosen at run time) through cffi — needs the built extension or a
   C compiler on first use;
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendError, InvalidRequestError
+from .base import Backend
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +33,10 @@ _warned = False
 _lock = threading.Lock()
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     """Dequantize each weight once (cached on the Linear) and multiply with numpy's BLAS."""
 
     name = "reference"
-
-    def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads
 
     def matmul(self, x: np.ndarray, lin: Any) -> np.ndarray:
         w = lin.backend_data
@@ -47,9 +46,6 @@ class ReferenceBackend:
             w = lin.backend_data = dequantize(lin.w, lin.qtype, (lin.out_features, lin.in_features))
         return x @ w.T
 
-    def info(self) -> dict[str, Any]:
-        return {"backend": self.name}
-
 
 # Types whose native decode path dequantizes rows to float and dots them (no integer kernel yet):
 # numba's fused per-block loop reads them ~2x faster (bench/kernels.py: Q2_K 1.5 vs 0.4-0.6 GB/s,
@@ -57,7 +53,7 @@ class ReferenceBackend:
 NUMBA_DECODE_TYPES = frozenset({"Q2_K", "Q3_K"})
 
 
-class NumbaBackend:
+class NumbaBackend(Backend):
     """numba kernels over the raw blocks (``minirt.kernels.numba_backend``)."""
 
     name = "numba"
@@ -65,8 +61,8 @@ class NumbaBackend:
     def __init__(self, threads: int | None = None) -> None:
         from . import numba_backend
 
+        super().__init__(threads)
         self._mod = numba_backend
-        self.threads = threads
         if threads:
             import numba
 
@@ -81,7 +77,7 @@ class NumbaBackend:
         return {"backend": self.name, "threads": numba.get_num_threads()}
 
 
-class NativeBackend:
+class NativeBackend(Backend):
     """C kernels through cffi (``minirt.kernels.native``)."""
 
     name = "native"
@@ -89,9 +85,9 @@ class NativeBackend:
     def __init__(self, threads: int | None = None) -> None:
         from . import native
 
+        super().__init__(threads)
         native._load()  # raises BackendError with the reason when the kernels cannot be built or loaded
         self._mod = native
-        self.threads = threads
 
     def prepare(self, model: Any) -> None:
         """Repack the model's weight matrices for the decode kernels, once, at load.
@@ -148,35 +144,29 @@ class NativeBackend:
         self._prepare_layers(model)
 
     def _prepare_layers(self, model: Any) -> None:
-        """Describe the model's layers for the native decode step when the architecture says how."""
-        specs_fn = getattr(model, "native_layer_specs", None)
-        if specs_fn is None or os.environ.get("MINIRT_NATIVE_LAYERS", "1") == "0":
+        """Prepare the native decode step for the model's blocks when every block can run there
+        (``MINIRT_NATIVE_LAYERS=0`` disables it); otherwise decode steps run the per-op path."""
+        if os.environ.get("MINIRT_NATIVE_LAYERS", "1") == "0":
             return
-        specs = specs_fn()
-        if not specs:
-            return
-        if any(sp[k].qtype in NUMBA_DECODE_TYPES for sp in specs for k in ("wq", "wk", "wv", "wo", "gate", "up", "down")):
+        desc = model.desc
+        if any(lin.qtype in NUMBA_DECODE_TYPES for lin in desc.linears()[1:]):
             log.info("native decode layers not used: the model has %s weights (numba decodes them faster)",
                      "/".join(sorted(NUMBA_DECODE_TYPES)))
             return
-        for sp in specs:
-            for k in ("wq", "wk", "wv", "wo", "gate", "up", "down"):
-                lin = sp[k]
-                pw = lin.backend_data if isinstance(lin.backend_data, self._mod.PackedMatrix) else None
-                sp[k] = (pw if pw is not None else lin.w, lin.qtype, lin.bias)
+        keys = [r.key() for r in desc.ropes()]
+        index = [keys.index(b.attn.rope.key()) if b.attn.rope is not None else -1 for b in desc.blocks]
         try:
-            model.native_stack = self._mod.LayerStack(specs)
+            model.native_stack = self._mod.LayerStack(desc.blocks, index)
         except (BackendError, InvalidRequestError) as e:
-            log.info("native decode layers unavailable for this model: %s", e)
+            log.info("native decode layers unavailable for this model (%s); decode runs layer by layer", e)
 
     def decode_layers(self, model: Any, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
-                      rope_global: tuple[np.ndarray, np.ndarray],
-                      rope_local: tuple[np.ndarray, np.ndarray] | None) -> bool:
+                      tables: Any) -> bool:
         """Run every layer of a decode step natively (x updated in place); False when not prepared."""
         stack = getattr(model, "native_stack", None)
         if stack is None or len(caches) > 16:
             return False
-        stack.run(x, caches, rope_global, rope_local, threads=self.threads)
+        stack.run(x, caches, list(tables), threads=self.threads)
         return True
 
     def matmul(self, x: np.ndarray, lin: Any) -> np.ndarray:
@@ -198,47 +188,41 @@ class NativeBackend:
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool, rope_dim: int) -> None:
         """Rotate x (T, heads, head_dim) in place with cos/sin tables (T, rope_dim/2)."""
         if not x.flags.c_contiguous:
-            from ..archs.base import apply_rope
-
-            apply_rope(x, cos, sin, neox, rope_dim)
+            super().rope(x, cos, sin, neox, rope_dim)
             return
         self._mod.rope(x, neox=neox, n_rot=rope_dim, cos=cos, sin=sin)
 
-    def attention_decode(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, n_past: int, scale: float,
-                         window: int, softcap: float) -> np.ndarray | None:
-        """One query (H, D) over the first n_past cached positions; None when this shape is not handled."""
-        if kc.shape != vc.shape or q.shape[-1] != kc.shape[-1]:
-            return None
-        return self._mod.attention_decode(q, kc, vc, n_past, scale, window=window, softcap=softcap,
-                                          threads=self.threads)
+    def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
+                  softcap: float) -> np.ndarray:
+        """Causal attention of q (n, H, D) at positions p0.. over one layer's cache (Hkv, n_ctx, D)
+        that holds their keys: the native single-query kernel for decode, the native prefill kernel
+        where it beats numpy's BLAS, else the numpy version."""
+        n = q.shape[0]
+        if kc.shape == vc.shape and q.shape[-1] == kc.shape[-1]:
+            if n == 1:
+                return self._mod.attention_decode(q[0], kc, vc, p0 + 1, scale, window=window, softcap=softcap,
+                                                  threads=self.threads).reshape(1, -1)
+            if kc.flags.c_contiguous and self._mod.attention_fast():
+                return self._mod.attention_prefill(np.ascontiguousarray(q), kc, vc, p0, scale, window=window,
+                                                   softcap=softcap, threads=self.threads)
+        return super().attention(q, kc, vc, p0, scale, window, softcap)
 
     def close(self) -> None:
         """Drop the references the kernels keep for late pool workers (see ``native.drain_keepalive``)
         so that a closed model's weights and mapping can go."""
         self._mod.drain_keepalive()
 
-    def dequantize_rows(self, rows: np.ndarray, qtype: str, cols: int) -> np.ndarray | None:
-        """ggml rows (n, row_bytes) uint8 → float32 (n, cols); None when the type is not handled here."""
+    def dequantize_rows(self, rows: np.ndarray, qtype: str, cols: int) -> np.ndarray:
+        """ggml rows (n, row_bytes) uint8 → float32 (n, cols)."""
         if qtype not in self._mod.QTYPES or rows.ndim != 2:
-            return None
+            return super().dequantize_rows(rows, qtype, cols)
         return self._mod.dequantize(np.ascontiguousarray(rows), qtype, cols)
 
-    def act_mul(self, g: np.ndarray, u: np.ndarray, act: str) -> np.ndarray | None:
-        """``act(g) * u`` for g, u (T, n_ff) float32 (act "silu" or "gelu_tanh"), computed into g."""
+    def act_mul(self, g: np.ndarray, u: np.ndarray, act: str) -> np.ndarray:
+        """``act(g) * u`` for g, u (T, n_ff) float32, computed into g where the kernel has ``act``."""
         if not (g.flags.c_contiguous and u.flags.c_contiguous and g.dtype == np.float32 and u.dtype == np.float32):
-            return None
+            return super().act_mul(g, u, act)
         return self._mod.act_mul(g, u, act, out=g)
-
-    def attention_prefill(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-                          softcap: float) -> np.ndarray | None:
-        """Causal attention of n queries (n, H, D) at positions p0.. over a cache (Hkv, n_ctx, D) that
-        holds their keys; None when this shape is not handled."""
-        if kc.shape != vc.shape or q.shape[-1] != kc.shape[-1] or not kc.flags.c_contiguous:
-            return None
-        if not self._mod.attention_fast():  # numpy's BLAS is faster than the portable kernel
-            return None
-        return self._mod.attention_prefill(np.ascontiguousarray(q), kc, vc, p0, scale, window=window,
-                                           softcap=softcap, threads=self.threads)
 
     def info(self) -> dict[str, Any]:
         d = dict(self._mod.info())
@@ -266,3 +250,32 @@ def get_backend(name: str | None = None, threads: int | None = None) -> Any:
                 log.warning("native kernels unavailable (%s); using the numba backend", e)
                 _warned = True
         return NumbaBackend(threads)
+
+
+def select_backend(device: str, name: str | None, threads: int | None, gguf_file: Any) -> tuple[str, Backend]:
+    """The one place a model's backend is chosen: ``(device, backend)``.
+
+    ``device`` "cuda" or "auto" takes the CUDA backend when a usable GPU is there (uploading the
+    file's weights); "cuda" raises :class:`BackendError` when none is; otherwise the CPU backend
+    ``name`` (see :func:`get_backend`)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device in ("cuda", "auto"):
+        try:
+            from . import cuda
+
+            if cuda.available():
+                b = cuda.CudaBackend(gguf_file)
+                log.info("device: cuda (%s)", b.info().get("name", "GPU"))
+                return "cuda", b
+            if device == "cuda":
+                raise BackendError(f"device='cuda' requested but no usable GPU: {cuda.unavailable_reason()}")
+        except (ImportError, BackendError) as e:
+            if device == "cuda":
+                if isinstance(e, BackendError):
+                    raise
+                raise BackendError(f"device='cuda' requested but the CUDA backend cannot load: {e}") from e
+            log.warning("CUDA unavailable (%s); using the CPU", e)
+    b = get_backend(name, threads)
+    log.info("device: cpu (%s backend)", b.name)
+    return "cpu", b

@@ -79,7 +79,6 @@ QTYPES: dict[str, tuple[int, int, int]] = {
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
-_I32 = np.dtype(np.int32)
 
 _load_lock = threading.Lock()
 _mod: Any = None
@@ -143,7 +142,7 @@ class _FileLock:
         self.path = path
         self.fd: int | None = None
 
-    def __enter__(self) -> "_FileLock":
+    def __enter__(self) -> _FileLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             import fcntl
@@ -444,7 +443,7 @@ class PackArena:
         self._used = 0
 
     @classmethod
-    def over(cls, buf: np.ndarray) -> "PackArena":
+    def over(cls, buf: np.ndarray) -> PackArena:
         """An arena whose slices are carved from ``buf`` (e.g. a mapped pack cache file) instead of
         new memory; ``take`` gives the same offsets as in an arena of the same size."""
         self = cls.__new__(cls)
@@ -664,7 +663,7 @@ class PackCache:
         self.path, self.key, self.size = path, key, size
 
     @classmethod
-    def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> "PackCache | None":
+    def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> PackCache | None:
         """The cache slot of these packed matrices (w, qtype, packed bytes) of ``gguf_path``, or None
         when caching is off or a matrix is not a view of the file."""
         import hashlib
@@ -752,7 +751,7 @@ class PackCache:
             pass
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pack_code_hash() -> str:
     """Hash of the packing code (its layout is what the cache stores)."""
     import hashlib
@@ -783,46 +782,105 @@ def spot_check_packed(pm: PackedMatrix, w: np.ndarray) -> bool:
     return True
 
 
-_ACTS = {"silu": 0, "gelu_tanh": 1}
-_LAYER_NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # gated activations of mr_act_mul
+_LAYER_ACTS = {**_ACTS, "xielu": 2}  # the layer stack also runs xIELU without gate
+_NORM_KINDS = {"rms": 0, "layer": 1}
 _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
-class LayerStack:
-    """A model's decoder layers described for the native decode step (``mr_decode_layers``).
+def _block_weights(b: Any) -> dict[str, Any]:
+    a, m = b.attn, b.mlp
+    return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate, "up": m.up, "down": m.down}
 
-    ``specs``: one dict per layer with the sizes (n_embd, n_ff, n_head, n_head_kv, head_dim_k,
-    head_dim_v, rope_dim), eps, attn_scale, softcap, window, rope_neox, act ("silu" or
-    "gelu_tanh"), local (RoPE from the sliding-window tables), the norm gains (float32 arrays or
-    None) and the weights wq..down as ``(w, qtype, bias)`` with w a ggml (rows, row_bytes) uint8 array
-    or a :class:`PackedMatrix`. Raises :class:`BackendError` when a layer cannot run natively here.
+
+def layer_unsupported(b: Any) -> str | None:
+    """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
+    a, m = b.attn, b.mlp
+    if (m.gate is None) != (m.act == "xielu"):
+        return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
+    if m.act not in _LAYER_ACTS:
+        return f"activation {m.act!r}"
+    if a.sinks is not None:
+        return "attention sinks"
+    if a.head_dim_k != a.head_dim_v:
+        return "different key and value head sizes"
+    block_norms = [n for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None]
+    if len({n.kind for n in block_norms}) > 1:
+        return "RMSNorm and LayerNorm in one block"
+    if any(n.bias is not None for n in (b.post_attn_norm, b.post_ffn_norm) if n is not None):
+        return "post-norms with a bias"
+    qk = [n for n in (a.q_norm, a.k_norm) if n is not None]
+    if any(n.kind != "rms" or n.bias is not None for n in qk):
+        return "LayerNorm q/k norms"
+    if len({float(n.eps) for n in block_norms + qk}) > 1:
+        return "norms with different eps in one block"
+    return None
+
+
+class LayerStack:
+    """A model's decoder blocks (:class:`minirt.blocks.Block`) prepared for the native decode step
+    (``mr_decode_layers``).
+
+    ``rope_index[i]``: which of the cos/sin table pairs handed to :meth:`run` block i reads (-1: a
+    NoPE layer). A weight whose ``backend_data`` is a :class:`PackedMatrix` is read packed; the
+    others in their ggml layout. Raises :class:`BackendError` when a block cannot run natively here.
     """
 
-    def __init__(self, specs: list[dict[str, Any]], isa: str | None = None) -> None:
+    def __init__(self, blocks: list[Any], rope_index: list[int], isa: str | None = None) -> None:
         ffi, lib = _lib()
         self._keep: list[Any] = []
-        self.n_layer = len(specs)
+        self.n_layer = len(blocks)
         self._layers = ffi.new("mr_layer[]", self.n_layer)
         self._isa = _isa_id(isa)
         # what every cache and RoPE table handed to run() must match (checked there, not in C)
-        self._kv_heads = {int(sp["n_head_kv"]) for sp in specs}
-        self._dk = {int(sp["head_dim_k"]) for sp in specs}
-        self._dv = {int(sp["head_dim_v"]) for sp in specs}
-        self._half_rope = max((int(sp["rope_dim"]) // 2 for sp in specs), default=0)
-        self._n_embd = int(specs[0]["n_embd"]) if specs else 0
-        for i, sp in enumerate(specs):
+        self._kv_heads = {int(b.attn.n_head_kv) for b in blocks}
+        self._dk = {int(b.attn.head_dim_k) for b in blocks}
+        self._dv = {int(b.attn.head_dim_v) for b in blocks}
+        self._half_rope = {}
+        self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
+        for i, (b, ri) in enumerate(zip(blocks, rope_index)):
+            why = layer_unsupported(b)
+            if why is not None:
+                raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
+            a, m = b.attn, b.mlp
             L = self._layers[i]
-            for k in ("n_embd", "n_ff", "n_head", "n_head_kv", "head_dim_k", "head_dim_v", "rope_dim", "window"):
-                setattr(L, k, int(sp[k]))
-            L.eps, L.attn_scale, L.softcap = float(sp["eps"]), float(sp["attn_scale"]), float(sp["softcap"])
-            L.rope_neox, L.act, L.local = int(bool(sp["rope_neox"])), _ACTS[sp["act"]], int(bool(sp["local"]))
-            for k in _LAYER_NORMS:
-                v = sp.get(k)
-                setattr(L, k, ffi.NULL if v is None else self._f32(ffi, v))
-            for k in _LAYER_WEIGHTS:
-                w, qtype, bias = sp[k]
+            L.n_embd, L.n_ff = m.down.out_features, m.down.in_features
+            L.n_head, L.n_head_kv, L.head_dim_k, L.head_dim_v = a.n_head, a.n_head_kv, a.head_dim_k, a.head_dim_v
+            L.rope_dim = a.rope.dim if a.rope is not None else 0
+            L.window = int(a.window)
+            norms = [n for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm)
+                     if n is not None]
+            L.eps = float(norms[0].eps) if norms else 1e-6
+            L.attn_scale, L.softcap, L.residual_scale = float(a.scale), float(a.softcap), float(b.residual_scale)
+            L.rope_neox = int(bool(a.rope.neox)) if a.rope is not None else 0
+            L.act = _LAYER_ACTS[m.act]
+            for j, v in enumerate(m.act_params[:4]):
+                L.act_params[j] = float(v)
+            L.qk_norm_after_rope = int(bool(a.qk_norm_after_rope))
+            L.rope_table = int(ri) if a.rope is not None else -1
+            if a.rope is not None:
+                self._half_rope[int(ri)] = max(self._half_rope.get(int(ri), 0), a.rope.dim // 2)
+            kinds = {n.kind for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None}
+            L.norm_kind = _NORM_KINDS[kinds.pop()] if kinds else 0
+            L.qk_norm_full = int(not a.qk_norm_per_head)
+            L.parallel = int(bool(b.parallel))
+            for k, n in (("attn_norm", b.attn_norm), ("q_norm", a.q_norm), ("k_norm", a.k_norm),
+                         ("post_attn_norm", b.post_attn_norm), ("ffn_norm", None if b.parallel else b.ffn_norm),
+                         ("post_ffn_norm", b.post_ffn_norm)):
+                # a norm without gains still normalizes: pass ones
+                w = None if n is None else (n.weight if n.weight is not None else np.ones(self._width(k, a, L), _F32))
+                setattr(L, k, ffi.NULL if w is None else self._f32(ffi, w))
+            L.attn_norm_b = ffi.NULL if b.attn_norm is None or b.attn_norm.bias is None else self._f32(ffi,
+                                                                                                       b.attn_norm.bias)
+            fb = None if b.parallel or b.ffn_norm is None else b.ffn_norm.bias
+            L.ffn_norm_b = ffi.NULL if fb is None else self._f32(ffi, fb)
+            for k, lin in _block_weights(b).items():
+                if lin is None:  # an MLP without gate
+                    getattr(L, k).data = ffi.NULL
+                    continue
+                w = lin.backend_data if isinstance(lin.backend_data, PackedMatrix) else lin.w
                 W = getattr(L, k)
-                _, tid, bs, ts = _qtype(qtype if not isinstance(w, PackedMatrix) else w.qtype)
+                _, tid, bs, ts = _qtype(lin.qtype)
                 W.qtype = tid
                 if isinstance(w, PackedMatrix):
                     W.packed, W.rows, W.cols, W.row_bytes = 1, w.rows, w.cols, 0
@@ -831,11 +889,19 @@ class LayerStack:
                 else:
                     W.packed, W.rows, W.row_bytes = 0, w.shape[0], w.shape[1]
                     W.cols = w.shape[1] // ts * bs
-                    W.data = self._ptr(ffi, "unsigned char[]", w)
-                W.bias = ffi.NULL if bias is None else self._f32(ffi, bias)
+                    W.data = self._ptr(ffi, "unsigned char[]", np.ascontiguousarray(w))
+                W.bias = ffi.NULL if lin.bias is None else self._f32(ffi, lin.bias)
             rc = lib.mr_layer_check(ffi.addressof(self._layers, i), self._isa)
             if rc != 0:
                 raise BackendError(f"layer {i} cannot run in the native decode step (code {rc})")
+        self.n_tables = max(rope_index, default=-1) + 1
+
+    @staticmethod
+    def _width(k: str, a: Any, L: Any) -> int:
+        if k in ("q_norm", "k_norm"):
+            heads = a.n_head if k == "q_norm" else a.n_head_kv
+            return a.head_dim_k * (heads if not a.qk_norm_per_head else 1)
+        return int(L.n_embd)
 
     def _ptr(self, ffi: Any, ctype: str, a: np.ndarray) -> Any:
         p = ffi.from_buffer(ctype, a)
@@ -846,12 +912,12 @@ class LayerStack:
         a = np.ascontiguousarray(a, dtype=_F32)
         return self._ptr(ffi, "float[]", a)
 
-    def run(self, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]], rope_global: tuple[np.ndarray, np.ndarray],
-            rope_local: tuple[np.ndarray, np.ndarray] | None = None, threads: int | None = None) -> None:
+    def run(self, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
+            tables: list[tuple[np.ndarray, np.ndarray]], threads: int | None = None) -> None:
         """Every layer over x (n_seq, n_embd) float32, in place; token b is the next one of the
         sequence whose caches are ``caches[b] = (k, v, pos)`` (k, v: (n_layer, n_head_kv, n_ctx,
-        head_dim), float32 or float16; the new key/value go to position pos). rope_*: (cos, sin)
-        tables (n_seq, rope_dim / 2)."""
+        head_dim), float32 or float16; the new key/value go to position pos). tables: (cos, sin)
+        pairs (n_seq, rope_dim / 2), one per RoPE variant the layers index."""
         ffi, lib = _lib()
         n = len(caches)
         x = _f32_array(x, "x", (2,))
@@ -881,19 +947,25 @@ class LayerStack:
             s = seqs[b]
             s.k, s.v = kp, vp
             s.n_ctx, s.pos, s.layer_stride = k.shape[2], int(pos), k.shape[1] * k.shape[2] * k.shape[3]
-        cg, sg = (np.ascontiguousarray(t, dtype=_F32) for t in rope_global)
-        cl, sl = (cg, sg) if rope_local is None else (np.ascontiguousarray(t, dtype=_F32) for t in rope_local)
-        for t in (cg, sg, cl, sl):
-            if t.ndim != 2 or t.shape[0] != n or t.shape[1] < self._half_rope:
-                raise InvalidRequestError(f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope})")
+        if len(tables) < self.n_tables:
+            raise InvalidRequestError(f"{len(tables)} RoPE table pairs given, the layers read {self.n_tables}")
+        nt = max(1, len(tables))
+        cos_p, sin_p = ffi.new("float *[]", nt), ffi.new("float *[]", nt)
+        for i, (c, sn) in enumerate(tables):
+            c, sn = np.ascontiguousarray(c, dtype=_F32), np.ascontiguousarray(sn, dtype=_F32)
+            for t in (c, sn):
+                if t.ndim != 2 or t.shape[0] != n or t.shape[1] < self._half_rope.get(i, 0):
+                    raise InvalidRequestError(
+                        f"RoPE table of shape {t.shape}, expected ({n}, {self._half_rope.get(i, 0)})")
+            cb, sb = ffi.from_buffer("float[]", c), ffi.from_buffer("float[]", sn)
+            keep += [c, sn, cb, sb]
+            cos_p[i], sin_p[i] = cb, sb
         rc = lib.mr_decode_layers(self._layers, self.n_layer, ffi.from_buffer("float[]", x, require_writable=True), n,
-                                  seqs, int(bool(f16)), ffi.from_buffer("float[]", cg), ffi.from_buffer("float[]", sg),
-                                  ffi.from_buffer("float[]", cl), ffi.from_buffer("float[]", sl), _threads_arg(threads),
-                                  self._isa)
+                                  seqs, int(bool(f16)), cos_p, sin_p, len(tables), _threads_arg(threads), self._isa)
         _after_call(lib, rc, "decode layers", self, (x, caches))
 
 
-def matmul(x: np.ndarray, w: "np.ndarray | PackedMatrix", qtype: str | None = None, out: np.ndarray | None = None,
+def matmul(x: np.ndarray, w: np.ndarray | PackedMatrix, qtype: str | None = None, out: np.ndarray | None = None,
            threads: int | None = None, isa: str | None = None) -> np.ndarray:
     """``Y = X @ W.T`` straight from quantized blocks.
 
@@ -966,7 +1038,8 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
     if nt == 0:
         return out
     wd = w.data
-    rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols, ffi.from_buffer("float[]", x),
+    rc = lib.mr_matmul_packed(tid, ffi.from_buffer("unsigned char[]", wd), w.rows, w.cols,
+                              ffi.from_buffer("float[]", x),
                               nt, cols, ffi.from_buffer("float[]", out, require_writable=True), w.rows,
                               _threads_arg(threads), _isa_id(isa))
     _after_call(lib, rc, "matmul", wd, x)
@@ -1024,22 +1097,12 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarra
     return out
 
 
-def rope_freqs(n_rot: int, freq_base: float = 10000.0, freq_scale: float = 1.0) -> np.ndarray:
-    """Rotary frequencies ``freq_scale * freq_base ** (-2i / n_rot)`` for i < n_rot / 2, float32."""
-    if n_rot <= 0 or n_rot % 2:
-        raise InvalidRequestError(f"n_rot must be a positive even number, got {n_rot}")
-    i = np.arange(n_rot // 2, dtype=np.float64)
-    return (freq_scale * freq_base ** (-2.0 * i / n_rot)).astype(np.float32)
-
-
-def rope(x: np.ndarray, positions: np.ndarray | None = None, *, neox: bool, n_rot: int | None = None,
-         freq_base: float = 10000.0, freq_scale: float = 1.0, freqs: np.ndarray | None = None,
-         cos: np.ndarray | None = None, sin: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+def rope(x: np.ndarray, *, neox: bool, cos: np.ndarray, sin: np.ndarray, n_rot: int | None = None,
+         isa: str | None = None) -> np.ndarray:
     """Rotary position embedding of x (n_tokens, n_heads, head_dim) float32, in place; returns x.
 
     The first ``n_rot`` dims (default head_dim) rotate: NEOX style pairs (i, i + n_rot/2), normal style
-    pairs (2i, 2i+1). Angles: ``positions[t] * freqs[i]`` with ``freqs`` given or from
-    ``freq_base``/``freq_scale``; or precomputed ``cos``/``sin`` tables of shape (n_tokens, n_rot/2).
+    pairs (2i, 2i+1), by the angles of the precomputed ``cos``/``sin`` tables (n_tokens, n_rot/2).
     """
     ffi, lib = _lib()
     x = _f32_array(x, "x", (3,))
@@ -1050,35 +1113,13 @@ def rope(x: np.ndarray, positions: np.ndarray | None = None, *, neox: bool, n_ro
     if n_rot <= 0 or n_rot % 2 or n_rot > hd:
         raise InvalidRequestError(f"n_rot must be even and in 1..head_dim={hd}, got {n_rot}")
     half = n_rot // 2
-    if cos is not None or sin is not None:
-        if cos is None or sin is None:
-            raise InvalidRequestError("cos and sin must be given together")
-        cos = _f32_array(cos, "cos", (2,))
-        sin = _f32_array(sin, "sin", (2,))
-        if cos.shape != (nt, half) or sin.shape != (nt, half):
-            raise InvalidRequestError(f"cos/sin must have shape {(nt, half)}, got {cos.shape} and {sin.shape}")
-        _check_rc(lib.mr_rope_cs(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
-                                 ffi.from_buffer("float[]", cos), ffi.from_buffer("float[]", sin), int(bool(neox)),
-                                 _isa_id(isa)), "rope")
-        return x
-    if positions is None:
-        raise InvalidRequestError("rope needs positions (or cos/sin tables)")
-    pos = np.ascontiguousarray(positions)
-    if pos.dtype.kind not in "iu" or pos.ndim != 1 or pos.shape[0] != nt:
-        raise InvalidRequestError(f"positions must be an integer array of shape ({nt},), got {pos.dtype} {pos.shape}")
-    if nt and (pos.min() < -(2**31) or pos.max() >= 2**31):
-        raise InvalidRequestError("positions out of int32 range")
-    pos = pos.astype(_I32, copy=False)
-    if freqs is None:
-        freqs = rope_freqs(n_rot, freq_base, freq_scale)
-    else:
-        freqs = _f32_array(freqs, "freqs", (1,))
-        if freqs.shape[0] != half:
-            raise InvalidRequestError(f"freqs must have n_rot/2 = {half} elements, got {freqs.shape[0]}")
-    if nt:
-        _check_rc(lib.mr_rope(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
-                              ffi.from_buffer("int[]", pos), ffi.from_buffer("float[]", freqs), int(bool(neox)),
-                              _isa_id(isa)), "rope")
+    cos = _f32_array(cos, "cos", (2,))
+    sin = _f32_array(sin, "sin", (2,))
+    if cos.shape != (nt, half) or sin.shape != (nt, half):
+        raise InvalidRequestError(f"cos/sin must have shape {(nt, half)}, got {cos.shape} and {sin.shape}")
+    _check_rc(lib.mr_rope_cs(ffi.from_buffer("float[]", x, require_writable=True), nt, nh, hd, n_rot,
+                             ffi.from_buffer("float[]", cos), ffi.from_buffer("float[]", sin), int(bool(neox)),
+                             _isa_id(isa)), "rope")
     return x
 
 
@@ -1174,7 +1215,8 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
     return out
 
 
-def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = None,
+            isa: str | None = None) -> np.ndarray:
     """``act(g) * u`` elementwise (act: "silu" or "gelu_tanh"); ``out`` may be ``g`` (in place)."""
     ffi, lib = _lib()
     if act not in _ACTS:
@@ -1189,7 +1231,8 @@ def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = Non
         _out_array(out, g.shape)
     if g.size:
         _check_rc(lib.mr_act_mul(ffi.from_buffer("float[]", g), ffi.from_buffer("float[]", u),
-                                 ffi.from_buffer("float[]", out, require_writable=True), g.size, _ACTS[act], _isa_id(isa)),
+                                 ffi.from_buffer("float[]", out, require_writable=True), g.size, _ACTS[act],
+                                 _isa_id(isa)),
                   "act_mul")
     return out
 
@@ -1257,16 +1300,44 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p
     vb = v_cache.view(np.uint16) if f16 else v_cache
     _check_rc(lib.mr_attention_prefill(ffi.from_buffer("float[]", q), n, n_head, hd, ffi.from_buffer(ctype, kb),
                                        ffi.from_buffer(ctype, vb), int(f16), n_kv, n_ctx, int(p0), float(scale),
-                                       int(window), float(softcap), ffi.from_buffer("float[]", out, require_writable=True),
+                                       int(window), float(softcap), ffi.from_buffer("float[]", out,
+                                                                                    require_writable=True),
                                        _threads_arg(threads), _isa_id(isa)), "attention_prefill")
     return out
+
+
+
+def read_bandwidth(buf: np.ndarray, threads: int | None = None, reps: int = 5,
+                   isa: str | None = None) -> tuple[float, int]:
+    """Streaming-read probe of memory bandwidth: reads every byte of ``buf`` (C-contiguous, nbytes a
+    multiple of 8) ``reps`` times on the thread pool with the ISA's widest integer adds.
+
+    Returns (fastest pass in seconds, wrapping uint64 sum of the buffer's 64-bit words): the sum is
+    what ``buf.view(np.uint64).sum(dtype=np.uint64)`` gives, proof that every byte was read."""
+    ffi, lib = _lib()
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+        raise InvalidRequestError("read_bandwidth: buf must be a C-contiguous numpy array")
+    if buf.nbytes == 0 or buf.nbytes % 8:
+        raise InvalidRequestError(f"read_bandwidth: buf.nbytes must be a positive multiple of 8, got {buf.nbytes}")
+    if isinstance(reps, bool) or not isinstance(reps, (int, np.integer)) or reps < 1:
+        raise InvalidRequestError(f"reps must be a positive integer, got {reps!r}")
+    if not hasattr(lib, "mr_read_bandwidth"):  # an extension built before the probe existed
+        raise BackendError(f"native read_bandwidth: {_build_path} predates it; reinstall minirt to rebuild")
+    out = ffi.new("unsigned long long *")
+    ns = lib.mr_read_bandwidth(ffi.from_buffer("char[]", buf.reshape(-1).view(np.uint8)), buf.nbytes,
+                               _threads_arg(threads), int(reps), _isa_id(isa), out)
+    if ns < 0:
+        _check_rc(int(ns), "read_bandwidth")
+    return ns * 1e-9, int(out[0])
 
 
 __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
     "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
     "LayerStack",
-    "dequantize", "rmsnorm", "rope", "rope_freqs", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul", "profile",
+    "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul",
+    "profile",
+    "read_bandwidth",
     "QTYPES",
     "ISA_NAMES",
 ]

@@ -17,8 +17,8 @@ into float32. Importing this package does not import numba: kernels compile on f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -138,7 +139,7 @@ class LazyJit:
     def __call__(self, *args: Any) -> Any:
         return self.dispatcher(*args)
 
-    def specialize(self, suffix: str, **bindings: Any) -> "LazyJit":
+    def specialize(self, suffix: str, **bindings: Any) -> LazyJit:
         """A copy of this kernel with the given global names bound to other values."""
         merged = dict(self.bindings)
         merged.update(bindings)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import nb_f16
 from ._jit import jit
 
 

@@ -32,15 +32,16 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
-
 from numba import cuda
 
-from ...archs.base import batch_spans, split_logits
 from ...errors import BackendError
+from ...forward import batch_spans, logit_rows, split_logits
+from ..base import Backend
 from . import simulator_active
 from .kernels import LaunchConfig, get_kernels
 from .quant import SUPPORTED_TYPES, TYPE_SIZES
@@ -114,17 +115,13 @@ class _Mirror:
 
 @dataclass
 class _Plan:
-    """How one model runs on the device: block kind, per-layer weights and norms, constants."""
+    """How one model's description runs on the device: per-layer weights, norms and settings, constants."""
 
-    kind: str  # "llama" | "gemma3"
-    layers: list
+    layers: list  # per layer: a dict of device weights / vectors and the layer's settings
     tok_embd: DeviceWeight
     output: DeviceWeight
     output_norm: Any
-    inv_global: Any
-    inv_swa: Any
-    qk_norm: bool
-    act: int  # 0 SiLU, 1 GELU-tanh
+    post_norms: bool  # some layer has a norm after attention or MLP (needs the extra buffer)
     d: int
     H: int
     Hkv: int
@@ -134,19 +131,16 @@ class _Plan:
     V: int
     n_layer: int
     eps: np.float32
-    scale: np.float32
-    softcap: np.float32
     final_softcap: np.float32
     embed_scale: np.float32
-    rope_dim: int
-    neox: int
-    window: int
-    swa: tuple
     qkvw: int
     kvw: int
 
 
-class CudaBackend:
+_ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+class CudaBackend(Backend):
     """Quantized weights in VRAM, fused dequantizing kernels, whole forward on the device."""
 
     name = "cuda"
@@ -203,9 +197,9 @@ class CudaBackend:
         self._dummy_bias = cuda.to_device(np.zeros(1, np.float32))
         self.weights: dict[str, DeviceWeight] = {}
         self._vectors: dict[int, tuple[np.ndarray, Any]] = {}  # id(host array) → (array, device copy)
-        self._plans: "weakref.WeakKeyDictionary[Any, _Plan | None]" = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[Any, _Plan | None] = weakref.WeakKeyDictionary()
         self._bufs: dict[str, _Buffers] = {}
-        self._mirrors: "weakref.WeakKeyDictionary[Any, _Mirror]" = weakref.WeakKeyDictionary()
+        self._mirrors: weakref.WeakKeyDictionary[Any, _Mirror] = weakref.WeakKeyDictionary()
         self._clock = 0
         self._wtmp = None
         self._arange = None
@@ -305,11 +299,18 @@ class CudaBackend:
         return e[1]
 
     def weight(self, lin: Any) -> DeviceWeight | None:
-        """The device copy of a :class:`~minirt.archs.base.Linear` (None if it stays on the host)."""
+        """The device copy of a :class:`~minirt.blocks.Linear` (None if it stays on the host)."""
         dw = lin.backend_data
         if isinstance(dw, DeviceWeight):
             return dw
         dw = self.weights.get(lin.name)
+        if dw is None and lin.parent is not None:  # rows of a fused tensor: a view of its device copy
+            whole = self.weights.get(lin.parent[0])
+            if whole is not None and whole.cols == lin.in_features:
+                r0 = lin.parent[1]
+                dev = whole.w8[r0:r0 + lin.out_features]
+                w32 = dev.view(np.float32) if whole.qtype == "F32" else self._dummy32
+                dw = DeviceWeight(lin.name, whole.qtype, lin.out_features, whole.cols, dev, dev.view(np.float16), w32)
         if dw is not None and (dw.rows, dw.cols) == (lin.out_features, lin.in_features):
             lin.backend_data = dw
             return dw
@@ -426,69 +427,89 @@ class CudaBackend:
         return p
 
     def _make_plan(self, model: Any) -> _Plan | None:
-        from ...archs.base import Transformer
-        from ...archs.gemma3 import Gemma3
-        from ...archs.llama import Llama
-        from ...archs.qwen2 import Qwen3
-
-        cls = type(model)
-        if cls.embed is not Transformer.embed or cls.attend is not Transformer.attend:
+        """The device plan of ``model.desc``, or None (logged) when some feature has no kernel here."""
+        why = self._unsupported(model.desc)
+        if why:
+            log.info("no device forward for this model (%s); using per-op CUDA matmuls", why)
             return None
-        if isinstance(model, Gemma3) and cls.block is Gemma3.block:
-            kind, act = "gemma3", 1
-        elif isinstance(model, Llama) and cls.block is Llama.block and cls.mlp is Llama.mlp \
-                and cls.qkv in (Llama.qkv, Qwen3.qkv):
-            kind, act = "llama", 0
-        else:
-            log.info("no device forward for %s; using per-op CUDA matmuls", cls.__name__)
-            return None
+        desc = model.desc
         c = model.cfg
+        tok = self.weights.get(desc.tok_embd.name)
+        out = self.weight(desc.output)
+        if tok is None or out is None:
+            log.info("the embedding or output matrix stays on the host; using per-op CUDA matmuls")
+            return None
+        layers = []
+        for blk in desc.blocks:
+            a, m = blk.attn, blk.mlp
+            L: dict[str, Any] = {}
+            for key, lin in (("wq", a.wq), ("wk", a.wk), ("wv", a.wv), ("wo", a.wo), ("gate", m.gate), ("up", m.up),
+                             ("down", m.down)):
+                dw = self.weight(lin)
+                if dw is None:
+                    log.info("tensor %s stays on the host; using per-op CUDA matmuls", lin.name)
+                    return None
+                L[key] = dw
+                L[key + ".bias"] = self._vector(lin.bias) if lin.bias is not None else None
+            for key, n in (("attn_norm", blk.attn_norm), ("q_norm", a.q_norm), ("k_norm", a.k_norm),
+                           ("post_attn_norm", blk.post_attn_norm), ("ffn_norm", blk.ffn_norm),
+                           ("post_ffn_norm", blk.post_ffn_norm)):
+                L[key] = self._vector(n.weight) if n is not None else None
+            # q/k norms over each head (Dk) or over the whole projection (one "head" of H·Dk)
+            L["qk_heads"] = (a.n_head, a.n_head_kv, a.head_dim_k) if a.qk_norm_per_head else (1, 1, 0)
+            L["inv"] = cuda.to_device(np.ascontiguousarray(a.rope.inv_freq())) if a.rope is not None else None
+            L["rope_dim"] = a.rope.dim if a.rope is not None else 0
+            L["neox"] = int(a.rope.neox) if a.rope is not None else 0
+            L["window"], L["scale"], L["softcap"] = int(a.window), np.float32(a.scale), np.float32(a.softcap)
+            L["eps"] = np.float32(next(n.eps for n in (blk.attn_norm, blk.ffn_norm, a.q_norm) if n is not None))
+            L["act"] = _ACTS[m.act]
+            L["glu"] = L["gate"].qtype == L["up"].qtype
+            layers.append(L)
         if c.head_dim_k > self.lc.max_head_dim or c.head_dim_v > self.lc.max_head_dim:
             log.info("head size %d exceeds the attention kernel's %d", max(c.head_dim_k, c.head_dim_v),
                      self.lc.max_head_dim)
             return None
-        tok = self.weights.get(model.tok_embd.name)
-        out = self.weight(model.output)
-        if tok is None or out is None:
-            return None
-        layers = []
-        qk_norm = False
-        for b in model.blocks:
-            L: dict[str, Any] = {}
-            for key, v in b.items():
-                if hasattr(v, "qtype") and hasattr(v, "out_features"):  # Linear
-                    dw = self.weight(v)
-                    if dw is None:
-                        log.info("tensor %s stays on the host; using per-op CUDA matmuls", v.name)
-                        return None
-                    L[key] = dw
-                    L[key + ".bias"] = self._vector(v.bias) if v.bias is not None else None
-                elif isinstance(v, np.ndarray):
-                    L[key] = self._vector(v)
-            qk_norm = "q_norm" in L
-            L["glu"] = L["gate"].qtype == L["up"].qtype
-            layers.append(L)
-        half = c.rope_dim // 2
-
-        def inv(base: float) -> Any:
-            f = base ** (-np.arange(half, dtype=np.float64) * 2.0 / c.rope_dim)
-            if c.rope_freq_factors is not None:
-                f = f / c.rope_freq_factors.astype(np.float64)
-            return cuda.to_device(np.ascontiguousarray(f * c.rope_freq_scale))
-
-        base_swa = c.rope_base_swa if c.rope_base_swa else c.rope_base
         # row indices for every weight's tiles, allocated once (no reallocation while kernels run)
         self._arange_dev(max(c.n_vocab, 2 * c.n_ff, c.n_embd, 1024))
         return _Plan(
-            kind=kind, layers=layers, tok_embd=tok, output=out, output_norm=self._vector(model.output_norm),
-            inv_global=inv(c.rope_base), inv_swa=inv(base_swa), qk_norm=qk_norm, act=act,
+            layers=layers, tok_embd=tok, output=out, output_norm=self._vector(desc.output_norm.weight),
+            post_norms=any(b.post_attn_norm is not None or b.post_ffn_norm is not None for b in desc.blocks),
             d=c.n_embd, H=c.n_head, Hkv=c.n_head_kv, Dk=c.head_dim_k, Dv=c.head_dim_v, F=c.n_ff, V=c.n_vocab,
-            n_layer=c.n_layer, eps=np.float32(c.rms_eps), scale=np.float32(model.scale),
-            softcap=np.float32(c.attn_softcap), final_softcap=np.float32(c.final_softcap),
-            embed_scale=np.float32(c.embed_scale), rope_dim=c.rope_dim, neox=int(c.rope_neox),
-            window=int(c.sliding_window), swa=tuple(c.swa_layers),
+            n_layer=c.n_layer, eps=np.float32(desc.output_norm.eps), final_softcap=np.float32(desc.final_softcap),
+            embed_scale=np.float32(desc.embed_scale),
             qkvw=c.n_head * c.head_dim_k + c.n_head_kv * (c.head_dim_k + c.head_dim_v),
             kvw=c.n_head_kv * (c.head_dim_k + c.head_dim_v))
+
+    @staticmethod
+    def _unsupported(desc: Any) -> str:
+        """Which feature of a description the device forward has no kernel for ('' if none)."""
+        if desc.output_norm is None or desc.output_norm.kind != "rms" or desc.output_norm.weight is None:
+            return "an output norm other than RMSNorm"
+        if desc.logit_scale != 1.0:
+            return "a logit scale"
+        b0 = desc.blocks[0]
+        for i, b in enumerate(desc.blocks):
+            a, m = b.attn, b.mlp
+            norms = [b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm]
+            if b.parallel or b.residual_scale != 1.0:
+                return f"layer {i}: parallel blocks / residual scaling"
+            if b.attn_norm is None or b.ffn_norm is None:
+                return f"layer {i}: a block without pre-norms"
+            if any(n is not None and (n.kind != "rms" or n.weight is None or n.bias is not None) for n in norms):
+                return f"layer {i}: norms other than RMSNorm with gains"
+            if len({float(n.eps) for n in norms if n is not None}) > 1:
+                return f"layer {i}: norms with different eps"
+            if m.gate is None or m.act not in _ACTS:
+                return f"layer {i}: an MLP without gate or with activation {m.act!r}"
+            if a.sinks is not None or a.qk_norm_after_rope:
+                return f"layer {i}: attention sinks or q/k norms after RoPE"
+            if a.rope is not None and a.rope.mscale() != 1.0:
+                return f"layer {i}: RoPE with a magnitude factor"
+            if (a.n_head, m.down.in_features) != (b0.attn.n_head, b0.mlp.down.in_features):
+                return f"layer {i}: head count or MLP width differs between layers"
+            if (a.q_norm is None) != (a.k_norm is None):
+                return f"layer {i}: a q norm without k norm"
+        return ""
 
     def _buffers(self, p: _Plan, T: int) -> _Buffers:
         key = "decode" if T == 1 else "batch"
@@ -507,7 +528,7 @@ class CudaBackend:
         pinned = self._host_buffer
         b = _Buffers(
             tcap=tcap, x=al((tcap, p.d), np.float32), h=al((tcap, p.d), np.float32),
-            a=al((tcap, p.d), np.float32) if p.kind == "gemma3" else None,
+            a=al((tcap, p.d), np.float32) if p.post_norms else None,
             qkv=al((tcap, p.qkvw), np.float32), attn=al((tcap, p.H * p.Dv), np.float32),
             gu=gu, ff=gu[:, :p.F],
             ip_dev=ip_dev, ip_host=pinned(3 * tcap, np.int32),
@@ -626,12 +647,7 @@ class CudaBackend:
             b = self._buffers(p, T)
             busy = {id(seg.cache) for seg in segments}
             mirrors = [self._mirror(p, seg.cache, p0 + seg.n_tokens, busy) for seg, _, p0 in spans]
-            rows: list[int] = []
-            for seg, s0, _ in spans:
-                if seg.logits == "all":
-                    rows.extend(range(s0, s0 + seg.n_tokens))
-                elif seg.logits == "last":
-                    rows.append(s0 + seg.n_tokens - 1)
+            rows = logit_rows(spans)
             tc = b.tcap
             ip = b.ip_host
             ip[:T] = tokens
@@ -698,38 +714,38 @@ class CudaBackend:
                      b.ids, b.x, T, p.d, p.embed_scale)
         qcol, kcol, vcol = 0, p.H * p.Dk, p.H * p.Dk + p.Hkv * p.Dk
         for i, L in enumerate(p.layers):
-            swa = p.swa[i]
-            self._norm(b.x, ar, L["attn_norm"], b.h, T, 0, 1, p.d, p.eps, 0)
+            eps = L["eps"]
+            self._norm(b.x, ar, L["attn_norm"], b.h, T, 0, 1, p.d, eps, 0)
             self._mm(L["wq"], b.h, T, b.qkv, qcol, L["wq.bias"])
             self._mm(L["wk"], b.h, T, b.qkv, kcol, L["wk.bias"])
             self._mm(L["wv"], b.h, T, b.qkv, vcol, L["wv.bias"])
-            if p.qk_norm:
-                self._norm(b.qkv, ar, L["q_norm"], b.qkv, T, qcol, p.H, p.Dk, p.eps, 0)
-                self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, p.Hkv, p.Dk, p.eps, 0)
-            inv = p.inv_swa if swa else p.inv_global
-            self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (p.rope_dim // 2)), NT,
-                         b.qkv, b.pos, 0, T, 0, p.H + p.Hkv, p.Dk, inv, p.rope_dim, p.neox)
-            window = p.window if swa else 0
+            if L["q_norm"] is not None:
+                hq, hk, dh = L["qk_heads"]
+                self._norm(b.qkv, ar, L["q_norm"], b.qkv, T, qcol, hq, dh or p.H * p.Dk, eps, 0)
+                self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, hk, dh or p.Hkv * p.Dk, eps, 0)
+            if L["inv"] is not None:
+                self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (L["rope_dim"] // 2)), NT,
+                             b.qkv, b.pos, 0, T, 0, p.H + p.Hkv, p.Dk, L["inv"], L["rope_dim"], L["neox"])
             for (seg, s0, _), m in zip(spans, mirrors):
                 n = seg.n_tokens
                 self._launch(K.kv_store, self._ew_grid(n * p.Hkv * max(p.Dk, p.Dv)), NT, b.qkv, b.pos, s0, n,
                              kcol, vcol, p.Hkv, p.Dk, p.Dv, m.k[i], m.v[i], b.stage, i)
                 self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
-                             p.H, p.Hkv, p.Dk, p.Dv, p.scale, window, p.softcap)
-            if p.kind == "llama":
-                self._mm(L["wo"], b.attn, T, b.x, 0, L["wo.bias"], acc=True)  # x += Wo·attn
-                self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, p.eps, 0)
-                self._mlp(p, L, b, T)
-                self._mm(L["down"], b.ff, T, b.x, 0, L["down.bias"], acc=True)
-            else:
-                self._mm(L["wo"], b.attn, T, b.a, 0, L["wo.bias"])
-                self._norm(b.a, ar, L["post_attn_norm"], b.x, T, 0, 1, p.d, p.eps, 1)  # x += norm(a)
-                self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, p.eps, 0)
-                self._mlp(p, L, b, T)
-                self._mm(L["down"], b.ff, T, b.a, 0, L["down.bias"])
-                self._norm(b.a, ar, L["post_ffn_norm"], b.x, T, 0, 1, p.d, p.eps, 1)
+                             p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"])
+            self._residual(p, b, L, "wo", b.attn, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
+            self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, eps, 0)
+            self._mlp(p, L, b, T)
+            self._residual(p, b, L, "down", b.ff, T, L["post_ffn_norm"], ar)
         if nrows:
             self._logits_chunk(p, b, nrows)
+
+    def _residual(self, p: _Plan, b: _Buffers, L: dict, key: str, src: Any, T: int, post: Any, ar: Any) -> None:
+        """x += W·src, or x += norm(W·src) when the block has a post-norm there."""
+        if post is None:
+            self._mm(L[key], src, T, b.x, 0, L[key + ".bias"], acc=True)
+            return
+        self._mm(L[key], src, T, b.a, 0, L[key + ".bias"])
+        self._norm(b.a, ar, post, b.x, T, 0, 1, p.d, L["eps"], 1)
 
     def _norm(self, x: Any, rows: Any, w: Any, out: Any, n: int, col: int, nheads: int, D: int,
               eps: np.float32, add: int) -> None:
@@ -743,12 +759,12 @@ class CudaBackend:
             g, u = L["gate"], L["up"]
             rpb = lc.mv_threads // lc.tpr(p.d)
             grid = (lc.grid((p.F + rpb - 1) // rpb), lc.grid_y(T))
-            self._launch(self.k.matvec_glu(g.qtype, p.d), grid, lc.mv_threads, *g.args, *u.args, b.h, T, b.ff, p.act,
+            self._launch(self.k.matvec_glu(g.qtype, p.d), grid, lc.mv_threads, *g.args, *u.args, b.h, T, b.ff, L["act"],
                          p.F, p.d)
             return
         self._mm(L["gate"], b.h, T, b.gu, 0, L["gate.bias"])
         self._mm(L["up"], b.h, T, b.gu, p.F, L["up.bias"])
-        self._launch(self.k.act_mul, self._ew_grid(T * p.F), lc.threads, b.gu, b.ff, T, p.F, p.act)
+        self._launch(self.k.act_mul, self._ew_grid(T * p.F), lc.threads, b.gu, b.ff, T, p.F, L["act"])
 
     def _logits_chunk(self, p: _Plan, b: _Buffers, nrows: int) -> None:
         """logits[:nrows] = output(norm(x[lrows[:nrows]])) (soft-capped when the model says so)."""

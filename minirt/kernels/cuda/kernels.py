@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 from numba import cuda, float32, float64, int32
 
@@ -45,20 +46,20 @@ class LaunchConfig:
     mv_max_tokens: int = 4  # up to this many tokens a matmul runs as matvec, above as GEMM
 
     @staticmethod
-    def simulator() -> "LaunchConfig":
+    def simulator() -> LaunchConfig:
         """Tiny blocks and grids: the simulator runs each CUDA thread as a Python thread."""
         return LaunchConfig(threads=8, mv_threads=8, mv_tpr=4, mv_tpr_long=8, mv_long_k=256, gemm_gt=2, gemm_gm=2,
                             gemm_gn=2, max_grid=3, max_grid_y=2, max_head_dim=128, mv_max_tokens=2)
 
     @staticmethod
-    def simulator_fast() -> "LaunchConfig":
+    def simulator_fast() -> LaunchConfig:
         """Simulator config with one thread per weight row and wide GEMM tiles: few barriers (which
         the simulator makes slow), for whole-model runs; :meth:`simulator` exercises the reductions."""
         return LaunchConfig(threads=4, mv_threads=8, mv_tpr=1, mv_tpr_long=1, gemm_gt=2, gemm_gm=8, gemm_gn=8,
                             max_grid=2, max_grid_y=2, max_head_dim=64, mv_max_tokens=2)
 
     @staticmethod
-    def from_env() -> "LaunchConfig":
+    def from_env() -> LaunchConfig:
         """Defaults overridden by ``MINIRT_CUDA_LAUNCH="field=value,..."`` (tuning without code edits)."""
         spec = os.environ.get("MINIRT_CUDA_LAUNCH", "").strip()
         if not spec:

@@ -2,7 +2,7 @@
 
 Used by the tests (tiny sizes under numba's CUDA simulator, real sizes on a GPU) and by
 ``bench/gpu_check.py``. References: ``gguf.quants.dequantize`` for the weight formats, plain
-float64 numpy for the arithmetic, :mod:`minirt.archs.base` for the RoPE tables. Each check returns
+float64 numpy for the arithmetic, :mod:`minirt.blocks` for the RoPE tables. Each check returns
 a :class:`Check` with the worst error relative to the reference's largest magnitude.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-
 from numba import cuda
 
 from .quant import SUPPORTED_TYPES, TYPE_SIZES
@@ -215,24 +215,21 @@ def check_rmsnorm(be: Any, n_rows: int, d: int, H: int, D: int, rng: np.random.G
 
 
 def check_rope(be: Any, T: int, nheads: int, D: int, rope_dim: int, rng: np.random.Generator) -> list[Check]:
-    """Both pair layouts against :func:`minirt.archs.base.apply_rope` at arbitrary positions."""
-    from ...archs.base import Config, apply_rope, rope_cos_sin
+    """Both pair layouts against :func:`minirt.blocks.apply_rope` at arbitrary positions."""
+    from ...blocks import Rope, apply_rope
 
     res = []
     for neox in (False, True):
-        cfg = Config(arch="check", n_layer=1, n_embd=nheads * D, n_ff=1, n_head=nheads, n_head_kv=nheads,
-                     head_dim_k=D, head_dim_v=D, n_vocab=1, n_ctx_train=1, rms_eps=1e-6, rope_base=10000.0,
-                     rope_dim=rope_dim, rope_neox=neox, rope_freq_scale=0.5,
-                     rope_freq_factors=rng.uniform(1.0, 4.0, rope_dim // 2).astype(np.float32))
+        rope = Rope(dim=rope_dim, base=10000.0, neox=neox, freq_scale=0.5,
+                    factors=rng.uniform(1.0, 4.0, rope_dim // 2).astype(np.float32))
         pos = rng.integers(0, 5000, T).astype(np.int32)
         x = rng.standard_normal((T, nheads * D + 4)).astype(np.float32)
         ref = x.copy()
         v = ref[:, 4:].reshape(T, nheads, D)
-        apply_rope(v, *rope_cos_sin(pos, cfg, cfg.rope_base), neox, rope_dim)
+        apply_rope(v, *rope.cos_sin(pos), neox, rope_dim)
         ref[:, 4:] = v.reshape(T, -1)
         half = rope_dim // 2
-        inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
-        inv = inv / cfg.rope_freq_factors.astype(np.float64) * cfg.rope_freq_scale
+        inv = rope.inv_freq()
         xd = _dev(x)
         be._launch(be.k.rope, be._ew_grid(T * nheads * half), be.lc.threads, xd, _dev(pos), 0, T, 4, nheads, D,
                    _dev(inv), rope_dim, int(neox))
@@ -244,8 +241,8 @@ def check_rope(be: Any, T: int, nheads: int, D: int, rope_dim: int, rng: np.rand
 def check_attention(be: Any, n: int, p0: int, H: int, Hkv: int, D: int, window: int, softcap: float,
                     rng: np.random.Generator) -> Check:
     """kv_store then attention for n new rows at positions p0.. over a float16 cache, against
-    :func:`minirt.archs.base.attention` on the same (float16-rounded) keys and values."""
-    from ...archs.base import attention
+    :func:`minirt.blocks.attention` on the same (float16-rounded) keys and values."""
+    from ...blocks import attention
 
     def run() -> Check:
         cap = p0 + n + 3

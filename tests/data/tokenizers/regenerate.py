@@ -13,7 +13,8 @@ writing the byte-level vocabulary again with that ``tokenizer.ggml.pre`` value.
 Output: ``references.json.gz``: ``{"corpus": [texts], "cases": [{"vocab", "model", "pre", "ids",
 "ids_special", "ids_add", "detok", "detok_hidden"}]}``, one list entry per corpus text:
 ``ids`` (no BOS/EOS, special-token text as text), ``ids_special`` (special-token text parsed),
-``ids_add`` (BOS/EOS as the vocabulary asks), ``ids_invalid`` (the raw bytes of ``invalid_utf8``, hex), ``detok`` (``llama_detokenize`` of ``ids_special``
+``ids_add`` (BOS/EOS as the vocabulary asks), ``ids_invalid`` (the raw bytes of ``invalid_utf8``,
+hex), ``detok`` (``llama_detokenize`` of ``ids_special``
 with special tokens rendered), ``detok_hidden`` (same, control tokens dropped), ``special``
 (BOS / EOS / EOT / SEP ids, add_bos / add_eos, the end-of-generation set, every token's attribute
 bits where they are not just NORMAL).
@@ -308,7 +309,11 @@ def build_ugm(models: Path, n: int = 6000) -> None:
     save_gz(UGM, md)
 
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "this", "be", "are", "it", "or", "an", "not", "have", "which", "hello", "world", "token", "tokens", "tok", "en", "ize", "izer", "code", "def", "return", "print", "int", "float", "string", "12", "123", "00", "000", "ing", "ed", "er", "es", "ly", "tion", "ment", "ness", "able", "ous"]
+_WORDS = (
+    "the of and to in is was for on that with as by at from this be are it or "
+    "an not have which hello world token tokens tok en ize izer code def return print int float string 12 "
+    "123 00 000 ing ed er es ly tion ment ness able ous"
+).split()
 
 
 def build_rwkv() -> None:
@@ -400,7 +405,8 @@ def cases() -> list[tuple[str, str, str | None]]:
         else:
             out += [(BYTELEVEL, "gpt2", name), (TRAINED, "gpt2", name)]
     out += [(BYTELEVEL, "whitespace", "gpt-2"), (DNA, "hybriddna", "qwen2"), (WPM, "test", None),
-            (SPM, "llama", None), (WPM, "bert", None), (UGM, "t5", None), (RWKV, "rwkv", None), (PLAMO2, "plamo2", None)]
+            (SPM, "llama", None), (WPM, "bert", None), (UGM, "t5", None), (RWKV, "rwkv", None),
+            (PLAMO2, "plamo2", None)]
     return out
 
 

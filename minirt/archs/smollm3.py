@@ -1,0 +1,31 @@
+"""SmolLM3: the Llama block (RoPE on consecutive pairs) where every fourth layer uses no RoPE. The
+converter writes no key for that interval; llama.cpp fixes it at 4 (the released models' value), and
+so does this description."""
+
+from __future__ import annotations
+
+from ..blocks import Block, ModelDesc
+from ..gguf import GGUFFile
+from .base import (
+    attention,
+    decoder,
+    gated_mlp,
+    norm,
+    read_hparams,
+    register,
+    rope_from_meta,
+)
+
+NO_ROPE_LAYER_STEP = 4
+
+
+@register("smollm3")
+def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    hp = read_hparams(f)
+    rope = rope_from_meta(f, hp, neox=False)
+    d, eps = hp.n_embd, hp.rms_eps
+    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", d, eps),
+                    attn=attention(f, i, hp, rope if (i + 1) % NO_ROPE_LAYER_STEP else None),
+                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", d, eps), mlp=gated_mlp(f, i, hp))
+              for i in range(hp.n_layer)]
+    return decoder(f, hp, blocks)

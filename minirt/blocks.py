@@ -1,0 +1,385 @@
+"""The typed description of a decoder: what every backend runs, and the one place shared facts live.
+
+An architecture file (``minirt/archs/<arch>.py``) reads GGUF metadata and tensor names into a
+:class:`ModelDesc`; it says nothing about how anything is computed. Backends (the numpy reference
+interpreter in :mod:`minirt.forward`, the native fused stack, CUDA) read the description and nothing
+else: they know operations, never architectures. A backend that cannot run some feature of a
+description refuses it at load time (then the reference path runs it, logged once).
+
+Also here, once: RoPE tables (:meth:`Rope.cos_sin`, with linear / llama3 / LongRoPE factors, YaRN and
+the attention factor, as ggml's ``rope_ext`` defines them) and the numpy reference versions of the
+small layers (RMSNorm, LayerNorm, activations, attention).
+
+Shapes: ``T`` tokens, ``d`` = n_embd, ``H`` / ``Hkv`` query / KV heads, ``Dk`` / ``Dv`` head sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import GGUFError, UnsupportedQuantError
+from .gguf import GGUFTensor
+
+ACTIVATIONS = ("silu", "gelu_tanh", "xielu")
+NORM_KINDS = ("rms", "layer")
+
+
+# ----------------------------------------------------------------------------------------------
+# weights
+# ----------------------------------------------------------------------------------------------
+class Linear:
+    """A (possibly quantized) weight ``W (out_features, in_features)`` with an optional bias.
+
+    The weight stays in the mapped file; a backend's ``matmul`` dequantizes on the fly. Fused GGUF
+    tensors (``attn_qkv``, phi3's gate+up ``ffn_up``) are split into row views with :meth:`rows`:
+    a ggml row is self-contained, so a row range is a zero-copy slice that every kernel can read.
+    """
+
+    __slots__ = ("name", "w", "qtype", "out_features", "in_features", "bias", "backend_data", "parent")
+
+    def __init__(self, t: GGUFTensor, bias: GGUFTensor | np.ndarray | None = None) -> None:
+        if len(t.shape) != 2:
+            raise GGUFError(f"tensor {t.name!r}: expected 2 dimensions, got shape {t.shape}")
+        from .quants import get_spec
+
+        try:
+            get_spec(t.qtype)
+        except UnsupportedQuantError as e:
+            raise UnsupportedQuantError(f"tensor {t.name!r}: {e}") from None
+        self.name = t.name
+        self.w = t.data  # uint8 (out, row_bytes), zero-copy
+        self.qtype = t.qtype
+        self.out_features, self.in_features = t.shape
+        self.bias: np.ndarray | None = None
+        if bias is not None:
+            b = bias if isinstance(bias, np.ndarray) else bias.dequantize().reshape(-1)
+            if b.shape != (self.out_features,):
+                name = getattr(bias, "name", "bias")
+                raise GGUFError(f"tensor {name!r}: shape {b.shape} does not match {t.name} {t.shape}")
+            self.bias = np.ascontiguousarray(b, dtype=np.float32)
+        self.backend_data: Any = None  # a backend may cache a repacked/uploaded copy here
+        self.parent: tuple[str, int] | None = None  # (tensor name, first row) of a row view
+
+    def rows(self, r0: int, r1: int, suffix: str) -> Linear:
+        """Rows ``r0:r1`` as a Linear of their own (zero-copy), named ``<name>[suffix]``."""
+        if not 0 <= r0 < r1 <= self.out_features:
+            raise GGUFError(f"tensor {self.name!r}: rows {r0}:{r1} outside its {self.out_features} rows")
+        out = object.__new__(Linear)
+        out.name = f"{self.name}[{suffix}]"
+        out.w = self.w[r0:r1]
+        out.qtype = self.qtype
+        out.out_features, out.in_features = r1 - r0, self.in_features
+        out.bias = None if self.bias is None else self.bias[r0:r1].copy()
+        out.backend_data = None
+        out.parent = (self.name, r0) if self.parent is None else (self.parent[0], self.parent[1] + r0)
+        return out
+
+    def split(self, sizes: Sequence[int], names: Sequence[str]) -> list[Linear]:
+        """Consecutive row blocks of the given sizes (a fused tensor's parts)."""
+        if sum(sizes) != self.out_features:
+            want = " + ".join(map(str, sizes))
+            raise GGUFError(f"tensor {self.name!r} has {self.out_features} rows, expected {want}")
+        out, r = [], 0
+        for n, nm in zip(sizes, names, strict=True):
+            out.append(self.rows(r, r + n, nm))
+            r += n
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+
+# ----------------------------------------------------------------------------------------------
+# the description
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Norm:
+    """``kind`` "rms": x / sqrt(mean(x²) + eps) · weight; "layer": (x − mean) / sqrt(var + eps) · weight + bias."""
+
+    weight: np.ndarray | None  # (n,) float32 gains (None: no scaling)
+    eps: float
+    kind: str = "rms"
+    bias: np.ndarray | None = None  # (n,) LayerNorm only
+
+
+@dataclass
+class Rope:
+    """Rotary embedding of the first ``dim`` dims of each head, as ggml's ``rope_ext``.
+
+    Angle of pair i at position p: ``p · base^(−2i/dim) / factors[i]``, then linear scaling by
+    ``freq_scale``; with ``ext_factor`` > 0 YaRN blends scaled and unscaled angles over the
+    dimensions between the correction bounds (``beta_fast``, ``beta_slow`` for ``n_ctx_orig``)
+    and scales cos/sin by ``attn_factor · (1 + 0.1 ln(1/freq_scale))``; otherwise cos/sin are
+    scaled by ``attn_factor`` (LongRoPE's magnitude factor).
+    """
+
+    dim: int
+    base: float
+    neox: bool  # pairs (i, i + dim/2) vs consecutive pairs (2i, 2i + 1)
+    freq_scale: float = 1.0
+    factors: np.ndarray | None = None  # (dim/2,) divisors: llama3 rope_freqs, LongRoPE short/long factors
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+
+    def inv_freq(self) -> np.ndarray:
+        """Effective angle per position of each pair, (dim/2,) float64 (every scaling applied)."""
+        half = self.dim // 2
+        theta = self.base ** (-np.arange(half, dtype=np.float64) * 2.0 / self.dim)
+        if self.factors is not None:
+            theta = theta / self.factors.astype(np.float64)
+        if self.ext_factor == 0.0:
+            return theta * self.freq_scale
+        lo, hi = self._yarn_corr_dims()
+        y = (np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo)
+        mix = (1.0 - np.clip(y, 0.0, 1.0)) * self.ext_factor
+        return theta * (self.freq_scale * (1.0 - mix) + mix)
+
+    def mscale(self) -> float:
+        """Magnitude of the rotation tables (1 for plain RoPE)."""
+        m = self.attn_factor
+        if self.ext_factor != 0.0 and self.freq_scale > 0:
+            m *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
+        return m
+
+    def _yarn_corr_dims(self) -> tuple[float, float]:
+        n_ctx = self.n_ctx_orig or 1
+
+        def corr(n_rot: float) -> float:
+            return self.dim * math.log(n_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(self.base))
+
+        lo = math.floor(corr(self.beta_fast))
+        hi = math.ceil(corr(self.beta_slow))
+        return max(0.0, lo), min(self.dim - 1.0, hi)
+
+    def cos_sin(self, positions: np.ndarray, magnitude: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin tables (T, dim/2) float32 for integer positions (T,). ``magnitude=False``: a pure
+        rotation (for moving cached keys, which already carry the magnitude)."""
+        ang = np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq()[None, :]
+        m = self.mscale() if magnitude else 1.0
+        return (m * np.cos(ang)).astype(np.float32), (m * np.sin(ang)).astype(np.float32)
+
+    def key(self) -> tuple:
+        """Identity of the tables this RoPE produces (layers with equal keys share one table)."""
+        f = None if self.factors is None else self.factors.tobytes()
+        return (self.dim, self.base, self.freq_scale, f, self.ext_factor, self.attn_factor, self.beta_fast,
+                self.beta_slow, self.n_ctx_orig)
+
+
+@dataclass
+class Attention:
+    """Grouped-query causal self-attention over the KV cache.
+
+    ``rope`` None: a NoPE layer. ``qk_norm_per_head``: q/k norms over each head (Dk,) or over the
+    whole projection (H·Dk,) (OLMo 2); they apply before RoPE unless ``qk_norm_after_rope``.
+    ``window`` > 0: each query sees its last ``window`` positions.
+    ``sinks``: per-head attention-sink logits (a slot for architectures that have them; no backend
+    runs them yet, so a description with sinks is refused).
+    """
+
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    wq: Linear
+    wk: Linear
+    wv: Linear
+    wo: Linear
+    scale: float
+    rope: Rope | None
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    qk_norm_per_head: bool = True
+    qk_norm_after_rope: bool = False  # HunYuan normalizes the rotated q/k
+    softcap: float = 0.0
+    window: int = 0
+    sinks: np.ndarray | None = None
+
+
+@dataclass
+class MLP:
+    """``down(act(gate(x)) · up(x))``, or ``down(act(up(x)))`` when ``gate`` is None.
+
+    ``act_params``: the activation's constants (xIELU: alpha_n, alpha_p, beta, eps)."""
+
+    act: str
+    up: Linear
+    down: Linear
+    gate: Linear | None = None
+    act_params: tuple[float, ...] = ()
+
+
+@dataclass
+class Block:
+    """One decoder layer. Sequential (default)::
+
+        h = attn(pre(x)); x = x + s · post_attn(h)
+        h = mlp(ffn_pre(x)); x = x + s · post_ffn(h)
+
+    ``parallel``: ``x = x + s · (attn(pre(x)) + mlp(pre(x)))`` (Cohere; ``ffn_norm`` unused).
+    Any norm may be None (OLMo 2 has post-norms only). ``s`` = ``residual_scale`` (Granite).
+    """
+
+    attn: Attention
+    mlp: MLP
+    attn_norm: Norm | None = None
+    post_attn_norm: Norm | None = None
+    ffn_norm: Norm | None = None
+    post_ffn_norm: Norm | None = None
+    parallel: bool = False
+    residual_scale: float = 1.0
+
+
+@dataclass
+class ModelDesc:
+    """A whole decoder: embedding, blocks, output head.
+
+    ``logits = final_softcap(logit_scale · output(output_norm(x)))``; the input of the first block
+    is ``embed_scale · token_embd[ids]``.
+    """
+
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_ctx_train: int
+    tok_embd: GGUFTensor  # (n_vocab, d) rows dequantized on lookup
+    blocks: list[Block]
+    output: Linear  # (n_vocab, d); the embedding itself when tied
+    output_norm: Norm | None
+    embed_scale: float = 1.0
+    logit_scale: float = 1.0
+    final_softcap: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # informational (shown by `minirt info`)
+
+    def linears(self) -> list[Linear]:
+        """Every matrix the forward pass streams, output first."""
+        out = [self.output]
+        for b in self.blocks:
+            a, m = b.attn, b.mlp
+            out += [a.wq, a.wk, a.wv, a.wo] + ([m.gate] if m.gate is not None else []) + [m.up, m.down]
+        return out
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(n_head_kv, head_dim_k, head_dim_v), the same for every layer (the KV cache's layout)."""
+        shapes = {(b.attn.n_head_kv, b.attn.head_dim_k, b.attn.head_dim_v) for b in self.blocks}
+        if len(shapes) != 1:
+            from .errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(f"layers with different KV shapes {sorted(shapes)} are not supported")
+        return shapes.pop()
+
+    def ropes(self) -> list[Rope]:
+        """The distinct RoPE variants of the layers, in first-use order."""
+        seen: dict[tuple, Rope] = {}
+        for b in self.blocks:
+            r = b.attn.rope
+            if r is not None:
+                seen.setdefault(r.key(), r)
+        return list(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy reference layers
+# ----------------------------------------------------------------------------------------------
+def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x**2) + eps) * w`` over the last axis. x: (..., n)."""
+    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    y = x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32)
+    if w is not None:
+        y *= w
+    return y
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: float) -> np.ndarray:
+    """``(x - mean) / sqrt(var + eps) * w + b`` over the last axis. x: (..., n)."""
+    c = x - np.mean(x, axis=-1, keepdims=True, dtype=np.float32)
+    y = rms_norm(c, w, eps)  # var of the centred row is its mean square
+    if b is not None:
+        y += b
+    return y
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * (x + np.float32(0.044715) * x * x * x)))
+
+
+def xielu(x: np.ndarray, alpha_n: float, alpha_p: float, beta: float, eps: float) -> np.ndarray:
+    """xIELU (Apertus) with its constants (already through softplus): ``alpha_p·x² + beta·x`` for x > 0,
+    ``(expm1(min(x, eps)) − x)·alpha_n + beta·x`` otherwise."""
+    x = x.astype(np.float32, copy=False)
+    neg = (np.expm1(np.minimum(x, np.float32(eps))) - x) * np.float32(alpha_n) + np.float32(beta) * x
+    pos = np.float32(alpha_p) * x * x + np.float32(beta) * x
+    return np.where(x > 0, pos, neg).astype(np.float32)
+
+
+def activation(name: str, x: np.ndarray, params: Sequence[float] = ()) -> np.ndarray:
+    if name == "silu":
+        return silu(x)
+    if name == "gelu_tanh":
+        return gelu_tanh(x)
+    if name == "xielu":
+        return xielu(x, *params)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool, rope_dim: int) -> None:
+    """Rotate ``x (T, heads, head_dim)`` in place; the first ``rope_dim`` dims of each head rotate."""
+    half = rope_dim // 2
+    c = cos[:, None, :half]
+    s = sin[:, None, :half]
+    if neox:
+        a = x[..., :half].copy()
+        b = x[..., half:rope_dim]
+        x[..., :half] = a * c - b * s
+        x[..., half:rope_dim] = a * s + b * c
+    else:
+        a = x[..., 0:rope_dim:2].copy()
+        b = x[..., 1:rope_dim:2]
+        x[..., 0:rope_dim:2] = a * c - b * s
+        x[..., 1:rope_dim:2] = a * s + b * c
+
+
+def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
+              softcap: float = 0.0) -> np.ndarray:
+    """Causal grouped-query attention of new queries over the cached keys/values.
+
+    q: (n, H, Dk) queries at positions p0..p0+n-1; kc: (Hkv, L, Dk), vc: (Hkv, L, Dv) hold
+    positions 0..L-1 with L = p0 + n. ``window`` > 0 limits each query to its last ``window``
+    positions (sliding-window layers). Returns (n, H * Dv).
+    """
+    n, H, Dk = q.shape
+    Hkv, L, Dv = vc.shape
+    g = H // Hkv
+    qg = q.transpose(1, 0, 2).reshape(Hkv, g * n, Dk)  # head h ↔ kv head h // g
+    s = np.matmul(qg, kc.transpose(0, 2, 1)).reshape(Hkv, g, n, L)  # (Hkv, g, n, L)
+    s *= np.float32(scale)
+    if softcap:
+        s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
+    qpos = p0 + np.arange(n)[:, None]
+    kpos = np.arange(L)[None, :]
+    masked = kpos > qpos
+    if window:
+        masked |= (qpos - kpos) >= window
+    if masked.any():
+        s[..., masked] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    o = np.matmul(s.reshape(Hkv, g * n, L), vc)  # (Hkv, g*n, Dv)
+    return o.reshape(H, n, Dv).transpose(1, 0, 2).reshape(n, H * Dv)

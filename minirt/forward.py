@@ -1,0 +1,295 @@
+"""The forward pass: the reference interpreter of a :class:`~minirt.blocks.ModelDesc`.
+
+Step 4 of the pipeline. :class:`Transformer` runs any description layer by layer over a batch that
+may mix several sequences, with the backend's operations (matmul, norms, RoPE, attention); a
+backend that runs whole decode steps natively (``decode_layers``) or the whole pass on a device
+(``forward``) takes over where it prepared itself for the description at load.
+
+Shapes: ``T`` tokens in the batch, ``d`` = n_embd, ``H`` / ``Hkv`` query / KV heads, ``Dk`` / ``Dv``
+head sizes. Activations are float32 row-major ``(T, features)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .blocks import Block, Linear, ModelDesc, Norm, Rope, activation, apply_rope
+from .errors import ContextOverflowError
+from .kv_cache import KVCache
+
+
+@dataclass
+class Config:
+    """The hyperparameters the rest of the runtime sizes things by (KV cache, context, vocabulary)."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_vocab: int
+    n_ctx_train: int
+
+
+def config_of(desc: ModelDesc) -> Config:
+    """The :class:`Config` summary of a description (the KV layout must be uniform over layers)."""
+    hkv, dk, dv = desc.kv_shape()
+    b0 = desc.blocks[0]
+    return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.down.in_features,
+                  n_head=b0.attn.n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
+                  n_ctx_train=desc.n_ctx_train)
+
+
+@dataclass
+class Segment:
+    """Tokens of one sequence inside a batch: appended to ``cache`` at ``cache.n_past``."""
+
+    cache: KVCache
+    n_tokens: int
+    logits: str = "last"  # "last" | "all" | "none"
+
+
+class Transformer:
+    """A decoder described by ``desc``, run with ``backend``'s operations over mapped GGUF weights."""
+
+    def __init__(self, desc: ModelDesc, backend: Any, file: Any = None) -> None:
+        self.desc = desc
+        self.file = file
+        self.backend = backend
+        self.cfg = config_of(desc)
+        self.arch = desc.arch
+        self.native_stack: Any = None  # set by a backend that runs decode steps natively
+        backend.prepare(self)  # e.g. repack weights for the backend's kernels, once
+
+    # -- shared pieces ---------------------------------------------------------------------------
+    def linears(self) -> list[Linear]:
+        """Every quantized weight the forward pass streams (for backends that prepare them)."""
+        return self.desc.linears()
+
+    @property
+    def output(self) -> Linear:
+        return self.desc.output
+
+    @property
+    def tok_embd(self) -> Any:
+        return self.desc.tok_embd
+
+    def norm(self, x: np.ndarray, n: Norm | None) -> np.ndarray:
+        """``n`` applied over the last axis of x (..., n); None: x itself."""
+        if n is None:
+            return x
+        if n.kind == "rms":
+            return self.backend.rms_norm(x, n.weight, n.eps)
+        return self.backend.layer_norm(x, n.weight, n.bias, n.eps)
+
+    def mm(self, lin: Linear, x: np.ndarray) -> np.ndarray:
+        """x (T, in) → (T, out) through the quantized kernel, plus bias."""
+        y = self.backend.matmul(x, lin)
+        if lin.bias is not None:
+            y += lin.bias
+        return y
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """(T,) token ids → (T, d) float32, dequantizing only the rows used."""
+        t = self.desc.tok_embd
+        x = self.backend.dequantize_rows(t.data[ids], t.qtype, self.desc.n_embd)
+        if self.desc.embed_scale != 1.0:
+            x *= np.float32(self.desc.embed_scale)
+        return x
+
+    # -- one block ---------------------------------------------------------------------------------
+    def block(self, i: int, x: np.ndarray, ctx: ForwardContext) -> np.ndarray:
+        b = self.desc.blocks[i]
+        s = np.float32(b.residual_scale)
+        h = self.norm(x, b.attn_norm)
+        a = self.norm(self.attention(i, b, h, ctx), b.post_attn_norm)
+        if b.parallel:
+            m = self.norm(self.mlp(b, h), b.post_ffn_norm)
+            return x + s * (a + m) if s != 1 else x + a + m
+        x = x + s * a if s != 1 else x + a
+        m = self.norm(self.mlp(b, self.norm(x, b.ffn_norm)), b.post_ffn_norm)
+        return x + s * m if s != 1 else x + m
+
+    def _qk_norm(self, a: Any, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """q (T, H, Dk), k (T, Hkv, Dk) through their norms, per head or over the whole projection."""
+        if a.qk_norm_per_head:
+            return self.norm(q, a.q_norm), self.norm(k, a.k_norm)
+        T = q.shape[0]
+        return (self.norm(q.reshape(T, -1), a.q_norm).reshape(q.shape),
+                self.norm(k.reshape(T, -1), a.k_norm).reshape(k.shape))
+
+    def mlp(self, b: Block, h: np.ndarray) -> np.ndarray:
+        m = b.mlp
+        u = self.mm(m.up, h)
+        if m.gate is None:
+            return self.mm(m.down, activation(m.act, u, m.act_params))
+        return self.mm(m.down, self.backend.act_mul(self.mm(m.gate, h), u, m.act))
+
+    def attention(self, i: int, b: Block, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
+        """Projections, q/k norms, RoPE, cache append and attention of the normed input h (T, d) → (T, d)."""
+        a, T = b.attn, h.shape[0]
+        q = self.mm(a.wq, h)
+        k = self.mm(a.wk, h)
+        v = self.mm(a.wv, h).reshape(T, a.n_head_kv, a.head_dim_v)
+        q = q.reshape(T, a.n_head, a.head_dim_k)
+        k = k.reshape(T, a.n_head_kv, a.head_dim_k)
+        if not a.qk_norm_after_rope:
+            q, k = self._qk_norm(a, q, k)
+        q, k = np.ascontiguousarray(q), np.ascontiguousarray(k)
+        if a.rope is not None:
+            cos, sin = ctx.rope_tables(a.rope)
+            self.backend.rope(q, cos, sin, a.rope.neox, a.rope.dim)
+            self.backend.rope(k, cos, sin, a.rope.neox, a.rope.dim)
+        if a.qk_norm_after_rope:
+            q, k = self._qk_norm(a, q, k)
+        out = np.empty((T, a.n_head * a.head_dim_v), dtype=np.float32)
+        for seg, s0, p0 in ctx.spans:
+            n = seg.n_tokens
+            kc, vc = seg.cache.layer(i)
+            kc[:, p0:p0 + n] = k[s0:s0 + n].transpose(1, 0, 2)
+            vc[:, p0:p0 + n] = v[s0:s0 + n].transpose(1, 0, 2)
+            out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap)
+        return self.mm(a.wo, out)
+
+    # -- the whole pass ----------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray, segments: Sequence[Segment]) -> list[np.ndarray | None]:
+        """Run ``tokens`` (T,) — the concatenated new tokens of each segment — through every layer.
+
+        Each segment's cache grows by its token count. Returns per segment the logits it asked for:
+        (n_vocab,) for "last", (n_tokens, n_vocab) for "all", None for "none".
+        """
+        out = self.backend.forward(self, tokens, segments)  # a device backend runs the whole pass
+        if out is not None:
+            return out
+        ctx = ForwardContext(self, segments)
+        x = self.embed(tokens)
+        if not self._native_decode(x, ctx):
+            for i in range(len(self.desc.blocks)):
+                x = self.block(i, x, ctx)
+        for seg in segments:
+            seg.cache.n_past += seg.n_tokens
+        # only rows whose logits were asked for go through the (large) output matmul
+        rows = logit_rows(ctx.spans)
+        logits = self.head(x[rows]) if rows else None
+        return split_logits(ctx.spans, logits)
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """Final norm, output matmul, logit scale and soft-cap of rows x (n, d) → (n, n_vocab)."""
+        d = self.desc
+        logits = self.mm(d.output, self.norm(x, d.output_norm))
+        if d.logit_scale != 1.0:
+            logits *= np.float32(d.logit_scale)
+        if d.final_softcap:
+            sc = np.float32(d.final_softcap)
+            logits = np.tanh(logits / sc) * sc
+        return logits
+
+    def _native_decode(self, x: np.ndarray, ctx: ForwardContext) -> bool:
+        """Decode steps (one new token per sequence): every layer in one backend call when the
+        backend prepared that; x (T, d) is updated in place. False: run the layers here."""
+        if self.native_stack is None:
+            return False
+        caches = []
+        for seg, _, p0 in ctx.spans:
+            k, v = getattr(seg.cache, "k", None), getattr(seg.cache, "v", None)
+            if seg.n_tokens != 1 or not isinstance(k, np.ndarray) or not isinstance(v, np.ndarray):
+                return False
+            caches.append((k, v, p0))
+        tables = [ctx.rope_tables(r) for r in self.desc.ropes()]
+        return bool(self.backend.decode_layers(self, x, caches, tables))
+
+    def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
+        """Context shift: drop positions ``n_keep .. n_keep+n_discard-1`` and move the rest down.
+
+        Cached keys carry RoPE of their old positions; rotating them by ``-n_discard`` positions
+        (RoPE is a rotation, so rotations compose) gives exactly the keys of their new positions.
+        """
+        n_past = cache.n_past
+        src0 = n_keep + n_discard
+        if not (0 <= n_keep and n_discard > 0 and src0 <= n_past):
+            raise ValueError(f"invalid context shift keep={n_keep} discard={n_discard} of {n_past}")
+        n_move = n_past - src0
+        delta = np.full(n_move, -n_discard, dtype=np.int64)
+        tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        for i, b in enumerate(self.desc.blocks):
+            kc, vc = cache.layer(i)
+            k = kc[:, src0:n_past].transpose(1, 0, 2).copy()  # (n_move, Hkv, Dk)
+            r = b.attn.rope
+            if r is not None:
+                if r.key() not in tables:
+                    tables[r.key()] = r.cos_sin(delta, magnitude=False)
+                apply_rope(k, *tables[r.key()], r.neox, r.dim)
+            kc[:, n_keep:n_keep + n_move] = k.transpose(1, 0, 2)
+            vc[:, n_keep:n_keep + n_move] = vc[:, src0:n_past].copy()
+        cache.tokens[n_keep:n_keep + n_move] = cache.tokens[src0:n_past].copy()
+        cache.n_past = n_keep + n_move
+
+
+def batch_spans(segments: Sequence[Segment]) -> list[tuple[Segment, int, int]]:
+    """(segment, row offset in the batch, first position) of each segment, in order; raises
+    ContextOverflowError when a segment's new tokens do not fit its cache."""
+    spans = []
+    s0 = 0
+    for seg in segments:
+        p0 = seg.cache.n_past
+        if p0 + seg.n_tokens > seg.cache.n_ctx:
+            raise ContextOverflowError(
+                f"{seg.n_tokens} new tokens at position {p0} exceed the context of {seg.cache.n_ctx} tokens")
+        spans.append((seg, s0, p0))
+        s0 += seg.n_tokens
+    return spans
+
+
+def logit_rows(spans: Sequence[tuple[Any, int, int]]) -> list[int]:
+    """Batch rows whose logits the segments asked for, in span order."""
+    rows: list[int] = []
+    for seg, s0, _ in spans:
+        if seg.logits == "all":
+            rows.extend(range(s0, s0 + seg.n_tokens))
+        elif seg.logits == "last":
+            rows.append(s0 + seg.n_tokens - 1)
+    return rows
+
+
+def split_logits(spans: Sequence[tuple[Any, int, int]], out: np.ndarray | None) -> list[np.ndarray | None]:
+    """Each segment's share of ``out``, the logits of the rows asked for, in span order: (n, V) for
+    ``logits="all"``, (V,) for ``"last"``, None for segments that asked for none."""
+    res: list[np.ndarray | None] = []
+    j = 0
+    for seg, _, _ in spans:
+        if seg.logits == "all":
+            res.append(out[j:j + seg.n_tokens])
+            j += seg.n_tokens
+        elif seg.logits == "last":
+            res.append(out[j])
+            j += 1
+        else:
+            res.append(None)
+    return res
+
+
+class ForwardContext:
+    """Per-call bookkeeping: where each segment's tokens sit in the batch, their positions, and the
+    RoPE tables of those positions (computed once per call for each distinct RoPE variant)."""
+
+    def __init__(self, model: Transformer, segments: Sequence[Segment]) -> None:
+        self.model = model
+        self.spans = batch_spans(segments)  # (segment, row offset in batch, first position)
+        pos = [np.arange(p0, p0 + seg.n_tokens) for seg, _, p0 in self.spans]
+        self.positions = np.concatenate(pos) if pos else np.zeros(0, dtype=np.int64)
+        self._rope: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def rope_tables(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) of this call's positions, (T, rope.dim / 2) each."""
+        key = rope.key()
+        t = self._rope.get(key)
+        if t is None:
+            t = self._rope[key] = rope.cos_sin(self.positions)
+        return t

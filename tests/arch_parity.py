@@ -1,0 +1,86 @@
+"""minirt's logits on the architecture fixtures (``tests/data/archs/<arch>/``) against the references
+stored beside them: transformers' float32 forward of the same tiny model (``hf``) and llama.cpp's
+logits on the same GGUF (``llamacpp_<quant>``). Shared by ``tests/test_archs.py`` and
+``bench/arch_parity.py`` (which prints the table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARCH_DIR = Path(__file__).resolve().parent / "data" / "archs"
+QUANTS = ("f16", "q8_0", "q4_k_m")
+
+
+def fixtures() -> list[str]:
+    """Architectures with a complete fixture folder."""
+    if not ARCH_DIR.is_dir():
+        return []
+    return sorted(p.name for p in ARCH_DIR.iterdir() if (p / "ref.npz").is_file() and (p / "meta.json").is_file())
+
+
+def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
+    """sqrt(mean((a-b)²)) / sqrt(mean(b²)) over everything."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(np.sqrt(np.mean((a64 - b64) ** 2)) / np.sqrt(np.mean(b64 ** 2)))
+
+
+def argmax_agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+DECISIVE_MARGIN = 2.0
+
+
+def decisive_positions(hf: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Mask of positions whose top-two transformers logits differ by more than DECISIVE_MARGIN times
+    ``other``'s RMS error against transformers (a runtime at that error level can tell them apart;
+    at a narrower gap its argmax is a coin flip)."""
+    err = float(np.sqrt(np.mean((other.astype(np.float64) - hf.astype(np.float64)) ** 2)))
+    top2 = np.sort(hf, axis=-1)[..., -2:]
+    return (top2[..., 1] - top2[..., 0]) > DECISIVE_MARGIN * err
+
+
+def minirt_logits(path: Path, tokens: np.ndarray, backend: str = "native", device: str = "cpu") -> np.ndarray:
+    """Logits (n_seq, T, V) of every position of each sequence, each from a fresh context."""
+    import minirt
+
+    with minirt.load(str(path), n_ctx=max(64, tokens.shape[1] + 8), backend=backend, device=device) as llm:
+        return np.stack([llm.logits([int(t) for t in seq]) for seq in tokens])
+
+
+def decode_logits(path: Path, tokens: np.ndarray, n_prefill: int, backend: str = "native") -> np.ndarray:
+    """Logits (n_seq, T - n_prefill, V) after positions n_prefill-1 .. T-2: prefill the first n_prefill
+    ids, then decode the rest one at a time (the fused decode step where the backend has it)."""
+    import minirt
+    from minirt.forward import Segment
+    from minirt.kv_cache import KVCache
+
+    with minirt.load(str(path), n_ctx=max(64, tokens.shape[1] + 8), backend=backend, device="cpu") as llm:
+        m, c = llm.model, llm.model.cfg
+        out = []
+        for seq in tokens:
+            cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, tokens.shape[1] + 8)
+            rows = [m.forward(np.array(seq[:n_prefill]), [Segment(cache, n_prefill, "last")])[0].copy()]
+            for t in seq[n_prefill:-1]:
+                rows.append(m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy())
+            out.append(np.stack(rows))
+        return np.stack(out)
+
+
+def compare(arch: str, quant: str, backend: str = "native") -> dict[str, Any]:
+    """minirt vs transformers and llama.cpp vs transformers on one fixture file."""
+    d = ARCH_DIR / arch
+    ref = np.load(d / "ref.npz")
+    meta = json.loads((d / "meta.json").read_text())
+    tokens, hf, lc = ref["tokens"], ref["hf"], ref[f"llamacpp_{quant}"]
+    ours = minirt_logits(d / meta["files"][quant]["file"], tokens, backend)
+    m = decisive_positions(hf, lc)
+    return {"arch": arch, "quant": quant, "minirt_rel_rms": rel_rms(ours, hf), "llamacpp_rel_rms": rel_rms(lc, hf),
+            "minirt_argmax": argmax_agreement(ours, hf), "llamacpp_argmax": argmax_agreement(lc, hf),
+            "minirt_decisive_argmax": argmax_agreement(ours[m], hf[m]) if m.any() else 1.0,
+            "llamacpp_decisive_argmax": argmax_agreement(lc[m], hf[m]) if m.any() else 1.0,
+            "decisive_fraction": float(m.mean()), "minirt_vs_llamacpp_rel_rms": rel_rms(ours, lc)}

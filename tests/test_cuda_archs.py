@@ -1,0 +1,275 @@
+"""Every supported architecture on the CUDA backend under numba's CUDA simulator, against the CPU
+reference backend on the same file.
+
+The architecture fixtures (``tests/data/archs/<folder>/model-q8_0.gguf``, made by llama.cpp's
+converter) have hidden size 256, far too slow for the simulator, which runs each CUDA thread as a
+Python thread. Each one is shrunk first into a GGUF of the same architecture: every metadata key
+and value (tokenizer included) is kept except the sizes (hidden 32, 2 query heads, GQA kept, head
+size 16 with the same partial-rotary ratio, MLP width 64), and every tensor of the original is
+written again under its own name with the shape those sizes imply and seeded random values
+(Q8_0 for matrices, F32 for vectors).
+
+Some descriptions have features the device forward has no kernel for (``CudaBackend._unsupported``):
+the backend then returns None from ``forward`` and the host path runs the layers with per-op CUDA
+matmuls. ``HOST_PATH`` lists those fixtures with the reason the backend logs; every other fixture
+must run the whole forward on the device.
+
+The simulator is set up by importing ``tests.test_cuda_sim`` (which must happen before
+``numba.cuda`` is first imported); when that was too late in this process the tests run in a child
+pytest process (``test_arch_suite_in_subprocess``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
+
+import minirt
+from minirt.archs import Segment, build, supported
+from minirt.kernels import ReferenceBackend
+from minirt.kv_cache import KVCache
+from tests.arch_parity import ARCH_DIR
+
+# importing test_cuda_sim selects the simulator (minirt and gguf above do not import numba.cuda);
+# _fast_thread_switching is its autouse fixture, imported so that it applies here too
+from tests.test_cuda_sim import (  # noqa: F401
+    FWD_TOL,
+    IN_PROCESS,
+    _fast_launch,
+    _fast_thread_switching,
+    _rel,
+    in_sim,
+)
+
+D, H, DK, F = 32, 2, 16, 64  # the shrunk sizes: hidden, query heads, head size, MLP width
+N_CTX = 16
+
+# fixture folder -> what CudaBackend._unsupported names for its description (host path with
+# per-op CUDA matmuls); every other folder runs the whole forward on the device
+HOST_PATH = {
+    "apertus": "activation 'xielu'",
+    "cohere2": "an output norm other than RMSNorm",
+    "exaone4": "a block without pre-norms",
+    "granite": "a logit scale",
+    "hunyuan_dense": "q/k norms after RoPE",
+    "olmo2": "a block without pre-norms",
+    "phi3": "RoPE with a magnitude factor",
+}
+
+
+def _folders() -> list[str]:
+    if not ARCH_DIR.is_dir():
+        return []
+    return sorted(p.name for p in ARCH_DIR.iterdir() if (p / "model-q8_0.gguf").is_file())
+
+
+def _gguf_arch(folder: str) -> str:
+    r = gguf.GGUFReader(ARCH_DIR / folder / "model-q8_0.gguf")
+    return str(r.fields["general.architecture"].contents())
+
+
+FOLDERS = _folders()
+
+
+def _one_per_architecture() -> dict[str, str]:
+    """GGUF architecture -> the fixture folder named after it (else the first one holding it): the
+    simulator is slow, so variants of an architecture (llama_tied, mistral, phi3_short) are left to
+    test_archs.py."""
+    by_arch: dict[str, str] = {}
+    for folder in FOLDERS:
+        arch = _gguf_arch(folder)
+        if arch not in by_arch or folder == arch.replace("-", "_"):
+            by_arch[arch] = folder
+    return by_arch
+
+
+ARCH_FOLDERS = _one_per_architecture()
+
+
+# ------------------------------------------------------------------------------------------------
+# shrinking a fixture
+# ------------------------------------------------------------------------------------------------
+def _even(x: float) -> int:
+    return max(2, 2 * round(x / 2))
+
+
+def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
+    """Write ``dst``: ``src``'s architecture, metadata and tensor names at the sizes D/H/DK/F, with
+    seeded random weights. Raises ValueError for a tensor whose shape it cannot derive."""
+    r = gguf.GGUFReader(src)
+    fields = {k: f for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    arch = str(fields["general.architecture"].contents())
+
+    def orig(key: str, default=None):
+        f = fields.get(f"{arch}.{key}")
+        return default if f is None else f.contents()
+
+    d0, h0 = int(orig("embedding_length")), int(orig("attention.head_count"))
+    hkv0 = int(orig("attention.head_count_kv", h0))
+    dk0 = int(orig("attention.key_length", d0 // h0))
+    f0 = orig("feed_forward_length")
+    f0 = int(f0[0] if isinstance(f0, list) else f0)
+    rope0 = orig("rope.dimension_count")
+    hkv = max(1, H * hkv0 // h0)
+    rope_dim = _even(DK * int(rope0) / dk0) if rope0 is not None else DK
+    sizes = {"embedding_length": D, "attention.head_count": H, "attention.head_count_kv": hkv,
+             "attention.key_length": DK, "attention.value_length": DK, "feed_forward_length": F,
+             "rope.dimension_count": rope_dim}
+
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, f in fields.items():
+        if key == "general.architecture":
+            continue
+        val = f.contents()
+        short = key[len(arch) + 1:] if key.startswith(arch + ".") else None
+        if short in sizes:
+            val = [sizes[short]] * len(val) if isinstance(val, list) else sizes[short]
+        sub = f.types[1] if f.types[0] == VT.ARRAY else None
+        w.add_key_value(key, val, f.types[0], sub_type=sub)
+
+    rng = np.random.default_rng(seed)
+    tensors = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in r.tensors}  # numpy order
+    q_rows, kv_rows = H * DK, hkv * DK
+
+    def shape_of(name: str, shape0: tuple[int, ...]) -> tuple[int, ...]:
+        base = re.sub(r"^blk\.\d+\.", "", name)
+        kind, _, part = base.rpartition(".")
+        if kind in ("token_embd", "output"):
+            return (shape0[0], D)
+        if kind in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
+            return (rope_dim // 2,)
+        if kind in ("attn_q_norm", "attn_k_norm"):  # per head, or over the whole projection
+            per_head = shape0[0] == dk0
+            return (DK,) if per_head else ((q_rows,) if kind == "attn_q_norm" else (kv_rows,))
+        if kind.endswith("_norm"):
+            return (D,)
+        rows = {"attn_q": q_rows, "attn_k": kv_rows, "attn_v": kv_rows, "attn_qkv": q_rows + 2 * kv_rows,
+                "attn_output": D, "ffn_gate": F, "ffn_down": D}.get(kind)
+        if kind == "ffn_up":  # F rows, or a fused gate+up of 2F
+            rows = F * (shape0[0] // f0)
+        if rows is None:
+            raise ValueError(f"{src}: no rule for the shape of tensor {name!r} {shape0}")
+        if part == "bias":
+            return (rows,)
+        cols = {"attn_output": q_rows, "ffn_down": F}.get(kind, D)
+        return (rows, cols)
+
+    for name, shape0 in tensors.items():
+        shape = shape_of(name, shape0)
+        kind = name.rsplit(".", 2)[-2]
+        if len(shape) == 2:
+            arr = rng.normal(0.0, 1.0 if kind in ("token_embd", "output") else shape[1] ** -0.5, shape)
+            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), QT.Q8_0), raw_dtype=QT.Q8_0)
+        else:
+            if kind.startswith("rope_"):
+                arr = rng.uniform(1.0, 4.0, shape)  # frequency divisors: positive
+            elif kind.endswith("_norm"):
+                arr = 1.0 + 0.1 * rng.normal(size=shape)
+            else:
+                arr = 0.1 * rng.normal(size=shape)
+            w.add_tensor(name, arr.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# tests
+# ------------------------------------------------------------------------------------------------
+def test_every_supported_architecture_has_a_fixture():
+    """The parity test below covers minirt.archs.supported() completely."""
+    assert FOLDERS, f"no architecture fixtures under {ARCH_DIR}"
+    missing = sorted(set(supported()) - set(ARCH_FOLDERS))
+    assert not missing, f"supported without a fixture under {ARCH_DIR}: {missing}"
+    assert set(HOST_PATH) <= set(ARCH_FOLDERS.values()), sorted(set(HOST_PATH) - set(ARCH_FOLDERS.values()))
+
+
+@pytest.mark.parametrize("arch,rope_dim,q_norm", [("phi3", 12, None), ("glm4", 8, None), ("olmo2", DK, (H * DK,))])
+def test_shrunk_file_keeps_metadata_and_tensor_names(arch, rope_dim, q_norm, tmp_path):
+    """The shrunk GGUF has the original's keys, tokenizer and tensor names; only sizes change, and
+    ratios such as a partial rotary dimension (phi3 0.75, glm4 0.5) or a q norm over the whole
+    projection (olmo2) are kept."""
+    if arch not in ARCH_FOLDERS:
+        pytest.fail(f"no {arch} fixture under {ARCH_DIR}")
+    src = ARCH_DIR / ARCH_FOLDERS[arch] / "model-q8_0.gguf"
+    dst = tmp_path / "small.gguf"
+    shrink_gguf(src, dst)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    def keys(r):
+        return {k for k in r.fields if not k.startswith("GGUF.")}
+
+    assert keys(a) == keys(b)
+    assert b.fields["tokenizer.ggml.tokens"].contents() == a.fields["tokenizer.ggml.tokens"].contents()
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    f = minirt.gguf.open(dst)
+    m = build(f, ReferenceBackend(), N_CTX)
+    c, attn = m.cfg, m.desc.blocks[0].attn
+    assert (c.n_embd, c.n_head, c.n_head_kv, c.head_dim_k, c.n_ff) == (D, H, 1, DK, F)
+    assert attn.rope.dim == rope_dim
+    assert (attn.q_norm.weight.shape if attn.q_norm is not None else None) == q_norm
+    f.close()
+
+
+def _cache(m) -> KVCache:
+    c = m.cfg
+    return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, N_CTX)
+
+
+@in_sim
+@pytest.mark.parametrize("arch", sorted(ARCH_FOLDERS))
+def test_architecture_on_device_matches_cpu(arch, tmp_path, caplog):
+    """Prefill (logits of every position) then two decode steps: the CUDA backend's logits match
+    the reference backend's; the device forward runs unless HOST_PATH says why it cannot."""
+    from minirt.kernels.cuda.backend import CudaBackend
+
+    folder = ARCH_FOLDERS[arch]
+    if arch not in supported():
+        pytest.skip(f"architecture {arch!r} is not supported by minirt")
+    path = tmp_path / f"{folder}.gguf"
+    shrink_gguf(ARCH_DIR / folder / "model-q8_0.gguf", path, seed=sum(map(ord, folder)))
+    f = minirt.gguf.open(path)
+    be = CudaBackend(f, allow_simulator=True, launch=_fast_launch())
+    try:
+        cpu, dev = build(f, ReferenceBackend(), N_CTX), build(f, be, N_CTX)
+        with caplog.at_level(logging.INFO, logger="minirt.kernels.cuda.backend"):
+            plan = be._plan(dev)
+        if folder in HOST_PATH:
+            assert plan is None, f"{folder}: the device forward now runs; remove it from HOST_PATH"
+            assert HOST_PATH[folder] in caplog.text, caplog.text
+        else:
+            assert plan is not None, f"{folder}: no device forward: {caplog.text}"
+        ids = np.array([1, 17, 270, 5, 99], dtype=np.int64) % cpu.cfg.n_vocab
+        cc, gc = _cache(cpu), _cache(dev)
+        ref = cpu.forward(ids, [Segment(cc, len(ids), "all")])[0]
+        got = dev.forward(ids, [Segment(gc, len(ids), "all")])[0]
+        assert got.shape == ref.shape == (len(ids), cpu.cfg.n_vocab)
+        assert _rel(got, ref) < FWD_TOL, (folder, "prefill", _rel(got, ref))
+        for tok in (11, 260):
+            ref = cpu.forward(np.array([tok]), [Segment(cc, 1, "last")])[0]
+            got = dev.forward(np.array([tok]), [Segment(gc, 1, "last")])[0]
+            assert _rel(got, ref) < FWD_TOL, (folder, "decode", _rel(got, ref))
+            assert got.argmax() == ref.argmax(), folder
+        assert gc.n_past == cc.n_past == len(ids) + 2
+    finally:
+        be.close()
+        f.close()
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the simulator tests ran in this process")
+def test_arch_suite_in_subprocess():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
+                       timeout=900, check=False)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
