@@ -17,6 +17,13 @@ special=False)``. Without it the llama.cpp columns say so; nothing is estimated.
     python bench/tokenizer.py                  # both registry models (pulled if missing)
     python bench/tokenizer.py --reps 9 --kb 200
     python bench/tokenizer.py path/to/model.gguf
+    python bench/tokenizer.py --llama-models path/to/llama.cpp/models   # every ggml-vocab-*.gguf there
+    python bench/tokenizer.py --cases          # one file per vocabulary kind and BPE pre-tokenizer type
+
+``--llama-models`` benchmarks the full-size vocab-only GGUFs llama.cpp ships (SPM, BPE with their
+pre-tokenizers, WordPiece, Unigram, Gemma 4); ``--cases`` the vocabularies of the tokenizer tests
+(``tests/data/tokenizers``): each BPE pre-tokenizer type on the same small trained vocabulary, and
+the RWKV / PLaMo-2 ones (tiny vocabularies: they time the algorithm, not a real model's table).
 """
 
 from __future__ import annotations
@@ -205,15 +212,45 @@ def bench_model(path: Path, text: str, text_path: Path, reps: int, py: str | Non
             "warm_s": statistics.median(warm)}
 
 
+def case_files(tmp: Path) -> list[Path]:
+    """GGUF files for the tokenizer-test cases: one per (model, pre-tokenizer type)."""
+    import importlib.util
+
+    script = REPO / "tests" / "data" / "tokenizers" / "regenerate.py"
+    spec = importlib.util.spec_from_file_location("regenerate", script)
+    assert spec is not None and spec.loader is not None
+    regen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regen)
+    from minirt.pretokenizers import PRE_NAMES
+
+    out, seen = [], set()
+    for vocab, model, pre in regen.cases():
+        if vocab == regen.BYTELEVEL:
+            continue  # the trained vocabulary carries the same pre-tokenizers
+        key = (vocab, model, PRE_NAMES[pre].type if pre else None)
+        if key in seen:
+            continue
+        seen.add(key)
+        p = tmp / f"case-{vocab.split('.')[0]}-{model}-{key[2] or 'none'}.gguf"
+        regen.write_gguf(p, regen.case_metadata(vocab, model, pre))
+        out.append(p)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="*", help="GGUF paths or registry names (default: both registry models)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--kb", type=int, default=100, help="text size in KB (default 100)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--llama-models", type=Path, help="also every ggml-vocab-*.gguf in this folder")
+    ap.add_argument("--cases", action="store_true", help="also the tokenizer tests' vocabularies, one per type")
     args = ap.parse_args(argv)
 
-    paths = [Path(m) if Path(m).is_file() else registry.resolve(m) for m in (args.models or DEFAULT_MODELS)]
+    names = args.models or ([] if (args.llama_models or args.cases) else DEFAULT_MODELS)
+    paths = [Path(m) if Path(m).is_file() else registry.resolve(m) for m in names]
+    if args.llama_models:
+        paths += sorted(args.llama_models.glob("ggml-vocab-*.gguf"))
     text = build_text(args.kb * 1000)
     py, who = llama_python()
     print(who)
@@ -223,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         text_path = Path(tmp) / "bench.txt"
         text_path.write_text(text, encoding="utf-8")
+        if args.cases:
+            paths += case_files(Path(tmp))
         for p in paths:
             rows.append(bench_model(p, text, text_path, args.reps, py))
 

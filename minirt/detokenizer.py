@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import codecs
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .tokenizer import Tokenizer
+
+class PieceSource(Protocol):
+    """What the decoder needs of a tokenizer (:class:`minirt.tokenizer.Tokenizer` is one); the
+    dependency runs one way, tokenizer -> detokenizer."""
+
+    add_space_prefix: bool
+    clean_spaces: bool
+
+    def token_to_piece(self, token_id: int, skip_special: bool = False) -> bytes: ...
+
 
 _SPACE_BEFORE_PUNCT = re.compile(r" (?=[?!.,])")
 _SPACE_BEFORE_CONTRACTION = re.compile(r" (?='(?:s|m|re|ve))")
@@ -53,7 +61,7 @@ class StreamDecoder:
     ``reset()`` starts a new sequence. ``"".join(pushes) + finish() == tokenizer.decode(ids)``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, continuation: bool = False) -> None:
+    def __init__(self, tokenizer: PieceSource, skip_special: bool = False, continuation: bool = False) -> None:
         self._tok = tokenizer
         self._skip = skip_special
         # text that continues a prompt keeps its leading space (" Paris" after "... is")

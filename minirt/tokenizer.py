@@ -1,5 +1,10 @@
 """Text ⇄ token ids from the ``tokenizer.ggml.*`` metadata of a GGUF file, the way llama.cpp does it.
 
+Every ``tokenizer.ggml.model`` llama.cpp reads is handled: ``llama`` (SPM) and ``gpt2`` / ``gemma4`` /
+``whitespace`` / ``hybriddna`` (BPE) here, with the pre-tokenizers of :mod:`minirt.pretokenizers`;
+``bert`` (WordPiece), ``t5`` (Unigram), ``rwkv``, ``plamo2`` and ``test`` in
+:mod:`minirt.vocab_models`. The SPM and byte-level BPE rules follow.
+
 Nothing outside the GGUF is read. :meth:`Tokenizer.from_gguf` builds the vocabulary from
 ``tokenizer.ggml.tokens`` / ``scores`` / ``token_type`` / ``merges`` / ``pre`` and the special ids,
 and reproduces llama.cpp's ``llama_vocab`` (``src/llama-vocab.cpp``) rule for rule:
@@ -51,60 +56,60 @@ from __future__ import annotations
 
 import heapq
 import logging
-import re
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import regex
 
+from . import vocab_models
+from .detokenizer import StreamDecoder, clean_spaces
 from .errors import TokenizerError
+from .pretokenizers import (
+    DEEPSEEK_LETTERS,
+    F_WHITESPACE,
+    PRE_NAMES,
+    RAW_UTF8_TYPES,
+    PreSpec,
+    flags_of,
+    lowercase_map,
+    splitter,
+)
+from .token_attrs import (  # noqa: F401 - re-exported: minirt.tokenizer.ATTR_* is public
+    ATTR_BYTE,
+    ATTR_CONTROL,
+    ATTR_LSTRIP,
+    ATTR_NORMAL,
+    ATTR_NORMALIZED,
+    ATTR_RSTRIP,
+    ATTR_SINGLE_WORD,
+    ATTR_UNDEFINED,
+    ATTR_UNKNOWN,
+    ATTR_UNUSED,
+    ATTR_USER_DEFINED,
+    TOKEN_TYPE_BYTE,
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_NORMAL,
+    TOKEN_TYPE_UNDEFINED,
+    TOKEN_TYPE_UNKNOWN,
+    TOKEN_TYPE_UNUSED,
+    TOKEN_TYPE_USER_DEFINED,
+)
+from .token_attrs import BYTE_TOKEN_RE as _BYTE_TOKEN_RE
+from .token_attrs import TYPE_TO_ATTR as _TYPE_TO_ATTR
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .detokenizer import StreamDecoder
     from .gguf import GGUFFile
 
 log = logging.getLogger(__name__)
 
-# GGUF tokenizer.ggml.token_type values (llama_token_type)
-TOKEN_TYPE_UNDEFINED = 0
-TOKEN_TYPE_NORMAL = 1
-TOKEN_TYPE_UNKNOWN = 2
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-TOKEN_TYPE_UNUSED = 5
-TOKEN_TYPE_BYTE = 6
-
-# token attribute bits (llama_token_attr)
-ATTR_UNDEFINED = 0
-ATTR_UNKNOWN = 1 << 0
-ATTR_UNUSED = 1 << 1
-ATTR_NORMAL = 1 << 2
-ATTR_CONTROL = 1 << 3
-ATTR_USER_DEFINED = 1 << 4
-ATTR_BYTE = 1 << 5
-ATTR_NORMALIZED = 1 << 6
-ATTR_LSTRIP = 1 << 7
-ATTR_RSTRIP = 1 << 8
-ATTR_SINGLE_WORD = 1 << 9
-
-_TYPE_TO_ATTR = {
-    TOKEN_TYPE_UNDEFINED: ATTR_UNDEFINED,
-    TOKEN_TYPE_NORMAL: ATTR_NORMAL,
-    TOKEN_TYPE_UNKNOWN: ATTR_UNKNOWN,
-    TOKEN_TYPE_CONTROL: ATTR_CONTROL,
-    TOKEN_TYPE_USER_DEFINED: ATTR_USER_DEFINED,
-    TOKEN_TYPE_UNUSED: ATTR_UNUSED,
-    TOKEN_TYPE_BYTE: ATTR_BYTE,
-}
 _ATTR_SPECIAL = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN  # what the partition cuts out
 _ATTR_HIDDEN = ATTR_CONTROL | ATTR_UNKNOWN  # what decode(skip_special=True) drops
 
 _SPM_SPACE = "\u2581"  # ▁
+_DNA_MARKER = "\ue000"  # hybriddna: suffix that keeps DNA k-mers apart from equal BPE tokens
 _C_SPACE = " \t\n\v\f\r"  # C isspace(), used for lstrip / rstrip of special tokens
-_BYTE_TOKEN_RE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _MAX_CACHE = 1 << 17  # per-word / per-piece encode caches are cleared past this many entries
 
 # Token texts that mark the end of generation (llama.cpp's vocab loader, EOG detection by text).
@@ -162,7 +167,10 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_TO_CHAR)}
 # str.translate tables: latin-1 decoded bytes -> byte-level characters, and back
 _ENCODE_TABLE = {b: c for b, c in enumerate(_BYTE_TO_CHAR)}
-_DECODE_TABLE = {ord(c): b for b, c in enumerate(_BYTE_TO_CHAR)}
+_DECODE_TABLE: dict[int, int | str] = {ord(c): b for b, c in enumerate(_BYTE_TO_CHAR)}
+# characters below 256 that are no byte-level character must not pass through as latin-1 bytes:
+# send them to the slow path, which writes llama.cpp's [UNK_BYTE_...] marker
+_DECODE_TABLE.update({c: "\uffff" for c in range(256) if c not in _DECODE_TABLE})
 
 
 def _to_byte_level(word: str) -> str:
@@ -298,19 +306,6 @@ _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?{L}+| ?{N}+| ?[^{WS}{L}{N}]+|{WS}+(?!{NWS
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3_RE = _CONTRACTIONS + r"|[^\r\n{L}{N}]?{L}+|{N}{1,3}| ?[^{WS}{L}{N}]+[\r\n]*|{WS}*[\r\n]+|{WS}+(?!{NWS})|{WS}+"
 _QWEN2_RE = _CONTRACTIONS + r"|[^\r\n{L}{N}]?{L}+|{N}| ?[^{WS}{L}{N}]+[\r\n]*|{WS}*[\r\n]+|{WS}+(?!{NWS})|{WS}+"
-_DEEPSEEK_LETTERS = (
-    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
-    "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
-    "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf"
-    "\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d"
-    "\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
-    "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
-    "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
-    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
-    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
-    "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
-    "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
-)
 _PRE_GROUPS: dict[str, list[tuple[str, bool]]] = {
     "default": [(r"[{P}\$\+<=>\^~\|]+", False), (_GPT2_RE, False), (r"{N}+", False), (r"[0-9][0-9][0-9]", False)],
     "gpt2": [(_GPT2_RE, False)],
@@ -319,7 +314,7 @@ _PRE_GROUPS: dict[str, list[tuple[str, bool]]] = {
     "starcoder": [(r"{N}", False), (_GPT2_RE, False)],
     "deepseek-llm": [
         (r"[\r\n]", True),
-        (r"\s?[" + _DEEPSEEK_LETTERS + r"]+", True),
+        (r"\s?[" + DEEPSEEK_LETTERS + r"]+", True),
         (r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", True),
         (r"\s+\Z", True),  # std::regex "$": end of the piece only
         (r"[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", True),
@@ -330,40 +325,17 @@ _PRE_GROUPS: dict[str, list[tuple[str, bool]]] = {
 _COVERING = frozenset(["gpt2", "llama3", "qwen2"])
 
 
-@dataclass(frozen=True)
-class _PreSpec:
-    group: str
-    clean_spaces: bool = True
-    ignore_merges: bool = False
-    add_bos: bool = False
-    no_bos: bool = False
+# pre-tokenizer types (minirt.pretokenizers) whose regexes one of the groups above runs with
+# the faster regex module classes; every other type runs through pretokenizers.Splitter
+_GROUP_OF_TYPE = {"default": "default", "gpt2": "gpt2", "llama3": "llama3", "dbrx": "llama3", "chatglm4": "llama3",
+                  "qwen2": "qwen2", "grok-2": "qwen2", "starcoder": "starcoder", "deepseek-llm": "deepseek-llm"}
 
-
-_PRE: dict[str, _PreSpec] = {}
-
-
-def _register(names: Sequence[str], **kw: Any) -> None:
-    for name in names:
-        _PRE[name] = _PreSpec(**kw)
-
-
-# the tokenizer.ggml.pre names llama.cpp maps onto the regex groups above, with its per-name flags
-_register(["default"], group="default")
-_register(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"],
-          group="llama3", ignore_merges=True, add_bos=True)
-_register(["dbrx", "smaug-bpe"], group="llama3")
-_register(["chatglm-bpe"], group="llama3", no_bos=True)
-_register(["deepseek-llm"], group="deepseek-llm", clean_spaces=False)
-_register(["gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
-           "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "mpt", "olmo", "jais"], group="gpt2")
-_register(["trillion", "granite-docling"], group="gpt2", clean_spaces=False)
-_register(["starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"], group="starcoder")
-_register(["command-r", "smollm"], group="starcoder", clean_spaces=False)
-_register(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open", "grok-2"], group="qwen2",
-          clean_spaces=False)
-_register(["megrez", "stablelm2"], group="qwen2")
-
-SUPPORTED_PRE_TOKENIZERS = frozenset(_PRE)
+SUPPORTED_PRE_TOKENIZERS = frozenset(PRE_NAMES)
+# tokenizer.ggml.model -> vocabulary kind (llama.cpp llama_vocab::impl::load)
+_MODEL_KIND = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "whitespace": "bpe", "hybriddna": "bpe",
+               "bert": "wpm", "t5": "ugm", "rwkv": "rwkv", "test": "test",
+               "plamo2": "plamo2"}
+SUPPORTED_MODELS = frozenset(_MODEL_KIND)
 
 
 class _Splitter:
@@ -438,6 +410,37 @@ def _trie_regex(words: Iterable[str]) -> str:
     return emit(trie)
 
 
+def decode_utf8_like_llama(data: bytes) -> str:
+    """Bytes -> str the way llama.cpp reads a tokenizer's input (``unicode_cpts_from_utf8``).
+
+    :meth:`Tokenizer.encode` takes ``str``; llama.cpp takes ``char *`` and turns each byte that
+    does not start a complete sequence into one U+FFFD (Python's ``errors="replace"`` would merge a
+    truncated sequence into one). For BPE, WordPiece and PLaMo-2 vocabularies,
+    ``encode(decode_utf8_like_llama(b))`` gives llama.cpp's ids for the raw bytes ``b``. (SPM,
+    RWKV, Unigram and "test" vocabularies read raw bytes: invalid bytes have no ``str`` equivalent.)
+    Like llama.cpp, lead/continuation bits are all that is checked (an overlong form decodes).
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    out: list[str] = []
+    i, n = 0, len(data)
+    while i < n:
+        b0 = data[i]
+        need = 1 if b0 < 0x80 else 0 if b0 < 0xC0 else 2 if b0 < 0xE0 else 3 if b0 < 0xF0 else 4 if b0 < 0xF8 else 0
+        if need and i + need <= n and all(data[i + k] & 0xC0 == 0x80 for k in range(1, need)):
+            cp = b0 if need == 1 else b0 & (0x7F >> need)
+            for k in range(1, need):
+                cp = (cp << 6) | (data[i + k] & 0x3F)
+            out.append(chr(cp))
+            i += need
+        else:
+            out.append("\ufffd")
+            i += 1
+    return "".join(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # the tokenizer
 # ---------------------------------------------------------------------------------------------
@@ -480,12 +483,11 @@ class Tokenizer:
         model = md.get("tokenizer.ggml.model")
         if not isinstance(model, str):
             raise TokenizerError("tokenizer.ggml.model is missing (no vocabulary in this GGUF)")
-        if model == "llama":
-            self.vocab_type = "spm"
-        elif model == "gpt2":
-            self.vocab_type = "bpe"
-        else:
-            raise TokenizerError(f"unsupported tokenizer.ggml.model {model!r} (supported: 'llama' (SPM), 'gpt2' (BPE))")
+        kind = _MODEL_KIND.get(model)
+        if kind is None:
+            raise TokenizerError(f"unsupported tokenizer.ggml.model {model!r} (supported: "
+                                 f"{', '.join(sorted(_MODEL_KIND))})")
+        self.vocab_type = kind
         self.model = model
 
         tokens = md.get("tokenizer.ggml.tokens")
@@ -500,8 +502,15 @@ class Tokenizer:
             for i, t in enumerate(texts):
                 if not t:
                     texts[i] = f"[EMPTY_{i}]"  # llama.cpp renames empty entries the same way
-        self._texts = texts
         self._tok2id: dict[str, int] = {t: i for i, t in enumerate(texts)}
+        if model == "hybriddna" and "<oov>" in self._tok2id:
+            # llama.cpp: the k-mers after <oov> read back without their marker (ids still by marked text)
+            texts = list(texts)
+            for i in range(self._tok2id["<oov>"] + 1, len(texts)):
+                t = texts[i]
+                if len(t) > 1 and t.endswith(_DNA_MARKER):
+                    texts[i] = t[:-1]
+        self._texts = texts
         if len(self._tok2id) != n:
             seen: set[str] = set()
             dup = next(t for t in texts if t in seen or seen.add(t))  # type: ignore[func-returns-value]
@@ -543,32 +552,53 @@ class Tokenizer:
         # ---- vocabulary kind and pre-tokenizer (llama.cpp defaults, then metadata) ----
         self.pre: str | None = md.get("tokenizer.ggml.pre")
         ids: dict[str, int | None] = {k: None for _, k in _SPECIAL_KEYS}
-        if self.vocab_type == "spm":
+        self._spec: PreSpec | None = None
+        self.escape_whitespaces = False  # BPE words: spaces as "▁", pieces read back as SPM's
+        self.add_eos = False
+        self.add_sep = False
+        self.remove_extra_whitespaces = False
+        self.add_space_prefix = False
+        self.clean_spaces = False
+        self.add_bos = False
+        kind = self.vocab_type
+        if kind == "spm":
             ids.update(bos=1, eos=2, unk=0)
             self.add_space_prefix = True
-            self.clean_spaces = False
             self.add_bos = True
-            self._spec: _PreSpec | None = None
-        else:
+        elif kind == "bpe":
             ids.update(bos=11, eos=11)
-            self.add_space_prefix = False
-            pre = self.pre
+            pre = "gemma4" if model == "gemma4" else self.pre  # llama.cpp forces it for this model
             if pre is None or pre == "":
                 log.warning("tokenizer.ggml.pre is missing: using the 'default' BPE pre-tokenizer")
                 pre = "default"
-            if not isinstance(pre, str) or pre not in _PRE:
-                raise TokenizerError(
-                    f"unknown BPE pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {', '.join(sorted(_PRE))}")
-            spec = _PRE[pre]
+            if not isinstance(pre, str) or pre not in PRE_NAMES:
+                raise TokenizerError(f"unknown BPE pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+                                     f"supported: {', '.join(sorted(PRE_NAMES))}")
+            spec = PRE_NAMES[pre]
             self._spec = spec
             self.clean_spaces = spec.clean_spaces
             self.add_bos = spec.add_bos
+            self.escape_whitespaces = spec.escape_whitespaces
             if spec.no_bos:
                 ids["bos"] = None
-        self.add_eos = False
+            if pre in ("jina-v1-en", "jina-v2-code", "roberta-bpe"):
+                self.add_sep = True
+        elif kind == "wpm":
+            ids.update(bos=101, unk=100, sep=102, pad=0, mask=103)
+            self.clean_spaces = True
+            self.add_bos = True
+            self.add_sep = True
+        elif kind == "ugm":
+            ids.update(eos=1, unk=2, pad=0)
+            self.add_eos = True
+        elif kind == "plamo2":
+            ids.update(bos=1, eos=2, unk=0, pad=3)
         asp = md.get("tokenizer.ggml.add_space_prefix")
         if asp is not None:
             self.add_space_prefix = bool(asp)
+        rew = md.get("tokenizer.ggml.remove_extra_whitespaces")
+        if rew is not None:
+            self.remove_extra_whitespaces = bool(rew)
 
         for name, value in list(ids.items()):  # defaults beyond the vocabulary are disabled
             if value is not None and value >= n:
@@ -585,10 +615,22 @@ class Tokenizer:
                 raise TokenizerError(f"{key}={v} is out of range for a vocabulary of {n} tokens")
             ids[name] = v
 
-        for key, attr in (("tokenizer.ggml.add_bos_token", "add_bos"), ("tokenizer.ggml.add_eos_token", "add_eos")):
+        for key, attr in (("tokenizer.ggml.add_bos_token", "add_bos"), ("tokenizer.ggml.add_eos_token", "add_eos"),
+                          ("tokenizer.ggml.add_sep_token", "add_sep")):
             v = md.get(key)
             if v is not None:
                 setattr(self, attr, bool(v))
+        if self._spec is not None and self._spec.type == "gemma4":
+            self.add_bos = True  # llama.cpp's Gemma 4 workaround: BOS is always added
+        # BERT normaliser options (WordPiece; "whitespace" BPE lower-cases with them too)
+        self.lowercase = not (self._spec is not None and self._spec.type == "whitespace")
+        v = md.get("tokenizer.ggml.normalizer.lowercase")
+        if v is not None:
+            self.lowercase = bool(v)
+        self.strip_accents = self.lowercase
+        v = md.get("tokenizer.ggml.normalizer.strip_accents")
+        if v is not None:
+            self.strip_accents = bool(v)
 
         # ---- special ids found by their text, EOG set (llama.cpp's vocab loader) ----
         def find_first(cands: Sequence[str]) -> int | None:
@@ -664,6 +706,7 @@ class Tokenizer:
         self.eom_id: int | None = ids["eom"]
         self.unk_id: int | None = ids["unk"]
         self.pad_id: int | None = ids["pad"]
+        self.sep_id: int | None = ids["sep"]
         self.eog_ids: frozenset[int] = frozenset(eog)
         if self.add_bos and self.bos_id is None:
             raise TokenizerError("tokenizer.ggml.add_bos_token is set but the vocabulary has no BOS token id")
@@ -685,8 +728,20 @@ class Tokenizer:
             # chars that precede ▁ inside some vocabulary entry: no cut before ▁ after one of these
             self._spm_no_cut = frozenset(t[k - 1] for t in texts if t.find(_SPM_SPACE, 1) > 0
                                          for k in range(1, len(t)) if t[k] == _SPM_SPACE)
-        else:
+        elif self.vocab_type == "bpe":
             self._init_bpe(md, use_hf_bpe)
+        elif self.vocab_type == "wpm":
+            self._engine: Any = vocab_models.WordPiece(texts, self.unk_id, self.lowercase, self.strip_accents)
+        elif self.vocab_type == "ugm":
+            self._engine = vocab_models.Unigram(
+                texts, attrs, self._scores, self.unk_id, md.get("tokenizer.ggml.precompiled_charsmap"),
+                add_space_prefix=self.add_space_prefix, remove_extra_ws=self.remove_extra_whitespaces)
+        elif self.vocab_type == "rwkv":
+            self._engine = vocab_models.RWKV(texts, self.unk_id)
+        elif self.vocab_type == "test":
+            self._engine = vocab_models.HashTest(n)
+        else:
+            self._engine = vocab_models.Plamo2(texts, attrs, self._scores)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -707,17 +762,22 @@ class Tokenizer:
         return i
 
     def _init_bpe(self, md: Mapping[str, Any], use_hf: bool) -> None:
+        assert self._spec is not None
         merges = md.get("tokenizer.ggml.merges")
+        if merges is None and self._spec.type == "kimi-k2":
+            merges = []  # llama.cpp accepts a Kimi-K2 vocabulary without merges
         if not isinstance(merges, (list, tuple)):
-            raise TokenizerError("tokenizer.ggml.merges is missing: a 'gpt2' (BPE) vocabulary needs it")
+            raise TokenizerError(f"tokenizer.ggml.merges is missing: a {self.model!r} (BPE) vocabulary needs it")
         if set(map(type, merges)) - {str}:
             bad = next(r for r, m in enumerate(merges) if not isinstance(m, str))
             raise TokenizerError(f"tokenizer.ggml.merges[{bad}] is not a string")
         self._merge_pairs = _split_merges(merges)
         self._ranks_cache: dict[tuple[str, str], int] | None = None
-        assert self._spec is not None
         self._ignore_merges = self._spec.ignore_merges
-        self._splitter = _Splitter(self._spec.group)
+        self._byte_encode = self._spec.type not in RAW_UTF8_TYPES
+        self._newline_words = self._spec.type == "gemma4"  # a run of newlines that is a token stays one
+        group = _GROUP_OF_TYPE.get(self._spec.type)
+        self._splitter: Any = _Splitter(group) if group is not None else splitter(self._spec.type)
         self._hf = None
         if use_hf:
             try:
@@ -731,8 +791,9 @@ class Tokenizer:
             return
         try:
             # a repeated pair keeps its first (lowest) rank, as in llama.cpp (HF would keep the last)
+            # raw-UTF-8 vocabularies: a symbol that is no token becomes <0xNN> byte tokens
             bpe = _hf_models.BPE(vocab=self._tok2id, merges=list(dict.fromkeys(self._merge_pairs)),
-                                 ignore_merges=self._ignore_merges)
+                                 ignore_merges=self._ignore_merges, byte_fallback=not self._byte_encode)
         except Exception as e:  # HF rejects merges naming unknown tokens: report which one
             self._validate_merges()
             raise TokenizerError(f"tokenizer.ggml.merges rejected by the BPE model: {e}") from None
@@ -773,8 +834,13 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise TokenizerError(f"text is not valid Unicode (lone surrogate at index {e.start})") from None
         out: list[int] = []
-        if add_special and self.add_bos:
-            out.append(self.bos_id)  # type: ignore[arg-type]
+        kind = self.vocab_type
+        # llama.cpp: WordPiece always adds BOS (and SEP); RWKV and PLaMo-2 never add anything
+        add_special = add_special and kind not in ("rwkv", "plamo2", "test")
+        if add_special and (self.add_bos or kind == "wpm"):
+            if self.bos_id is None:
+                raise TokenizerError("add_special=True needs a BOS token, and the vocabulary has none")
+            out.append(self.bos_id)
         fragments = self._partition(text, parse_special) if text else []
         if self.vocab_type == "spm":
             prev_special = True  # the first fragment gets the space prefix too
@@ -787,14 +853,32 @@ class Tokenizer:
                     frag = " " + frag
                 self._spm_encode(frag.replace(" ", _SPM_SPACE), out)
                 prev_special = False
+        elif self.vocab_type == "bpe":
+            esc = self.escape_whitespaces
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                elif self.model == "whitespace":
+                    for seg in self._whitespace_segments(frag):
+                        self._bpe_encode(seg, out)
+                elif self.model == "hybriddna":
+                    self._dna_encode(frag, out)
+                else:
+                    self._bpe_encode(frag.replace(" ", _SPM_SPACE) if esc else frag, out)
         else:
+            engine = self._engine.encode
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
-                    self._bpe_encode(frag, out)
-        if add_special and self.add_eos:
-            out.append(self.eos_id)  # type: ignore[arg-type]
+                    engine(frag, out)
+        if add_special:
+            if self.vocab_type == "wpm":  # llama.cpp: WordPiece always ends with SEP
+                if self.sep_id is None:
+                    raise TokenizerError("add_special=True needs a SEP token, and the vocabulary has none")
+                out.append(self.sep_id)
+            elif self.add_eos:
+                out.append(self.eos_id)  # type: ignore[arg-type]
         return out
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
@@ -808,8 +892,6 @@ class Tokenizer:
             pieces[0] = pieces[0][1:]
         text = b"".join(pieces).decode("utf-8", errors="replace")
         if self.clean_spaces:
-            from .detokenizer import clean_spaces
-
             text = clean_spaces(text)
         return text
 
@@ -829,10 +911,17 @@ class Tokenizer:
     def _make_piece(self, i: int) -> bytes:
         attr = self._attrs[i]
         text = self._texts[i]
+        kind = self.vocab_type
+        if kind == "rwkv":
+            return vocab_models.rwkv_unescape(text)
+        if kind == "test":
+            return b"%x" % i
+        if kind == "plamo2":
+            return bytes([self._byte_of[i]]) if i in self._byte_of else text.encode("utf-8")
         if attr & _ATTR_SPECIAL:
             return text.encode("utf-8")
         if attr & ATTR_NORMAL:
-            if self.vocab_type == "spm":
+            if kind != "bpe" or self.escape_whitespaces:
                 return text.replace(_SPM_SPACE, " ").encode("utf-8")
             return _from_byte_level(text)
         if attr & ATTR_BYTE:
@@ -842,6 +931,12 @@ class Tokenizer:
     def clear_cache(self) -> None:
         """Drop the per-word encode cache (benchmarks use it to measure cold encoding)."""
         self._cache.clear()
+        split_cache = getattr(getattr(self, "_splitter", None), "clear_cache", None)
+        if split_cache is not None:
+            split_cache()
+        engine_cache = getattr(getattr(self, "_engine", None), "_cache", None)
+        if engine_cache is not None:
+            engine_cache.clear()
 
     def token_text(self, token_id: int) -> str:
         """The raw vocabulary entry of ``token_id`` (``▁`` and byte-level characters not decoded)."""
@@ -870,8 +965,6 @@ class Tokenizer:
     def stream_decoder(self, skip_special: bool = False, continuation: bool = False) -> StreamDecoder:
         """An incremental decoder: ``push(id) -> str`` deltas that add up to :meth:`decode`
         (``continuation=True`` for text that follows a prompt: its leading space is kept)."""
-        from .detokenizer import StreamDecoder
-
         return StreamDecoder(self, skip_special=skip_special, continuation=continuation)
 
     def __len__(self) -> int:
@@ -1051,17 +1144,78 @@ class Tokenizer:
                     ids = fresh[w] = self._bpe_fill([w])[w]
             ext(ids)
 
+    def _dna_encode(self, text: str, out: list[int]) -> None:
+        """llama.cpp's "hybriddna" model: BPE outside ``<dna>...</dna>``, inside it upper-cased
+        6-mers (the last padded with ``A``) looked up with the k-mer marker, else ``<oov>``."""
+        tid = self._tok2id.get
+        begin, end, oov = tid("<dna>"), tid("</dna>"), tid("<oov>")
+        if begin is None or end is None or oov is None:
+            self._bpe_encode(text, out)
+            return
+        pos = 0
+        while pos < len(text):
+            start = text.find("<dna>", pos)
+            if start < 0:
+                self._bpe_encode(text[pos:], out)
+                break
+            if start > pos:
+                self._bpe_encode(text[pos:start], out)
+            out.append(begin)
+            c0 = start + len("<dna>")
+            stop = text.find("</dna>", c0)
+            # k-mers are 6 *bytes* of the UTF-8 (as in llama.cpp); one that is no valid text is <oov>
+            seq = text[c0:stop if stop >= 0 else len(text)].encode("utf-8")
+            seq = bytes(b - 32 if 0x61 <= b <= 0x7A else b for b in seq)
+            for k in range(0, len(seq), 6):
+                try:
+                    kmer = seq[k:k + 6].ljust(6, b"A").decode("utf-8")
+                except UnicodeDecodeError:
+                    out.append(oov)
+                    continue
+                out.append(tid(kmer + _DNA_MARKER, oov))
+            if stop < 0:
+                break
+            out.append(end)
+            pos = stop + len("</dna>")
+
+    def _whitespace_segments(self, text: str) -> list[str]:
+        """llama.cpp's "whitespace" model: the runs between whitespace, lower-cased if the
+        normaliser says so (llama.cpp's own simple lowercase table)."""
+        if self.lowercase:
+            lower = lowercase_map()
+            text = "".join(chr(lower.get(ord(c), ord(c))) for c in text)
+        ws = (flags_of(text) & F_WHITESPACE) != 0 if text else []
+        segs: list[str] = []
+        start = 0
+        for k, w in enumerate(ws):
+            if w:
+                if k > start:
+                    segs.append(text[start:k])
+                start = k + 1
+        if start < len(text):
+            segs.append(text[start:])
+        return segs
+
     def _bpe_fill(self, words: list[str]) -> dict[str, tuple[int, ...]]:
         """Merge ``words`` (pre-tokenized text pieces), cache and return their ids."""
-        levels = [_to_byte_level(w) for w in words]
+        levels = [_to_byte_level(w) for w in words] if self._byte_encode else list(words)
+        result: dict[str, tuple[int, ...]] = {}
+        if self._newline_words:  # llama.cpp's Gemma 4 fix: a newline run that is a token is taken whole
+            for w in words:
+                if w and not w.strip("\n") and w in self._tok2id:
+                    result[w] = (self._tok2id[w],)
+            if result:
+                keep = [k for k, w in enumerate(words) if w not in result]
+                words = [words[k] for k in keep]
+                levels = [levels[k] for k in keep]
         if self._hf is None:
-            result = {w: self._bpe_merge_word(bl) for w, bl in zip(words, levels)}
-        else:
+            result.update({w: self._bpe_merge_word(bl) for w, bl in zip(words, levels)})
+        elif words:
             enc = self._hf.encode(levels, is_pretokenized=True, add_special_tokens=False)
             groups: list[list[int]] = [[] for _ in words]
             for tid, wi in zip(enc.ids, enc.word_ids):
                 groups[wi].append(tid)
-            result = {w: tuple(g) for w, g in zip(words, groups)}
+            result.update({w: tuple(g) for w, g in zip(words, groups)})
         cache = self._cache
         if len(cache) + len(result) > _MAX_CACHE:
             cache.clear()
@@ -1113,8 +1267,10 @@ class Tokenizer:
             tid = vocab.get(s)
             if tid is not None:
                 out.append(tid)
-            else:  # llama.cpp: single-byte texts of the symbol's UTF-8, where they are tokens
+            elif self._byte_encode:  # llama.cpp: single-byte texts of the symbol's UTF-8, where they are tokens
                 out.extend(vocab[chr(b)] for b in s.encode("utf-8") if b < 0x80 and chr(b) in vocab)
+            else:  # raw-UTF-8 vocabularies: <0xNN> byte tokens, where they exist
+                out.extend(vocab[t] for b in s.encode("utf-8") if (t := "<0x%02X>" % b) in vocab)
         return tuple(out)
 
 

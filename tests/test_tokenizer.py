@@ -388,7 +388,7 @@ def test_bpe_repeated_merge_keeps_first_rank():
 
 @pytest.mark.parametrize("change, match", [
     ({"tokenizer.ggml.model": None}, "tokenizer.ggml.model"),
-    ({"tokenizer.ggml.model": "bert"}, "'bert'"),
+    ({"tokenizer.ggml.model": "sentencepiece-ish"}, "'sentencepiece-ish'"),  # not a llama.cpp model name
     ({"tokenizer.ggml.tokens": []}, "tokenizer.ggml.tokens"),
     ({"tokenizer.ggml.scores": np.zeros(3, np.float32)}, "scores has 3 entries"),
     ({"tokenizer.ggml.token_type": np.ones(5, np.int32)}, "token_type has 5 entries"),

@@ -1,0 +1,36 @@
+"""llama.cpp's token types (GGUF ``tokenizer.ggml.token_type``) and token attribute bits."""
+
+import re
+
+# GGUF tokenizer.ggml.token_type values (llama_token_type)
+TOKEN_TYPE_UNDEFINED = 0
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+# token attribute bits (llama_token_attr)
+ATTR_UNDEFINED = 0
+ATTR_UNKNOWN = 1 << 0
+ATTR_UNUSED = 1 << 1
+ATTR_NORMAL = 1 << 2
+ATTR_CONTROL = 1 << 3
+ATTR_USER_DEFINED = 1 << 4
+ATTR_BYTE = 1 << 5
+ATTR_NORMALIZED = 1 << 6
+ATTR_LSTRIP = 1 << 7
+ATTR_RSTRIP = 1 << 8
+ATTR_SINGLE_WORD = 1 << 9
+
+TYPE_TO_ATTR = {
+    TOKEN_TYPE_UNDEFINED: ATTR_UNDEFINED,
+    TOKEN_TYPE_NORMAL: ATTR_NORMAL,
+    TOKEN_TYPE_UNKNOWN: ATTR_UNKNOWN,
+    TOKEN_TYPE_CONTROL: ATTR_CONTROL,
+    TOKEN_TYPE_USER_DEFINED: ATTR_USER_DEFINED,
+    TOKEN_TYPE_UNUSED: ATTR_UNUSED,
+    TOKEN_TYPE_BYTE: ATTR_BYTE,
+}
+BYTE_TOKEN_RE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # byte tokens: <0xNN>

@@ -1,0 +1,535 @@
+"""The non-BPE, non-SPM vocabularies of llama.cpp: WordPiece (``bert``), Unigram (``t5``), RWKV
+(``rwkv``) and PLaMo-2 (``plamo2``), each ported from ``src/llama-vocab.cpp`` rule for rule.
+
+Why hand-written: each of these follows llama.cpp's own normalisation, not a library's.
+llama.cpp's WordPiece lower-cases and strips accents with its own Unicode tables (NFD keeps only
+a code point's first decomposed character) and splits punctuation as BERT does, but matches
+``▁``-prefixed words greedily over bytes; its Unigram runs a Viterbi search over the *bytes* of
+the text normalised by the GGUF's ``precompiled_charsmap`` (SentencePiece's XOR-compressed double
+array), scoring user-defined tokens 0; HF ``tokenizers`` and ``sentencepiece`` differ from both in
+details that change ids (and ``sentencepiece`` needs a ``.model`` protobuf a GGUF does not carry).
+
+Each class takes the vocabulary (texts, attributes, scores) and appends the ids of one text
+fragment to a list: the special-token partition, BOS/EOS and decoding stay in
+:class:`minirt.tokenizer.Tokenizer`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import regex
+
+from .errors import TokenizerError
+from .pretokenizers import (
+    F_CONTROL,
+    F_MARK,
+    F_PUNCT,
+    F_SYMBOL,
+    F_WHITESPACE,
+    codepoints,
+    flag_table,
+    lowercase_map,
+    nfd_map,
+)
+from .token_attrs import (
+    ATTR_BYTE,
+    ATTR_NORMAL,
+    ATTR_UNUSED,
+    ATTR_USER_DEFINED,
+    BYTE_TOKEN_RE,
+)
+
+_SPACE = "\u2581"
+
+
+# ---------------------------------------------------------------------------------------------
+# WordPiece (llama.cpp llm_tokenizer_wpm_session)
+# ---------------------------------------------------------------------------------------------
+
+# llama.cpp's "Chinese character" ranges (0x2B920, not 0x2B820, as in HF's Rust code)
+_CHINESE = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+            (0x2B920, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+@functools.cache
+def _map_table(kind: str) -> np.ndarray:
+    """Code point -> code point array for ``lowercase_map()`` or ``nfd_map()`` (identity elsewhere)."""
+    table = np.arange(0x110000, dtype=np.uint32)
+    m = lowercase_map() if kind == "lower" else nfd_map()
+    table[np.fromiter(m.keys(), np.int64)] = np.fromiter(m.values(), np.uint32)
+    return table
+
+
+_WORD_OR_PUNCT = regex.compile(r"c+|p")
+
+
+class WordPiece:
+    """BERT-style WordPiece over a GGUF vocabulary whose word-initial pieces start with ``▁``."""
+
+    def __init__(self, texts: Sequence[str], unk_id: int | None, lowercase: bool, strip_accents: bool) -> None:
+        self._tok = {t.encode("utf-8"): i for i, t in enumerate(texts)}
+        self._max_len = max(len(t.encode("utf-8")) for t in texts)
+        self.unk_id = unk_id
+        self.lowercase = lowercase
+        self.strip_accents = strip_accents
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def words(self, text: str) -> list[str]:
+        """llama.cpp ``preprocess``: normalise and split into words (vectorised: one class letter
+        per code point, then runs of word characters and single punctuation characters)."""
+        if not text:
+            return []
+        cps = codepoints(text)
+        if self.strip_accents:
+            cps = _map_table("nfd")[cps]
+        fl = flag_table()[cps]
+        ws = (fl & F_WHITESPACE) != 0
+        skip = ~ws & ((cps == 0) | (cps == 0xFFFD) | ((fl & F_CONTROL) != 0))
+        if self.strip_accents:
+            skip |= ~ws & ((fl & F_MARK) != 0)
+        punct = ((fl & F_PUNCT) != 0) | ((cps < 0x7F) & ((fl & F_SYMBOL) != 0))
+        for lo, hi in _CHINESE:
+            punct |= (cps >= lo) & (cps <= hi)
+        cls = np.where(ws, ord("w"), np.where(punct, ord("p"), ord("c"))).astype(np.uint8)
+        keep = ~skip
+        cps, cls = cps[keep], cls[keep]  # skipped characters do not end a word
+        if self.lowercase:
+            cps = _map_table("lower")[cps]
+        norm = cps.astype(np.uint32).tobytes().decode("utf-32-le")
+        return [norm[m.start():m.end()] for m in _WORD_OR_PUNCT.finditer(cls.tobytes().decode("latin-1"))]
+
+    def encode(self, text: str, out: list[int]) -> None:
+        cache = self._cache
+        for w in self.words(text):
+            ids = cache.get(w)
+            if ids is None:
+                ids = cache[w] = self._word(w)
+            out.extend(ids)
+
+    def _word(self, word: str) -> tuple[int, ...]:
+        b = (_SPACE + word).encode("utf-8")
+        n = len(b)
+        tok = self._tok
+        out: list[int] = []
+        i = 0
+        while i < n:
+            for j in range(min(n, i + self._max_len + 1), i, -1):
+                tid = tok.get(b[i:j])
+                if tid is not None:
+                    out.append(tid)
+                    i = j
+                    break
+            else:
+                out = []  # one unmatched position discards the whole word
+                break
+        if not out:
+            if self.unk_id is None:
+                raise TokenizerError(f"word {word!r} has no WordPiece tokens and the vocabulary has no unknown token")
+            return (self.unk_id,)
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unigram (llama.cpp llm_tokenizer_ugm / _session)
+# ---------------------------------------------------------------------------------------------
+
+def _utf8_len(b0: int) -> int:
+    return (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4)[b0 >> 4]
+
+
+def _valid_utf8_prefix(data: bytes, off: int) -> int:
+    """Length of the valid UTF-8 sequence at ``off`` (llama.cpp ``unicode_cpt_from_utf8``), 0 if invalid."""
+    b0 = data[off]
+    if not b0 & 0x80:
+        return 1
+    if b0 & 0x40 == 0:
+        return 0
+    need = 2 if b0 & 0x20 == 0 else 3 if b0 & 0x10 == 0 else 4 if b0 & 0x08 == 0 else 0
+    if need == 0 or off + need > len(data):
+        return 0
+    for k in range(1, need):
+        if data[off + k] & 0xC0 != 0x80:
+            return 0
+    return need
+
+
+class Unigram:
+    """SentencePiece-style Unigram with llama.cpp's normaliser and Viterbi search."""
+
+    def __init__(self, texts: Sequence[str], attrs: Sequence[int], scores: Sequence[float], unk_id: int | None,
+                 charsmap: Any, add_space_prefix: bool, remove_extra_ws: bool, escape_ws: bool = True,
+                 treat_ws_as_suffix: bool = False) -> None:
+        self.unk_id = unk_id
+        self._scores = [float(np.float32(s)) for s in scores]
+        self._user = [bool(a & ATTR_USER_DEFINED) for a in attrs]
+        normal_scores = [s for s, a in zip(self._scores, attrs) if a & ATTR_NORMAL]
+        min_score = min(normal_scores) if normal_scores else float(np.finfo(np.float32).max)
+        self._unk_score = float(np.float32(min_score - np.float32(10.0)))
+        # byte tries: dict of byte -> child, id under key -1
+        self._trie: dict[int, Any] = {}
+        self._user_trie: dict[int, Any] = {}
+        for i, (t, a) in enumerate(zip(texts, attrs)):
+            if a & (ATTR_NORMAL | ATTR_USER_DEFINED | ATTR_UNUSED):
+                node = self._trie
+                for b in t.encode("utf-8"):
+                    node = node.setdefault(b, {})
+                node[-1] = i
+            if a & ATTR_USER_DEFINED:
+                node = self._user_trie
+                for b in t.encode("utf-8"):
+                    node = node.setdefault(b, {})
+                node[-1] = i
+        self._xcda: np.ndarray | None = None
+        self._repl = b""
+        if charsmap is not None and len(charsmap):
+            blob = np.asarray(charsmap).astype(np.uint8).tobytes()
+            if len(blob) < 4:
+                raise TokenizerError("tokenizer.ggml.precompiled_charsmap is too small for its header")
+            (size,) = struct.unpack_from("<I", blob, 0)
+            if size + 4 >= len(blob):
+                raise TokenizerError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
+            self._xcda = np.frombuffer(blob, dtype="<u4", count=size // 4, offset=4).astype(np.int64)
+            self._repl = blob[4 + size:]
+        self._space = _SPACE.encode() if escape_ws else b" "
+        self._prepend = add_space_prefix and not treat_ws_as_suffix
+        self._append = add_space_prefix and treat_ws_as_suffix
+        self._merge = remove_extra_ws
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    # ---- normalisation ----
+
+    def _node(self, i: int) -> int:
+        if self._xcda is None or i >= len(self._xcda):
+            raise TokenizerError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
+        return int(self._xcda[i])
+
+    def _prefix(self, data: bytes, off: int) -> tuple[bytes, int]:
+        """llama.cpp ``normalize_prefix``: (replacement bytes, input bytes consumed)."""
+        node = self._user_trie
+        best = 0
+        k = off
+        while k < len(data):
+            node = node.get(data[k])
+            if node is None:
+                break
+            k += 1
+            best = k - off  # llama.cpp's naive_trie: longest path walked, token or not
+        if best > 0:
+            return data[off:off + best], best
+        longest = 0
+        rep_off = 0
+        if self._xcda is not None and len(self._xcda):
+            def base(p: int) -> int:
+                return (p >> 10) << ((p & (1 << 9)) >> 6)
+
+            ni = base(self._node(0))
+            for k in range(off, len(data)):
+                c = data[k]
+                if c == 0:
+                    break
+                ni ^= c
+                p = self._node(ni)
+                if p & ((1 << 31) | 0xFF) != c:
+                    break
+                leaf = (p >> 8) & 1
+                ni ^= base(p)
+                if leaf:
+                    longest = k - off + 1
+                    rep_off = self._node(ni) & ((1 << 31) - 1)
+        if longest > 0:
+            if rep_off >= len(self._repl):
+                raise TokenizerError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
+            end = self._repl.find(b"\0", rep_off)
+            if end < 0:
+                raise TokenizerError("tokenizer.ggml.precompiled_charsmap: unterminated string")
+            return self._repl[rep_off:end], longest
+        n = _valid_utf8_prefix(data, off)
+        if n:
+            return data[off:off + n], n
+        return b"\xef\xbf\xbd", 1
+
+    def normalize(self, text: str) -> bytes:
+        data = text.encode("utf-8")
+        out = bytearray()
+        space = self._space
+        prepended = False
+        non_ws = False
+        off = 0
+        while off < len(data):
+            rep, used = self._prefix(data, off)
+            for c in rep:
+                if c != 0x20:
+                    if not non_ws:
+                        non_ws = True
+                        if (self._prepend and not prepended) or self._merge:
+                            out += space
+                            prepended = True
+                    out.append(c)
+                else:
+                    non_ws = False
+                    if not self._merge:
+                        out += space
+            off += used
+        if self._append:
+            out += space
+        return bytes(out)
+
+    # ---- Viterbi ----
+
+    def encode(self, text: str, out: list[int]) -> None:
+        if len(text) > 256:  # long fragments are rarely repeated: not worth keeping
+            out.extend(self._viterbi(self.normalize(text)))
+            return
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self._viterbi(self.normalize(text))
+            if len(self._cache) > 1 << 15:
+                self._cache.clear()
+            self._cache[text] = ids
+        out.extend(ids)
+
+    def _viterbi(self, s: bytes) -> tuple[int, ...]:
+        n = len(s)
+        if n == 0:
+            return ()
+        unk = self.unk_id if self.unk_id is not None else -1
+        best_id = [unk] * (n + 1)
+        best_from = [0] * (n + 1)
+        best = [-math.inf] * (n + 1)  # llama.cpp: -DBL_MAX
+        best[0] = 0.0
+        scores = self._scores
+        user = self._user
+        root = self._trie
+        off = 0
+        while off < n:
+            cu = min(_utf8_len(s[off]), n - off)
+            cur = best[off]
+            single = False
+            node = root.get(s[off])
+            k = off + 1
+            while node is not None:
+                tid = node.get(-1)
+                if tid is not None:
+                    if k - off == cu:
+                        single = True
+                    sc = cur + (0.0 if user[tid] else scores[tid])
+                    if sc > best[k]:
+                        best[k] = sc
+                        best_id[k] = tid
+                        best_from[k] = off
+                if k >= n:
+                    break
+                node = node.get(s[k])
+                k += 1
+            if not single:
+                sc = cur + self._unk_score
+                e = off + cu
+                if sc > best[e]:
+                    best[e] = sc
+                    best_id[e] = unk
+                    best_from[e] = off
+            off += cu
+        res: list[int] = []
+        prev_unk = False
+        p = n
+        while True:
+            tid = best_id[p]
+            is_unk = tid == unk
+            if not (prev_unk and is_unk):
+                res.append(tid)
+            if best_from[p] == 0:
+                break
+            prev_unk = is_unk
+            p = best_from[p]
+        if unk < 0 and -1 in res:
+            raise TokenizerError("text needs the unknown token, but the vocabulary has none")
+        res.reverse()
+        return tuple(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# RWKV (llama.cpp llm_tokenizer_rwkv_session): greedy longest match over escaped byte tokens
+# ---------------------------------------------------------------------------------------------
+
+def rwkv_unescape(escaped: str) -> bytes:
+    """llama.cpp ``llama_unescape_rwkv_token``: ``\\t \\n \\r \\xNN`` and ``\\c`` escapes to bytes."""
+    out = bytearray()
+    esc = False
+    hex_left = 0
+    acc = 0
+    for c in escaped.encode("utf-8"):
+        if hex_left:
+            v = c - 0x61 + 10 if c >= 0x61 else c - 0x30
+            acc = ((acc << 4) + v) & 0xFF
+            hex_left -= 1
+            if hex_left == 0:
+                out.append(acc)
+                acc = 0
+            continue
+        if esc:
+            if c == 0x74:
+                out.append(9)
+            elif c == 0x6E:
+                out.append(10)
+            elif c == 0x72:
+                out.append(13)
+            elif c == 0x78:
+                hex_left = 2
+            else:
+                out.append(c)
+            esc = False
+            continue
+        if c == 0x5C:
+            esc = True
+            continue
+        out.append(c)
+    return bytes(out)
+
+
+class RWKV:
+    """RWKV's "world" tokenizer: the longest vocabulary entry (as bytes) at each position."""
+
+    def __init__(self, texts: Sequence[str], unk_id: int | None) -> None:
+        self.pieces = [rwkv_unescape(t) for t in texts]
+        self._trie: dict[int, Any] = {}
+        for i, p in enumerate(self.pieces):
+            node = self._trie
+            for b in p:
+                node = node.setdefault(b, {})
+            node[-1] = i
+        self.unk_id = unk_id
+
+    def encode(self, text: str, out: list[int]) -> None:
+        data = text.encode("utf-8")
+        n = len(data)
+        pos = 0
+        root = self._trie
+        while pos < n:
+            node = root.get(data[pos])
+            if node is None:
+                if self.unk_id is None:
+                    raise TokenizerError(f"byte 0x{data[pos]:02x} has no RWKV token and there is no unknown token")
+                out.append(self.unk_id)
+                pos += 1
+                continue
+            tid = 0
+            end = 0
+            while node is not None:
+                t = node.get(-1)
+                if t is not None:
+                    tid = t
+                    end = pos + 1
+                if pos + 1 >= n:
+                    break
+                pos += 1
+                node = node.get(data[pos])
+            if end == 0:
+                raise TokenizerError("RWKV vocabulary lacks a token for a byte prefix it extends")
+            out.append(tid)
+            pos = end
+
+
+# ---------------------------------------------------------------------------------------------
+# PLaMo-2 (llama.cpp llm_tokenizer_plamo2): lowest-cost segmentation, byte fallback
+# ---------------------------------------------------------------------------------------------
+
+_P2_UNKNOWN = -10000000
+
+
+def _round_half_away(x: float) -> int:
+    return int(math.floor(x + 0.5)) if x >= 0 else -int(math.floor(-x + 0.5))
+
+
+class Plamo2:
+    """PLaMo-2's tokenizer: dynamic programming over code points; each piece costs
+    ``-round(score * 1e4)``, a code point no token covers costs 1e7 and becomes byte tokens.
+
+    The longest of equally cheap pieces wins (llama.cpp tries longer pieces first, strict ``<``)."""
+
+    def __init__(self, texts: Sequence[str], attrs: Sequence[int], scores: Sequence[float]) -> None:
+        self._bytes = [0] * 256
+        self._trie: dict[str, Any] = {}
+        for i, (t, a) in enumerate(zip(texts, attrs)):
+            if a & ATTR_BYTE:
+                m = BYTE_TOKEN_RE.fullmatch(t)
+                if m is not None:
+                    self._bytes[int(m.group(1), 16)] = i
+                continue
+            sc = float(np.float32(scores[i]))
+            cost = _round_half_away(sc * 1e4) if math.isfinite(sc) else None
+            node = self._trie
+            for ch in t:
+                node = node.setdefault(ch, {})
+            node[-1] = (i, cost)
+        missing = [b for b in range(256) if self._bytes[b] == 0]
+        if missing:
+            raise TokenizerError(f"PLaMo-2 vocabulary lacks byte token <0x{missing[0]:02X}>")
+
+    def encode(self, text: str, out: list[int]) -> None:
+        if text[:1] == "\ufeff":
+            text = text[1:]
+        n = len(text)
+        if not n:
+            return
+        big = 1 << 60
+        cost = [big] * (n + 1)
+        cost[n] = 0
+        step = [0] * (n + 1)
+        tok = [-1] * (n + 1)
+        root = self._trie
+        for i in range(n - 1, -1, -1):
+            cands: list[tuple[int, int, int]] = []  # (length, token, score)
+            node = root
+            k = i
+            while k < n:
+                node = node.get(text[k])
+                if node is None:
+                    break
+                k += 1
+                v = node.get(-1)
+                if v is not None and v[1] is not None:
+                    cands.append((k - i, v[0], v[1]))
+            best = cost[i]
+            for ln, tid, sc in reversed(cands):  # longest first
+                s = cost[i + ln] - sc
+                if s < best:
+                    best, step[i], tok[i] = s, ln, tid
+            s = cost[i + 1] - _P2_UNKNOWN
+            if s < best:
+                best, step[i], tok[i] = s, 1, -1
+            cost[i] = best
+        pos = 0
+        while pos < n:
+            if tok[pos] >= 0:
+                out.append(tok[pos])
+            else:
+                for b in text[pos].encode("utf-8"):
+                    out.append(self._bytes[b])
+            pos += step[pos]
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's "test" vocabulary: a hash of each 5-byte chunk
+# ---------------------------------------------------------------------------------------------
+
+class HashTest:
+    """llama.cpp's ``test`` tokenizer (for its own tests): each 5-byte chunk of a fragment's
+    UTF-8 is one id, ``hash * 31 + byte`` over the chunk (64-bit) modulo the vocabulary size."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+
+    def encode(self, text: str, out: list[int]) -> None:
+        data = text.encode("utf-8")
+        mask = (1 << 64) - 1
+        for k in range(0, len(data), 5):
+            h = 0
+            for b in data[k:k + 5]:
+                h = (h * 31 + b) & mask
+            out.append(h % self.n_vocab)
