@@ -279,6 +279,22 @@ def gated_mlp(f: GGUFFile, i: int, hp: HParams, act: str = "silu") -> MLP:
     return MLP(act=act, gate=gate, up=up, down=down)
 
 
+def pre_norm_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, *, act: str = "silu",
+                   ffn_norm: str = "ffn_norm", **attn: Any) -> Block:
+    """The common block: RMSNorm ``attn_norm`` → attention → residual, RMSNorm ``ffn_norm`` (the
+    name the file uses) → gated MLP → residual. ``attn``: keyword arguments of :func:`attention`."""
+    p, d, eps = f"blk.{i}.", hp.n_embd, hp.rms_eps
+    return Block(attn_norm=norm(f, p + "attn_norm", d, eps), attn=attention(f, i, hp, rope, **attn),
+                 ffn_norm=norm(f, p + ffn_norm, d, eps), mlp=gated_mlp(f, i, hp, act))
+
+
+def post_norm_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, **attn: Any) -> Block:
+    """OLMo 2 / EXAONE 4 block: no pre-norms; RMSNorm after attention and after the MLP."""
+    p, d, eps = f"blk.{i}.", hp.n_embd, hp.rms_eps
+    return Block(attn=attention(f, i, hp, rope, **attn), post_attn_norm=norm(f, p + "post_attention_norm", d, eps),
+                 mlp=gated_mlp(f, i, hp), post_ffn_norm=norm(f, p + "post_ffw_norm", d, eps))
+
+
 def decoder(f: GGUFFile, hp: HParams, blocks: list[Block], *, embed_scale: float = 1.0, logit_scale: float = 1.0,
             output_norm: str = "rms", **extra: Any) -> ModelDesc:
     """The description around the blocks: embedding, final norm, output head (tied to the embedding

@@ -5,15 +5,13 @@ layers use no RoPE, the local ones ``rope.freq_base_swa`` (default: the global b
 
 from __future__ import annotations
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
 from .base import (
-    attention,
     decoder,
-    gated_mlp,
     meta_float,
     meta_int,
-    norm,
+    post_norm_block,
     read_hparams,
     register,
     rope_from_meta,
@@ -28,11 +26,6 @@ def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     local = swa_pattern(f, hp.n_layer, 4) if window else [False] * hp.n_layer
     rope = rope_from_meta(f, hp, neox=True)
     rope_local = rope_from_meta(f, hp, neox=True, base=meta_float(f, "rope.freq_base_swa", hp.rope_base, lo=1e-3))
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = []
-    for i in range(hp.n_layer):
-        r = (rope_local if local[i] else None) if window else rope
-        blocks.append(Block(attn=attention(f, i, hp, r, qk_norm=True, window=window if local[i] else 0),
-                            post_attn_norm=norm(f, f"blk.{i}.post_attention_norm", d, eps),
-                            mlp=gated_mlp(f, i, hp), post_ffn_norm=norm(f, f"blk.{i}.post_ffw_norm", d, eps)))
+    blocks = [post_norm_block(f, i, hp, (rope_local if local[i] else None) if window else rope, qk_norm=True,
+                              window=window if local[i] else 0) for i in range(hp.n_layer)]
     return decoder(f, hp, blocks)

@@ -20,6 +20,7 @@ from .base import (
     gated_mlp,
     meta_int,
     norm,
+    pre_norm_block,
     read_hparams,
     register,
     rope_from_meta,
@@ -42,11 +43,8 @@ def sandwich_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, window: 
 def describe_gemma(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=True)
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", d, eps), attn=attention(f, i, hp, rope),
-                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", d, eps), mlp=gated_mlp(f, i, hp, act="gelu_tanh"))
-              for i in range(hp.n_layer)]
-    return decoder(f, hp, blocks, embed_scale=math.sqrt(d))
+    blocks = [pre_norm_block(f, i, hp, rope, act="gelu_tanh") for i in range(hp.n_layer)]
+    return decoder(f, hp, blocks, embed_scale=math.sqrt(hp.n_embd))
 
 
 @register("gemma2")

@@ -5,14 +5,12 @@ divided by ``logit_scale``."""
 
 from __future__ import annotations
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
 from .base import (
-    attention,
     decoder,
-    gated_mlp,
     meta_float,
-    norm,
+    pre_norm_block,
     read_hparams,
     register,
     rope_from_meta,
@@ -24,9 +22,8 @@ def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=False)
     residual = meta_float(f, "residual_scale", 1.0, hi=1e6)
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", d, eps), attn=attention(f, i, hp, rope),
-                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", d, eps), mlp=gated_mlp(f, i, hp), residual_scale=residual)
-              for i in range(hp.n_layer)]
+    blocks = [pre_norm_block(f, i, hp, rope) for i in range(hp.n_layer)]
+    for b in blocks:
+        b.residual_scale = residual
     return decoder(f, hp, blocks, embed_scale=meta_float(f, "embedding_scale", 1.0, hi=1e6),
                    logit_scale=1.0 / meta_float(f, "logit_scale", 1.0, lo=1e-6, hi=1e6))

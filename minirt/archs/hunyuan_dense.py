@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
 from .base import (
-    attention,
     decoder,
-    gated_mlp,
-    norm,
+    pre_norm_block,
     read_hparams,
     register,
     rope_from_meta,
@@ -20,11 +18,7 @@ from .base import (
 def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=True)
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = []
-    for i in range(hp.n_layer):
-        a = attention(f, i, hp, rope, qk_norm=True)
-        a.qk_norm_after_rope = True
-        blocks.append(Block(attn_norm=norm(f, f"blk.{i}.attn_norm", d, eps), attn=a,
-                            ffn_norm=norm(f, f"blk.{i}.ffn_norm", d, eps), mlp=gated_mlp(f, i, hp)))
+    blocks = [pre_norm_block(f, i, hp, rope, qk_norm=True) for i in range(hp.n_layer)]
+    for b in blocks:
+        b.attn.qk_norm_after_rope = True
     return decoder(f, hp, blocks)

@@ -5,13 +5,11 @@ output tied to the embedding when ``output.weight`` is absent."""
 
 from __future__ import annotations
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
 from .base import (
-    attention,
     decoder,
-    gated_mlp,
-    norm,
+    pre_norm_block,
     read_hparams,
     register,
     rope_from_meta,
@@ -22,9 +20,5 @@ from .base import (
 def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=False)
-    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", hp.n_embd, hp.rms_eps),
-                    attn=attention(f, i, hp, rope),
-                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", hp.n_embd, hp.rms_eps),
-                    mlp=gated_mlp(f, i, hp))
-              for i in range(hp.n_layer)]
+    blocks = [pre_norm_block(f, i, hp, rope) for i in range(hp.n_layer)]
     return decoder(f, hp, blocks)

@@ -9,15 +9,13 @@ the context it runs with), and cos/sin scaled by ``rope.scaling.attn_factor``.
 
 from __future__ import annotations
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
 from .base import (
-    attention,
     decoder,
-    gated_mlp,
     meta_float,
     meta_int,
-    norm,
+    pre_norm_block,
     read_hparams,
     register,
     rope_factors,
@@ -37,8 +35,5 @@ def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
         rope.factors = rope_factors(f, t, rope.dim)
         rope.attn_factor = meta_float(f, "rope.scaling.attn_factor", 1.0, hi=1e3)
     window = meta_int(f, "attention.sliding_window", 0, lo=0, hi=1 << 24)
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", d, eps), attn=attention(f, i, hp, rope, window=window),
-                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", d, eps), mlp=gated_mlp(f, i, hp))
-              for i in range(hp.n_layer)]
+    blocks = [pre_norm_block(f, i, hp, rope, window=window) for i in range(hp.n_layer)]
     return decoder(f, hp, blocks)

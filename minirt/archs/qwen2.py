@@ -3,13 +3,11 @@ drops them and RMS-normalizes each query and key head before RoPE."""
 
 from __future__ import annotations
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
 from .base import (
-    attention,
     decoder,
-    gated_mlp,
-    norm,
+    pre_norm_block,
     read_hparams,
     register,
     rope_from_meta,
@@ -19,11 +17,7 @@ from .base import (
 def _describe(f: GGUFFile, qk_norm: bool) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=True)
-    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", hp.n_embd, hp.rms_eps),
-                    attn=attention(f, i, hp, rope, qk_norm=qk_norm, bias=not qk_norm),
-                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", hp.n_embd, hp.rms_eps),
-                    mlp=gated_mlp(f, i, hp))
-              for i in range(hp.n_layer)]
+    blocks = [pre_norm_block(f, i, hp, rope, qk_norm=qk_norm, bias=not qk_norm) for i in range(hp.n_layer)]
     return decoder(f, hp, blocks)
 
 

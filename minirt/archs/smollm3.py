@@ -4,13 +4,11 @@ so does this description."""
 
 from __future__ import annotations
 
-from ..blocks import Block, ModelDesc
+from ..blocks import ModelDesc
 from ..gguf import GGUFFile
 from .base import (
-    attention,
     decoder,
-    gated_mlp,
-    norm,
+    pre_norm_block,
     read_hparams,
     register,
     rope_from_meta,
@@ -23,9 +21,5 @@ NO_ROPE_LAYER_STEP = 4
 def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=False)
-    d, eps = hp.n_embd, hp.rms_eps
-    blocks = [Block(attn_norm=norm(f, f"blk.{i}.attn_norm", d, eps),
-                    attn=attention(f, i, hp, rope if (i + 1) % NO_ROPE_LAYER_STEP else None),
-                    ffn_norm=norm(f, f"blk.{i}.ffn_norm", d, eps), mlp=gated_mlp(f, i, hp))
-              for i in range(hp.n_layer)]
+    blocks = [pre_norm_block(f, i, hp, rope if (i + 1) % NO_ROPE_LAYER_STEP else None) for i in range(hp.n_layer)]
     return decoder(f, hp, blocks)
