@@ -66,6 +66,7 @@ class Transformer:
         self.cfg = config_of(desc)
         self.arch = desc.arch
         self.native_stack: Any = None  # set by a backend that runs decode steps natively
+        self.ropes = desc.ropes()  # distinct RoPE variants, in the order the fused decode step indexes them
         backend.prepare(self)  # e.g. repack weights for the backend's kernels, once
 
     # -- shared pieces ---------------------------------------------------------------------------
@@ -76,10 +77,6 @@ class Transformer:
     @property
     def output(self) -> Linear:
         return self.desc.output
-
-    @property
-    def tok_embd(self) -> Any:
-        return self.desc.tok_embd
 
     def norm(self, x: np.ndarray, n: Norm | None) -> np.ndarray:
         """``n`` applied over the last axis of x (..., n); None: x itself."""
@@ -202,7 +199,7 @@ class Transformer:
             if seg.n_tokens != 1 or not isinstance(k, np.ndarray) or not isinstance(v, np.ndarray):
                 return False
             caches.append((k, v, p0))
-        tables = [ctx.rope_tables(r) for r in self.desc.ropes()]
+        tables = [ctx.rope_tables(r) for r in self.ropes]
         return bool(self.backend.decode_layers(self, x, caches, tables))
 
     def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:

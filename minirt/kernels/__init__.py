@@ -153,7 +153,7 @@ class NativeBackend(Backend):
             log.info("native decode layers not used: the model has %s weights (numba decodes them faster)",
                      "/".join(sorted(NUMBA_DECODE_TYPES)))
             return
-        keys = [r.key() for r in desc.ropes()]
+        keys = [r.key() for r in model.ropes]
         index = [keys.index(b.attn.rope.key()) if b.attn.rope is not None else -1 for b in desc.blocks]
         try:
             model.native_stack = self._mod.LayerStack(desc.blocks, index)

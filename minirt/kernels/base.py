@@ -79,7 +79,7 @@ class Backend:
     def decode_layers(self, model: Any, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
                       tables: Sequence[tuple[np.ndarray, np.ndarray]]) -> bool:
         """Every layer of a decode step (one token per sequence) in one call, x (n_seq, d) in place;
-        ``tables``: (cos, sin) for each of ``model.desc.ropes()``. False: not prepared for it."""
+        ``tables``: (cos, sin) for each of ``model.ropes``. False: not prepared for it."""
         return False
 
     def forward(self, model: Any, tokens: np.ndarray, segments: Sequence[Any]) -> list[np.ndarray | None] | None:
