@@ -258,18 +258,35 @@ def test_invalid_requests_are_400(server, path, body, param, code):
     assert "Traceback" not in err["message"]
 
 
-def test_unknown_model_404_and_bad_json_400(server):
-    assert_error(httpx.post(server.url + "/v1/chat/completions", json={"model": "gpt-4o", "messages": MSGS}),
-                 404, param="model", code="model_not_found")
+def test_any_model_name_is_served_and_bad_json_400(server, client, llm):
+    # a single-model server answers to any name, as llama-server does, and echoes it
+    want = llm.generate(PROMPT, max_tokens=5, temperature=0)
+    r = client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=5, temperature=0)
+    assert r.model == "gpt-4o" and r.choices[0].text == want.text
+    ch = client.chat.completions.create(model="some/fixed-name", messages=MSGS, max_tokens=3, temperature=0)
+    assert ch.model == "some/fixed-name" and ch.choices[0].message.content == llm.chat(
+        MSGS, max_tokens=3, temperature=0).text
+    assert_error(httpx.get(server.url + "/v1/models/gpt-4o"), 404, param="model", code="model_not_found")
     assert_error(httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x",'), 400, code="invalid_json")
     assert_error(httpx.post(server.url + "/v1/completions", content=b"\xff\xfe"), 400, code="invalid_json")
     assert_error(httpx.post(server.url + "/v1/completions", json=["a"]), 400, code="invalid_json")
+    assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "x", "model": 3}), 400, param="model",
+                 code="invalid_type")
     with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
-        with pytest.raises(openai.NotFoundError):
-            c.chat.completions.create(model="gpt-4o", messages=MSGS)
         with pytest.raises(openai.BadRequestError) as ei:
             c.chat.completions.create(model="tiny.gguf", messages=MSGS, n=2)
         assert ei.value.body["param"] == "n"
+
+
+def test_strict_model_and_alias(llm):
+    app = build_app(llm, model_id="my-alias", strict_model=True)
+    with BackgroundServer(app) as srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as c:
+        assert [m.id for m in c.models.list().data] == ["my-alias"]
+        assert c.models.retrieve("my-alias").id == "my-alias"
+        assert c.completions.create(model="my-alias", prompt=PROMPT, max_tokens=2).model == "my-alias"
+        assert c.completions.create(model="tiny.gguf", prompt=PROMPT, max_tokens=2).model == "tiny.gguf"
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="gpt-4o", messages=MSGS)
 
 
 def test_body_size_limit_413(server):
