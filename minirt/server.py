@@ -1041,23 +1041,83 @@ def serve(args: Any, load: Callable[[], Any] | None = None) -> int:
     if args.host not in _LOOPBACK and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
-    llm = load() if load is not None else load_from_args(args)
-    with llm:
-        llm.configure_scheduler(n_parallel=args.parallel, kv_budget_tokens=args.kv_budget_tokens,
-                                max_queue=args.queue)
-        app = build_app(llm, api_key=api_key)
+    slot_dir = getattr(args, "slot_save_path", None)
+    if slot_dir and not os.path.isdir(slot_dir):
+        raise InvalidRequestError(f"--slot-save-path {slot_dir}: not a directory")
+    opts = dict(api_key=api_key, model_id=getattr(args, "alias", None) or None, slot_save_path=slot_dir)
+    router = router_from_args(args)
+    if router is not None:
+        holder: Any = contextlib.closing(router)
+        app = build_app(None, router=router, **opts)
+        what = f"{len(router.entries)} models ({', '.join(router.entries)})"
+    else:
+        llm = load() if load is not None else load_from_args(args)
+        holder = llm
+        with contextlib.ExitStack() as guard:
+            guard.callback(llm.close)  # closed on a configuration error below
+            llm.configure_scheduler(n_parallel=args.parallel, kv_budget_tokens=args.kv_budget_tokens,
+                                    max_queue=args.queue)
+            app = build_app(llm, strict_model=bool(getattr(args, "strict_model", False)), **opts)
+            guard.pop_all()
+        what = f"{app.state.minirt.model_id} ({llm.arch}, n_ctx {llm.n_ctx})"
+    with holder:
         verbose = logging.getLogger("minirt").getEffectiveLevel() <= logging.INFO
         config = uvicorn.Config(app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
                                 ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=verbose,
                                 timeout_graceful_shutdown=5, lifespan="off")
         server = _server_class()(config)
-        log.info("serving %s (%s, n_ctx %d) at %s://%s:%d/v1", app.state.minirt.model_id, llm.arch, llm.n_ctx,
-                 "https" if args.ssl_certfile else "http", args.host, args.port)
+        log.info("serving %s at %s://%s:%d/v1", what, "https" if args.ssl_certfile else "http", args.host, args.port)
         server.run()
         if not server.started:
             return 1  # e.g. the port was taken; uvicorn logged why
     return 0
 
 
-__all__ = ["build_app", "serve", "BackgroundServer", "ServerState", "HTTPError", "error_for", "parse_chat",
+ROUTER_CTX = 4096  # a model's context in a multi-model server unless -c sets it
+ROUTER_KV_CONTEXTS = 4  # its KV budget: this many full contexts unless --kv-budget-tokens sets it
+
+
+def router_from_args(args: Any) -> Any:
+    """The :class:`minirt.router.ModelRouter` that ``--models-dir`` / several (or ``NAME=PATH``)
+    ``--model`` options describe, or None for a single-model server."""
+    from .loading import load_options
+    from .router import ModelRouter, parse_keep_alive, parse_model_specs, scan_models_dir
+
+    specs = args.model if isinstance(getattr(args, "model", None), list) else \
+        ([args.model] if getattr(args, "model", None) else [])
+    models_dir = getattr(args, "models_dir", None)
+    if not models_dir and len(specs) <= 1 and not any("=" in s for s in specs):
+        if isinstance(getattr(args, "model", None), list):
+            args.model = specs[0] if specs else None  # one model: the plain server
+        return None
+    models = scan_models_dir(models_dir) if models_dir else {}
+    for name, path in parse_model_specs(specs).items():
+        if name in models:
+            raise InvalidRequestError(f"--model {name}: the name is also in --models-dir")
+        models[name] = path
+    keep = getattr(args, "keep_alive", None)
+    keep_s = parse_keep_alive(keep) if keep is not None else None
+    if keep_s is not None and keep_s < 0:
+        keep_s = None
+
+    def load(path: str) -> Any:
+        import minirt
+
+        kw = load_options(args)
+        kw.setdefault("n_ctx", ROUTER_CTX)
+        llm = minirt.load(path, pull=False, **kw)
+        try:
+            llm.configure_scheduler(n_parallel=args.parallel, max_queue=args.queue,
+                                    kv_budget_tokens=args.kv_budget_tokens or llm.n_ctx * ROUTER_KV_CONTEXTS)
+        except BaseException:
+            llm.close()
+            raise
+        return llm
+
+    return ModelRouter(models, load, memory_budget=getattr(args, "models_memory", None), keep_alive=keep_s,
+                       max_loaded=getattr(args, "models_max", None))
+
+
+__all__ = ["build_app", "serve", "router_from_args", "acquire_model", "run_generation",
+           "BackgroundServer", "ServerState", "HTTPError", "error_for", "parse_chat",
            "parse_completion", "model_id_for", "MAX_BODY_BYTES"]
