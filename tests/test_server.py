@@ -600,3 +600,40 @@ def test_serve_load_bench_smoke(tiny_path, tmp_path):
     assert dc["ok"] and 1 <= dc["dropped"] <= 4 and dc["kept"] == 8 and dc["drained"] and dc["rss_ok"]
     assert dc["server_saw_disconnects"] >= 1
     assert rep["llama_server"].startswith("missing") and "MISSING" in p.stdout
+
+
+def test_serve_load_bench_alternates_with_peer(tiny_path, tmp_path):
+    """The llama-server comparison path, with a stand-in peer (minirt itself behind llama-server's
+    command line): both servers measured in alternating rounds, the summary and ratio printed, and
+    the many-streams check."""
+    root = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"""#!{sys.executable}
+import argparse, os, sys
+ap = argparse.ArgumentParser()
+for a in ("-m", "--host", "--port", "-np", "-c", "-t"):
+    ap.add_argument(a)
+ap.add_argument("-cb", action="store_true")
+a = ap.parse_args()
+cmd = [sys.executable, "-m", "minirt", "serve", "-m", a.m, "--port", a.port, "--parallel", a.np,
+       "-c", str(int(a.c) // int(a.np))]
+os.execv(sys.executable, cmd)
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "load.json"
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MINIRT_LLAMA_SERVER": str(fake)}
+    p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", tiny_path, "-n", "3",
+                        "--max-tokens", "4", "-c", "96", "-r", "2", "--check-streams", "10", "--time-limit", "240",
+                        "--log-dir", str(tmp_path), "--json", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads(out.read_text())
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(" round ")]
+    assert lines == [" round 1/2: minirt", " round 1/2: llama-server", " round 2/2: llama-server",
+                     " round 2/2: minirt"]
+    for name in ("minirt", "llama_server"):
+        assert len(rep[name]["rounds"]) == 2 and not rep[name]["load"]["failures"]
+        assert rep[name]["load"]["tokens"] == 3 * 4
+    assert rep["minirt_vs_llama_server"] > 0 and "minirt / llama-server aggregate:" in p.stdout
+    assert rep["many_streams"]["ok"] and rep["many_streams"]["summary"]["completed"] == 10
