@@ -25,16 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CapacityError, InvalidRequestError, MinirtError
+from .errors import CapacityError, InvalidRequestError, ModelNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Model
 
 log = logging.getLogger(__name__)
-
-
-class ModelNotFoundError(MinirtError, LookupError):
-    """A request named a model this server does not serve (HTTP 404 ``model_not_found``)."""
 
 
 class Lease:
