@@ -234,3 +234,60 @@ def test_http_multi_model(files, cost, expected):
             assert httpx.post(srv.url + "/tokenize", json={"model": "beta", "content": "the"}).status_code == 200
     finally:
         r.close()
+
+
+def test_minirt_serve_models_dir_command(files, cost, tmp_path, expected):
+    """`minirt serve --models-dir DIR -m NAME=PATH --models-memory ... --alias`: names, states, LRU, clean exit."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    httpx = pytest.importorskip("httpx", reason="needs httpx")
+    pytest.importorskip("starlette", reason="needs starlette")
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "alpha.gguf").symlink_to(files["alpha"])
+    (d / "beta.gguf").symlink_to(files["beta"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    budget = int(cost * 1.5)  # room for one model (its KV budget: 2 contexts, as below)
+    proc = subprocess.Popen([sys.executable, "-m", "minirt", "serve", "--models-dir", str(d), "-m",
+                             f"third={files['gamma']}", "-c", str(N_CTX), "--kv-budget-tokens", str(2 * N_CTX),
+                             "--models-memory", str(budget), "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t_end = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < t_end, "minirt serve did not start"
+            time.sleep(0.2)
+        ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert ids == ["alpha", "beta", "third"]
+        for name, key in (("third", "gamma"), ("alpha", "alpha")):
+            r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 4,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=60).json()
+            assert r["choices"][0]["text"] == expected[key]
+        states = {m["id"]: m["status"]["value"] for m in httpx.get(url + "/v1/models").json()["data"]}
+        assert states == {"alpha": "loaded", "beta": "unloaded", "third": "unloaded"}
+        r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": PROMPT})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    assert rc == 0

@@ -167,3 +167,17 @@ def test_replica_killed_mid_run(cluster):
             pass
         assert time.monotonic() < deadline, "no successful request after the replica was killed"
         time.sleep(1)
+
+
+def test_serve_ray_options_parse():
+    from minirt.cli import build_parser
+
+    a = build_parser().parse_args(["serve", "--ray", "-m", "x.gguf", "--min-replicas", "1", "--max-replicas", "4",
+                                   "--replica-cpus", "0.5", "--alias", "m"])
+    assert a.ray and a.min_replicas == 1 and a.max_replicas == 4 and a.replica_cpus == 0.5 and a.model == ["x.gguf"]
+    from minirt.serve_ray import build_ray_app
+
+    with pytest.raises(minirt.InvalidRequestError):
+        build_ray_app("x.gguf", min_replicas=3, max_replicas=2)
+    with pytest.raises(minirt.InvalidRequestError):
+        build_ray_app("x.gguf", replicas=0)
