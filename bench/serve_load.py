@@ -1,34 +1,37 @@
 #!/usr/bin/env python
-"""Load test of the OpenAI-compatible server (``minirt serve``) over loopback.
+"""Load test of the OpenAI-compatible server (``minirt serve``) over loopback, side by side with
+``llama-server`` when ``$MINIRT_LLAMA_SERVER`` names its binary.
 
     python bench/serve_load.py                                  # default model, 16 streams, 64 tokens each
-    python bench/serve_load.py -m tiny.gguf -n 4 --max-tokens 16         # smoke run
+    python bench/serve_load.py -m tiny.gguf -n 4 --max-tokens 16 -r 1 --no-peer   # smoke run
+    MINIRT_LLAMA_SERVER=/path/to/llama-server python bench/serve_load.py -t 2     # minirt vs llama-server -np 16
+    python bench/serve_load.py --check-streams 64               # also 64 streams at once, 0 failures required
     python bench/serve_load.py --disconnect-fraction 0.33 --disconnect-clients 100
     python bench/serve_load.py --url http://127.0.0.1:8080 --server-pid 1234
-    MINIRT_LLAMA_SERVER=/path/to/llama-server python bench/serve_load.py      # side by side
 
 Phases (each bounded in request count and time):
 
-1. baseline: one streaming client alone: its decode tok/s, time to first token (TTFT), and
-   inter-token latency (ITL).
-2. load: N concurrent streaming clients (default 16): aggregate decode tok/s, per-client tok/s,
-   TTFT and ITL p50/p95, failures, and the aggregate / single-stream ratio (continuous batching
-   should give well over 1; the project's target is ≥ 3× at 16 streams on Qwen2.5-0.5B).
-   Phases 1 and 2 alternate for ``--repetitions`` rounds (default 3); the ratios of every round
-   and their medians are reported.
+1. throughput rounds (``--repetitions``, default 5): one streaming client alone (decode tok/s,
+   time to first token (TTFT), inter-token latency (ITL)), then N concurrent streaming clients
+   (default 16; aggregate decode tok/s, per-client tok/s, TTFT and ITL p50/p95, failures, and the
+   aggregate / single-stream ratio). Requests are streaming chats (``--api chat``, default) or
+   completions. With llama-server present, both servers run at once (same GGUF, ``-t``, ``-c``
+   per slot, prompts and max_tokens; llama-server with ``-np N``) and the rounds alternate between
+   them, order flipped every round. Every round's prompts start with their own tag, so no round
+   reuses a prefix cached by an earlier one. Medians over the rounds are reported: both
+   servers' aggregates, minirt / llama-server, and minirt's N-stream / 1-stream ratio.
+2. with ``--check-streams N``: N concurrent streams at once (more than the slots: the rest queue);
+   all must complete.
 3. with ``--disconnect-fraction F``: ``--disconnect-clients`` clients (default 100) at once, a
    fraction F of them chosen at random dropping the connection mid-stream after a random number
    of tokens. Checks that the server stays up, that every other request completes, that the
    scheduler drains, and that the server's RSS (``/proc/PID/status``) comes back within 10% of
    its level before the load.
 
-The server is started here as a subprocess (``python -m minirt serve`` on a free loopback port)
-unless ``--url`` points at a running one. Every request asks for a fixed number of tokens
-(``ignore_eos``) so runs are comparable. When ``$MINIRT_LLAMA_SERVER`` names a ``llama-server``
-binary, phases 1–2 are repeated against it (``-np N``) on the same GGUF.
-
-Requests the server refuses with 503 (KV budget / queue full) are retried after ``Retry-After``
-and counted. Timings on a shared machine are indicative only.
+The servers are started here as subprocesses on free loopback ports unless ``--url`` points at a
+running minirt. Every request asks for a fixed number of tokens (``ignore_eos``) so runs are
+comparable. Requests refused with 503 (KV budget / queue full) are retried after
+``Retry-After`` and counted. Timings on a shared machine are indicative only.
 """
 
 from __future__ import annotations
@@ -93,13 +96,14 @@ class ClientResult:
 
 async def stream_one(client: Any, url: str, body: dict[str, Any], res: ClientResult, deadline: float,
                      headers: dict[str, str]) -> ClientResult:
-    """POST one streaming completion; record chunk arrival times; optionally drop the connection."""
+    """POST one streaming (chat) completion; record chunk arrival times; optionally drop the connection."""
     import httpx
 
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     while True:
         res.t_send = time.perf_counter()
         try:
-            async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            async with client.stream("POST", url + route, json=body, headers=headers) as r:
                 if r.status_code == 503 and time.perf_counter() < deadline:
                     res.retries += 1
                     await r.aread()
@@ -127,7 +131,7 @@ async def stream_one(client: Any, url: str, body: dict[str, Any], res: ClientRes
                     if obj.get("usage"):
                         res.tokens = int(obj["usage"].get("completion_tokens", res.tokens))
                     for ch in obj.get("choices") or []:
-                        if ch.get("text"):
+                        if ch.get("text") or (ch.get("delta") or {}).get("content"):
                             if res.t_first is None:
                                 res.t_first = now
                             res.arrivals.append(now)
@@ -185,8 +189,25 @@ def summarize(results: list[ClientResult], wall: float) -> dict[str, Any]:
     }
 
 
+def request_body(args: argparse.Namespace, index: int, tag: str) -> dict[str, Any]:
+    """One client's request. ``tag`` opens the prompt so that no two rounds (nor the two servers'
+    runs of one round) share a cached prefix beyond the template's first tokens."""
+    pad = " ".join(["Describe it in detail."] * args.prompt_pad)
+    text = f"[{tag}-{index}] Write a story about {TOPICS[index % len(TOPICS)]}. {pad}".strip()
+    body: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if getattr(args, "api", "completions") == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    if args.model_name:
+        body["model"] = args.model_name
+    return body
+
+
 async def run_clients(url: str, n: int, args: argparse.Namespace, deadline: float, *, disconnect: float = 0.0,
-                      seed: int = 0, headers: dict[str, str] | None = None) -> tuple[list[ClientResult], float]:
+                      seed: int = 0, headers: dict[str, str] | None = None,
+                      tag: str = "") -> tuple[list[ClientResult], float]:
     import httpx
 
     rng = random.Random(seed)
@@ -194,18 +215,14 @@ async def run_clients(url: str, n: int, args: argparse.Namespace, deadline: floa
     if disconnect > 0:
         for i in rng.sample(range(n), round(disconnect * n)):
             results[i].disconnect_after = rng.randrange(0, max(1, args.max_tokens - 1))
-    pad = " ".join(["Describe it in detail."] * args.prompt_pad)
+    tag = tag or f"s{seed}"
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     timeout = httpx.Timeout(max(1.0, deadline - time.perf_counter()), connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         t0 = time.perf_counter()
         tasks = []
         for r in results:
-            body = {"prompt": f"Write a story about {TOPICS[r.index % len(TOPICS)]} (#{r.index}). {pad}".strip(),
-                    "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            if args.model_name:
-                body["model"] = args.model_name
+            body = request_body(args, r.index, tag)
             tasks.append(asyncio.ensure_future(stream_one(client, url, body, r, deadline, headers or {})))
         try:
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=max(1.0, deadline - time.perf_counter()))
@@ -338,49 +355,95 @@ def print_summary(title: str, s: dict[str, Any]) -> None:
         print(f"    ! {f}")
 
 
-def throughput(url: str, args: argparse.Namespace, deadline: float, headers: dict[str, str]) -> dict[str, Any]:
-    """Warm-up, then ``--repetitions`` rounds of a single-stream baseline followed by N concurrent
-    streams; the ratios of each round and their medians."""
-    out: dict[str, Any] = {"rounds": []}
+def warm_up(url: str, args: argparse.Namespace, deadline: float, headers: dict[str, str], name: str) -> None:
+    """Compile / page in before measuring (its prompts are tagged apart from every round's)."""
     asyncio.run(run_clients(url, 1, argparse.Namespace(**{**vars(args), "max_tokens": 4}), deadline,
-                            headers=headers))  # warm-up: compile / page in
-    for rep in range(args.repetitions):
-        rnd: dict[str, Any] = {}
-        res, wall = asyncio.run(run_clients(url, 1, args, deadline, headers=headers, seed=args.seed + rep))
-        rnd["single"] = summarize(res, wall)
-        res, wall = asyncio.run(run_clients(url, args.clients, args, deadline, headers=headers, seed=args.seed + rep))
-        rnd["load"] = summarize(res, wall)
-        a, b = rnd["load"]["decode_tok_s"], rnd["single"]["decode_tok_s"]
-        rnd["ratio"] = a / b if a and b else None
-        c = rnd["load"].get("steady_decode_tok_s")
-        rnd["steady_ratio"] = c / b if c and b else None
-        out["rounds"].append(rnd)
-        print(f" round {rep + 1}/{args.repetitions}")
-        print_summary("1 stream ", rnd["single"])
-        print_summary(f"{args.clients} streams", rnd["load"])
-        print(f"    aggregate / single-stream decode: {fmt_s(rnd['ratio'], '')}× (prompt processing included), "
-              f"{fmt_s(rnd['steady_ratio'], '')}× steady state")
-    rounds = out["rounds"]
+                            headers=headers, tag=f"warm-{name}"))
 
+
+def one_round(url: str, args: argparse.Namespace, deadline: float, headers: dict[str, str], rep: int,
+              name: str) -> dict[str, Any]:
+    """One round against one server: a single stream, then ``--clients`` concurrent streams, with
+    prompts no earlier round used."""
+    rnd: dict[str, Any] = {}
+    res, wall = asyncio.run(run_clients(url, 1, args, deadline, headers=headers, seed=args.seed + rep,
+                                        tag=f"{name}-r{rep}-single"))
+    rnd["single"] = summarize(res, wall)
+    res, wall = asyncio.run(run_clients(url, args.clients, args, deadline, headers=headers, seed=args.seed + rep,
+                                        tag=f"{name}-r{rep}-load"))
+    rnd["load"] = summarize(res, wall)
+    a, b = rnd["load"]["decode_tok_s"], rnd["single"]["decode_tok_s"]
+    rnd["ratio"] = a / b if a and b else None
+    c = rnd["load"].get("steady_decode_tok_s")
+    rnd["steady_ratio"] = c / b if c and b else None
+    print(f" round {rep + 1}/{args.repetitions}: {name}")
+    print_summary("1 stream ", rnd["single"])
+    print_summary(f"{args.clients} streams", rnd["load"])
+    print(f"    aggregate / single-stream decode: {fmt_s(rnd['ratio'], '')}× (prompt processing included), "
+          f"{fmt_s(rnd['steady_ratio'], '')}× steady state")
+    return rnd
+
+
+def medians(rounds: list[dict[str, Any]], args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The rounds of one server and their medians (printed)."""
     def med(get: Any) -> float | None:
         xs = [v for v in (get(r) for r in rounds) if v]
         return statistics.median(xs) if xs else None
 
-    out["single"], out["load"] = rounds[-1]["single"], rounds[-1]["load"]
-    out["load"]["failures"] = [f for r in rounds for f in r["load"]["failures"]]
+    out: dict[str, Any] = {"rounds": rounds}
+    out["single"], out["load"] = dict(rounds[-1]["single"]), dict(rounds[-1]["load"])
+    out["load"]["failures"] = [f for r in rounds for f in r["load"]["failures"] + r["single"]["failures"]]
     out["median"] = {"single_decode_tok_s": med(lambda r: r["single"]["decode_tok_s"]),
                      "load_decode_tok_s": med(lambda r: r["load"]["decode_tok_s"]),
+                     "load_throughput_tok_s": med(lambda r: r["load"]["throughput_tok_s"]),
                      "steady_decode_tok_s": med(lambda r: r["load"].get("steady_decode_tok_s")),
                      "ratio": med(lambda r: r["ratio"]), "steady_ratio": med(lambda r: r["steady_ratio"])}
     out["ratio"], out["steady_ratio"] = out["median"]["ratio"], out["median"]["steady_ratio"]
     m = out["median"]
-    print(f"  median of {len(rounds)} rounds: single stream {fmt_s(m['single_decode_tok_s'], 'tok/s')}, "
+    print(f"  {name}, median of {len(rounds)} rounds: single stream {fmt_s(m['single_decode_tok_s'], 'tok/s')}, "
           f"{args.clients} streams {fmt_s(m['load_decode_tok_s'], 'tok/s')} "
           f"(steady {fmt_s(m['steady_decode_tok_s'], 'tok/s')})")
-    print(f"  aggregate / single-stream decode, median: {fmt_s(out['ratio'], '')}× from the first stream's first "
-          f"token to the last stream's last (prompt processing included); {fmt_s(out['steady_ratio'], '')}× in "
-          f"the steady state" + (" (target ≥ 3× at 16 streams)" if args.clients == 16 else ""))
+    print(f"  {name} aggregate / single-stream decode, median: {fmt_s(out['ratio'], '')}× from the first stream's "
+          f"first token to the last stream's last (prompt processing included); {fmt_s(out['steady_ratio'], '')}× "
+          f"in the steady state" + (" (target ≥ 3.5× at 16 streams)" if args.clients == 16 else ""))
     return out
+
+
+def throughput(url: str, args: argparse.Namespace, deadline: float, headers: dict[str, str],
+               name: str = "minirt") -> dict[str, Any]:
+    """Warm-up, then ``--repetitions`` rounds against one server (no peer to alternate with)."""
+    warm_up(url, args, deadline, headers, name)
+    return medians([one_round(url, args, deadline, headers, rep, name) for rep in range(args.repetitions)],
+                   args, name)
+
+
+def alternating(servers: list[tuple[str, str, dict[str, str]]], args: argparse.Namespace,
+                deadline: float) -> dict[str, dict[str, Any]]:
+    """Rounds alternating between the servers (``(name, url, headers)``), so a machine that gets
+    busier or cooler over the run affects both alike; the order flips every round."""
+    for name, url, headers in servers:
+        warm_up(url, args, deadline, headers, name)
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in servers}
+    for rep in range(args.repetitions):
+        order = servers if rep % 2 == 0 else servers[::-1]
+        for name, url, headers in order:
+            rounds[name].append(one_round(url, args, deadline, headers, rep, name))
+    return {name: medians(rs, args, name) for name, rs in rounds.items()}
+
+
+def many_streams(url: str, args: argparse.Namespace, deadline: float, headers: dict[str, str]) -> dict[str, Any]:
+    """``--check-streams N``: N concurrent streams at once (more than the server's slots: the rest
+    queue); every one must complete."""
+    n = args.check_streams
+    res, wall = asyncio.run(run_clients(url, n, args, deadline, headers=headers, seed=args.seed + 99,
+                                        tag=f"many-{n}"))
+    s = summarize(res, wall)
+    bad = s["failures"] + [f"client {i}: incomplete" for i in s["incomplete"]]
+    print(f"  {n} concurrent streams: {s['completed']}/{n} completed in {wall:.1f} s, {len(bad)} failures, "
+          f"503 retries {s['retries_503']}: {'PASS' if not bad else 'FAIL'}")
+    for f in bad[:5]:
+        print(f"    ! {f}")
+    return {"clients": n, "summary": s, "failures": bad, "ok": not bad}
 
 
 def disconnects(srv_url: str, pid: int | None, args: argparse.Namespace, deadline: float,
@@ -465,8 +528,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-name", help="'model' field to send (default: none, the server's model)")
     ap.add_argument("-n", "--clients", type=int, default=16, help="concurrent streaming clients (default 16)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
-    ap.add_argument("-r", "--repetitions", type=int, default=3,
-                    help="rounds of (1 stream, N streams); ratios are reported per round and as medians (default 3)")
+    ap.add_argument("--api", choices=["chat", "completions"], default="chat",
+                    help="streaming chat (default) or plain completion requests")
+    ap.add_argument("--check-streams", type=int, default=0, metavar="N",
+                    help="also run N concurrent streams at once (e.g. 64) and require 0 failures")
+    ap.add_argument("-r", "--repetitions", type=int, default=5,
+                    help="rounds of (1 stream, N streams) per server, alternating between the servers; ratios "
+                         "are reported per round and as medians (default 5)")
     ap.add_argument("--prompt-pad", type=int, default=0, help="repeat a filler sentence this many times in prompts")
     ap.add_argument("--parallel", type=int, help="server slots (default: --clients)")
     ap.add_argument("-c", "--ctx", type=int, default=1024, help="context per sequence (default 1024)")
@@ -511,57 +579,77 @@ def main(argv: list[str] | None = None) -> int:
           f"server slots {n_par} (timings indicative: shared machine)")
     rc = 0
 
-    srv = None
+    binary = os.environ.get(ENV_LLAMA_SERVER)
+    want_peer = not (args.no_peer or args.skip_throughput)
+    if want_peer and (not binary or not os.access(binary, os.X_OK)):
+        why = f"${ENV_LLAMA_SERVER} is not set" if not binary else f"{binary} is not an executable file"
+        print(f"llama-server: MISSING, not compared ({why}; point it at a llama-server binary from the same "
+              f"llama.cpp build, e.g. build/bin/llama-server)")
+        report["llama_server"] = f"missing: {why}"
+        want_peer = False
+    elif not want_peer:
+        report["llama_server"] = "skipped"
+
+    srv = peer = None
     try:
         if args.url:
             url, pid = args.url.rstrip("/"), args.server_pid
         else:
-            queue = max(64, args.disconnect_clients if args.disconnect_fraction else 0)
+            queue = max(64, args.check_streams, args.disconnect_clients if args.disconnect_fraction else 0)
             srv = start_minirt(args, n_par, queue)
             srv.wait_ready(args.startup_timeout)
             url, pid = srv.url, srv.pid
         print(f"minirt at {url}" + (f" (pid {pid})" if pid else ""))
+        if want_peer:
+            try:
+                peer = start_llama_server(binary, args, n_par)  # type: ignore[arg-type]
+                peer.wait_ready(args.startup_timeout)
+                print(f"llama-server at {peer.url} (-np {n_par})")
+            except RuntimeError as e:
+                print(f"llama-server: failed to run ({e})")
+                report["llama_server"] = f"failed: {e}"
+                if peer is not None:
+                    peer.stop()
+                peer = None
         if not args.skip_throughput:
-            report["minirt"] = throughput(url, args, deadline, headers)
+            if peer is not None:
+                both = alternating([("minirt", url, headers), ("llama-server", peer.url, {})], args, deadline)
+                report["minirt"], report["llama_server"] = both["minirt"], both["llama-server"]
+                m, p = report["minirt"]["median"], report["llama_server"]["median"]
+                ratio = (m["load_decode_tok_s"] / p["load_decode_tok_s"]
+                         if m.get("load_decode_tok_s") and p.get("load_decode_tok_s") else None)
+                report["minirt_vs_llama_server"] = ratio
+                print(f"\nsummary ({args.clients} streams, {args.max_tokens} tokens each, medians of "
+                      f"{args.repetitions} alternating rounds):")
+                print(f"  minirt       aggregate decode {fmt_s(m['load_decode_tok_s'], 'tok/s')}, single stream "
+                      f"{fmt_s(m['single_decode_tok_s'], 'tok/s')}, {args.clients}/1 ratio {fmt_s(m['ratio'], '')}×")
+                print(f"  llama-server aggregate decode {fmt_s(p['load_decode_tok_s'], 'tok/s')}, single stream "
+                      f"{fmt_s(p['single_decode_tok_s'], 'tok/s')}, {args.clients}/1 ratio {fmt_s(p['ratio'], '')}×")
+                print(f"  minirt / llama-server aggregate: {fmt_s(ratio, '')}×"
+                      + (" (target ≥ 3×)" if args.clients == 16 else ""))
+                if report["llama_server"]["load"]["failures"]:
+                    print("  (llama-server had failures: see above)")
+            else:
+                report["minirt"] = throughput(url, args, deadline, headers)
             if report["minirt"]["load"]["failures"]:
+                rc = 1
+        if args.check_streams:
+            report["many_streams"] = many_streams(url, args, deadline, headers)
+            if not report["many_streams"]["ok"]:
                 rc = 1
         if args.disconnect_fraction:
             report["disconnect"] = disconnects(url, pid, args, deadline, headers)
             if not report["disconnect"]["ok"]:
                 rc = 1
     finally:
+        if peer is not None:
+            peer.stop()
         if srv is not None:
             alive = srv.alive()
             srv.stop()
             if not alive:
                 print(f"minirt serve died during the run; see {srv.log_path}")
                 rc = 1
-
-    binary = os.environ.get(ENV_LLAMA_SERVER)
-    if args.no_peer or args.skip_throughput:
-        report["llama_server"] = "skipped"
-    elif not binary or not os.access(binary, os.X_OK):
-        why = f"${ENV_LLAMA_SERVER} is not set" if not binary else f"{binary} is not an executable file"
-        print(f"llama-server: MISSING, not compared ({why}; point it at a llama-server binary from the same "
-              f"llama.cpp build)")
-        report["llama_server"] = f"missing: {why}"
-    else:
-        peer = None
-        try:
-            peer = start_llama_server(binary, args, n_par)
-            peer.wait_ready(args.startup_timeout)
-            print(f"llama-server at {peer.url} (-np {n_par})")
-            report["llama_server"] = throughput(peer.url, args, deadline, {})
-            m, p = report.get("minirt", {}).get("median", {}), report["llama_server"]["median"]
-            if m.get("load_decode_tok_s") and p.get("load_decode_tok_s"):
-                print(f"  minirt / llama-server aggregate decode at {args.clients} streams (medians): "
-                      f"{m['load_decode_tok_s'] / p['load_decode_tok_s']:.2f}×")
-        except RuntimeError as e:
-            print(f"llama-server: failed to run ({e})")
-            report["llama_server"] = f"failed: {e}"
-        finally:
-            if peer is not None:
-                peer.stop()
 
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))

@@ -70,8 +70,13 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help=f"registry name or GGUF path (default {registry.DEFAULT_MODEL})")
+def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:
+        p.add_argument("-m", "--model", action="append",
+                       help=f"registry name or GGUF path (default {registry.DEFAULT_MODEL}); repeat as NAME=PATH "
+                            "to serve several models")
+    else:
+        p.add_argument("-m", "--model", help=f"registry name or GGUF path (default {registry.DEFAULT_MODEL})")
     p.add_argument("-c", "--ctx", type=int,
                    help="context size in tokens (default: from the model, capped to fit memory)")
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: physical cores)")
@@ -271,7 +276,24 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(text: str) -> int:
+    """``4G``, ``512M``, ``1.5GiB``, ``1000000``: a byte count."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 8G, 512M)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return int(n)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from .serve_ray import serve_from_args
+
+        return serve_from_args(args)
     from .server import serve
 
     return serve(args, load=lambda: _load(args))
@@ -303,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_model_args(p)
+    _add_model_args(p, several=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
@@ -312,6 +334,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=16, help="sequences decoded together at most")
     p.add_argument("--kv-budget-tokens", type=int, help="KV-cache positions shared by all requests")
     p.add_argument("--queue", type=int, default=64, help="requests waiting for room before 503")
+    p.add_argument("--alias", help="the model's name in /v1/models (default: registry or file name)")
+    p.add_argument("--strict-model", action="store_true",
+                   help="refuse requests naming another model (default: any name is served, as llama-server)")
+    p.add_argument("--slot-save-path", help="directory for /slots/{id}?action=save|restore KV files")
+    g = p.add_argument_group("several models")
+    g.add_argument("--models-dir", help="serve every GGUF in this directory (name: file name without .gguf)")
+    g.add_argument("--models-memory", type=_bytes,
+                   help="bytes the loaded models may take (weights + KV budget, e.g. 8G); the least recently "
+                        "used idle model is unloaded to load another")
+    g.add_argument("--models-max", type=int, help="models loaded at once at most")
+    g.add_argument("--keep-alive", help="unload an idle model after this long (e.g. 5m, 30s; default: only "
+                                        "when room is needed); requests may send keep_alive")
+    g = p.add_argument_group("Ray Serve (pip install 'minirt[ray]')")
+    g.add_argument("--ray", action="store_true", help="run replicas of the engine behind Ray Serve's HTTP proxy")
+    g.add_argument("--ray-address", help="Ray cluster to join (default: start a local one)")
+    g.add_argument("--replicas", type=int, default=1, help="replicas (fixed; default 1)")
+    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas")
+    g.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=8,
+                   help="autoscaling: requests per replica to aim for (default 8)")
+    g.add_argument("--replica-cpus", type=float, default=1, help="CPUs Ray reserves per replica (default 1)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="prefill / decode speed, side by side with llama.cpp when present")

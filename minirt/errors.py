@@ -57,6 +57,10 @@ class CapacityError(MinirtError, RuntimeError):
         self.retryable = retryable
 
 
+class ModelNotFoundError(MinirtError, LookupError):
+    """A request names a model the server does not serve (several-model server)."""
+
+
 class ModelClosedError(MinirtError, RuntimeError):
     """The model was closed; load it again to use it."""
 
@@ -84,6 +88,7 @@ __all__ = [
     "GrammarError",
     "ContextOverflowError",
     "CapacityError",
+    "ModelNotFoundError",
     "ModelClosedError",
     "RegistryError",
     "StateError",

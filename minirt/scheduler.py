@@ -86,6 +86,17 @@ class Scheduler:
                     "prefix_cache_hits": self.model.cache_pool.hits,
                     "prefix_cache_tokens": self.model.cache_pool.reused_tokens}
 
+    def running_info(self) -> list[dict[str, int]]:
+        """The running requests in admission order (what ``/slots`` shows)."""
+        with self._cv:
+            running = list(self._running)
+        out = []
+        for r in running:
+            n_gen = len(r.seq.generated)
+            out.append({"n_prompt": len(r.seq.prompt_ids), "n_reused": int(r.seq.n_reused), "n_decoded": n_gen,
+                        "n_remain": max(r.seq.max_tokens - n_gen, 0)})
+        return out
+
     def close(self) -> None:
         """Stop the thread; running and waiting requests end with finish_reason "cancelled"."""
         with self._cv:

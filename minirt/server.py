@@ -46,9 +46,10 @@ from .errors import (
     TemplateError,
     TokenizerError,
 )
+from .router import Lease, ModelNotFoundError, SingleModel, parse_keep_alive
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .generate import TokenEvent
+    from .generate import Completion, TokenEvent
     from .runtime import GenerationHandle, Model
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,11 @@ def error_for(exc: BaseException) -> HTTPError:
     """The HTTP answer for an exception raised while handling a request."""
     if isinstance(exc, HTTPError):
         return exc
+    if isinstance(exc, ModelNotFoundError):
+        return HTTPError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, CapacityError):
+        if not exc.retryable:  # can never fit (e.g. a model larger than the memory budget)
+            return HTTPError(400, str(exc), type="invalid_request_error", code="capacity_exceeded")
         return HTTPError(503, str(exc), type="server_error", code="server_busy",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, ModelClosedError):
@@ -183,10 +188,18 @@ class ParsedRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     chat_options: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, reasoning_format ...
     plan: Any = None  # minirt.tools.ToolPlan, set when the prompt is rendered
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (multi-model server)
+    rid: str = ""  # the response id, set when submitted
+    echo_text: str = ""  # the prompt text echoed before the answer (completions with echo)
 
 
 def _parse_common(body: dict[str, Any], kind: str, model: str) -> ParsedRequest:
     req = ParsedRequest(kind=kind, model=model)
+    if body.get("keep_alive") is not None:
+        try:
+            req.keep_alive = parse_keep_alive(body["keep_alive"])
+        except InvalidRequestError as e:
+            raise HTTPError(400, str(e), param="keep_alive", code="invalid_value") from None
     stream = _opt_bool(body, "stream")
     req.stream = bool(stream)
     so = body.get("stream_options")
@@ -458,10 +471,14 @@ def _sse(obj: Any) -> bytes:
 class ServerState:
     """What the app knows about its requests (read by tests, /health and the load benchmark)."""
 
-    llm: Model
+    llm: Model | None  # the model of a single-model server (None with a router)
     model_id: str
     aliases: frozenset[str]
     api_key: str | None = None
+    models: Any = None  # minirt.router.SingleModel or ModelRouter: leases on the served models
+    metrics: Any = None  # minirt.metrics.ServerMetrics, None without prometheus-client
+    strict_model: bool = False  # refuse 'model' names that are not the served model's
+    slot_save_path: str | None = None  # where /slots save and restore KV files
     max_body_bytes: int = MAX_BODY_BYTES
     default_max_tokens: int | None = None
     active: dict[str, GenerationHandle] = field(default_factory=dict)
@@ -480,6 +497,18 @@ class ServerState:
                 self.active.pop(rid, None)
 
         h.add_done_callback(done)
+
+    def observe(self, req: ParsedRequest, h: GenerationHandle) -> None:
+        """Count a finished generation in the metrics (called on the scheduler thread)."""
+        try:
+            c = h.result(0)
+            outcome = "cancelled" if c.finish_reason == "cancelled" else "ok"
+        except BaseException:
+            c, outcome = None, "error"
+        try:
+            self.metrics.observe(req.model if self.models.multi else self.model_id, req.kind, c, outcome)
+        except Exception:  # metrics never fail a request
+            log.exception("recording metrics failed")
 
 
 def model_id_for(llm: Model) -> str:
@@ -503,14 +532,18 @@ def _aliases(llm: Model, model_id: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
-              default_max_tokens: int | None = None, model_id: str | None = None) -> Any:
-    """The ASGI app serving ``llm``.
+def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
+              default_max_tokens: int | None = None, model_id: str | None = None, router: Any = None,
+              strict_model: bool = False, slot_save_path: str | None = None, metrics: bool = True) -> Any:
+    """The ASGI app serving ``llm`` (or the models of ``router``, a :class:`minirt.router.ModelRouter`).
 
     ``api_key``: when set, every ``/v1`` route requires ``Authorization: Bearer <api_key>``
     (``/health`` stays open). ``default_max_tokens``: chat requests without ``max_tokens`` generate
     at most this many tokens (None: until end-of-generation or the context / KV budget is full).
-    ``app.state.minirt`` is the :class:`ServerState`.
+    ``model_id`` (``--alias``): the name ``/v1/models`` lists. A single-model server accepts any
+    ``model`` name, as llama-server does, unless ``strict_model``. ``slot_save_path``: the directory
+    for ``/slots/{id}?action=save|restore``. ``metrics``: serve ``/metrics`` (needs
+    prometheus-client). ``app.state.minirt`` is the :class:`ServerState`.
     """
     _require_server_deps()
     from starlette.applications import Starlette
@@ -519,9 +552,25 @@ def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = M
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    mid = model_id or model_id_for(llm)
-    state = ServerState(llm=llm, model_id=mid, aliases=_aliases(llm, mid), api_key=api_key or None,
-                        max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
+    from . import metrics as metrics_mod
+    from . import server_llama
+
+    if (llm is None) == (router is None):
+        raise InvalidRequestError("build_app takes a model or a router")
+    if router is not None:
+        mid = model_id or router.default
+        aliases = frozenset(router.entries)
+    else:
+        mid = model_id or model_id_for(llm)
+        aliases = _aliases(llm, mid) | {mid}
+        router = SingleModel(llm, mid)
+    state = ServerState(llm=llm, model_id=mid, aliases=aliases, api_key=api_key or None,
+                        max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens, models=router,
+                        strict_model=strict_model, slot_save_path=slot_save_path)
+    if metrics and metrics_mod.available():
+        state.metrics = metrics_mod.ServerMetrics(router.loaded)
+    elif metrics:
+        log.info("prometheus-client is not installed: /metrics is off")
 
     def endpoint(fn: Callable[[Request], Awaitable[Any]], auth: bool = True) -> Callable[[Request], Awaitable[Any]]:
         async def wrapped(request: Request) -> Any:
@@ -531,20 +580,25 @@ def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = M
                 return await fn(request)
             except Exception as e:  # one request's failure never takes the server down
                 err = error_for(e)
-                if err.status >= 500 and err.status != 503:
+                if err.status >= 500 and err.status not in (501, 503):
                     state.errors += 1
                     log.exception("request to %s failed", request.url.path)
                 elif err.status == 503:
                     state.refused += 1
+                if state.metrics is not None:
+                    state.metrics.refused(request.url.path, err.status)
                 return _error_response(err)
         return wrapped
 
     async def health(request: Request) -> Any:
+        counts = {"requests": state.requests, "active": len(state.active), "disconnects": state.disconnects,
+                  "refused": state.refused, "errors": state.errors}
+        if llm is None:  # several models: each loaded one's scheduler
+            sched = {name: m.scheduler.stats() for name, m in router.loaded()}
+            return JSONResponse({"status": "ok", "model": mid, "models": sched, **counts})
         if llm.closed:
             return JSONResponse({"status": "error", "error": "the model is closed"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": mid, "scheduler": llm.scheduler.stats(),
-                             "requests": state.requests, "active": len(state.active),
-                             "disconnects": state.disconnects, "refused": state.refused, "errors": state.errors})
+        return JSONResponse({"status": "ok", "model": mid, "scheduler": llm.scheduler.stats(), **counts})
 
     def model_card() -> dict[str, Any]:
         try:
@@ -555,10 +609,17 @@ def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = M
                 "meta": {"arch": llm.arch, "n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab, "device": llm.device}}
 
     async def models(request: Request) -> Any:
+        if llm is None:
+            return JSONResponse({"object": "list", "data": router.cards()})
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def model_get(request: Request) -> Any:
         name = request.path_params["model"]
+        if llm is None:
+            for card in router.cards():
+                if card["id"] == name:
+                    return JSONResponse(card)
+            raise ModelNotFoundError(f"the model {name!r} is not served here")
         if name not in state.aliases:
             raise _unknown_model(name, mid)
         return JSONResponse(model_card())
@@ -587,6 +648,7 @@ def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = M
         Route("/models", endpoint(models), methods=["GET"]),
         Route("/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/completions", endpoint(completions), methods=["POST"]),
+        *server_llama.routes(state, endpoint),  # /completion /tokenize /detokenize /props /slots /metrics
     ]
     app = Starlette(routes=routes, exception_handlers={StarletteHTTPException: http_error})
     app.state.minirt = state
@@ -607,12 +669,17 @@ def _unknown_model(name: str, mid: str) -> HTTPError:
 
 
 def _check_model(body: dict[str, Any], state: ServerState) -> str:
+    """The request's model name. A single-model server takes any name (as llama-server does) and
+    answers with it, unless ``strict_model``; a router only its models' names."""
     name = body.get("model")
     if name is None or name == "":
         return state.model_id
     if not isinstance(name, str):
         raise HTTPError(400, f"'model' must be a string, got {name!r}", param="model", code="invalid_type")
-    if name not in state.aliases:
+    if state.models is not None and state.models.multi:
+        state.models.entry(name)  # ModelNotFoundError → 404
+        return name
+    if name not in state.aliases and state.strict_model:
         raise _unknown_model(name, state.model_id)
     return name
 
@@ -701,31 +768,47 @@ async def _start(loop: asyncio.AbstractEventLoop, llm: Model, state: ServerState
         raise
 
 
-async def _generate(request: Any, state: ServerState, req: ParsedRequest) -> Any:
-    from starlette.responses import Response
+async def acquire_model(state: ServerState, req: ParsedRequest | str | None) -> Lease:
+    """A lease on the model a request names (loading it first in a multi-model server; the
+    loading runs on a worker thread). Release it when the request ends."""
+    name, keep = (req, None) if not isinstance(req, ParsedRequest) else (req.model, req.keep_alive)
+    if not state.models.multi:
+        return state.models.acquire(name)
+    return await asyncio.get_running_loop().run_in_executor(None, state.models.acquire, name, keep)
 
-    llm = state.llm
+
+async def run_generation(request: Any, state: ServerState, req: ParsedRequest, lease: Lease,
+                         q: asyncio.Queue[Any] | None) -> Any:
+    """Submit ``req`` to the leased model. With ``q`` (streaming): returns the handle at once;
+    events and then ``_END`` go to ``q``. Without: waits and returns the :class:`Completion`, or
+    None when the client disconnected first (the generation is cancelled). The lease is released
+    when the generation ends, and the request is counted in the metrics."""
+    llm = lease.llm
     loop = asyncio.get_running_loop()
-    rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    created = int(time.time())
+    rid = req.rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
     state.requests += 1
+    try:
+        if q is not None:
+            def post(item: Any) -> None:
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, item)
+                except RuntimeError:  # the loop is gone: nobody listens any more
+                    pass
 
-    if req.stream:
-        q: asyncio.Queue[Any] = asyncio.Queue()
-
-        def post(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the loop is gone: nobody listens any more
-                pass
-
-        h, echo = await _start(loop, llm, state, req, post)
-        state.track(rid, h)
-        h.add_done_callback(lambda _h: post(_END))
-        return _SSEResponse(state, h, q, _chunk_builder(llm, req, rid, created), echo)
-
-    h, echo = await _start(loop, llm, state, req, None)
+            h, echo = await _start(loop, llm, state, req, post)
+        else:
+            h, echo = await _start(loop, llm, state, req, None)
+    except BaseException:
+        lease.release()
+        raise
+    req.echo_text = echo
     state.track(rid, h)
+    h.add_done_callback(lambda _h: lease.release())
+    if state.metrics is not None:
+        h.add_done_callback(lambda _h: state.observe(req, _h))
+    if q is not None:
+        h.add_done_callback(lambda _h: post(_END))
+        return h
     done = loop.create_future()
 
     def finished(_h: Any) -> None:
@@ -748,12 +831,27 @@ async def _generate(request: Any, state: ServerState, req: ParsedRequest) -> Any
     if not done.done():
         state.disconnects += 1
         log.info("client disconnected; request %s cancelled", rid)
+        return None
+    return h.result(0)  # re-raises the request's own error (→ 400 / 500 for this request only)
+
+
+async def _generate(request: Any, state: ServerState, req: ParsedRequest) -> Any:
+    from starlette.responses import Response
+
+    lease = await acquire_model(state, req)
+    llm = lease.llm
+    created = int(time.time())
+    if req.stream:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        h = await run_generation(request, state, req, lease, q)
+        return _SSEResponse(state, h, q, _chunk_builder(llm, req, req.rid, created), req.echo_text)
+    c: Completion | None = await run_generation(request, state, req, lease, None)
+    if c is None:
         return Response(status_code=499)  # nobody reads it
-    c = h.result(0)  # re-raises the request's own error (→ 400 / 500 for this request only)
     if req.kind == "chat":
-        d = fmt.chat_dict(llm, c, rid, created, req.want_logprobs)
+        d = fmt.chat_dict(llm, c, req.rid, created, req.want_logprobs)
     else:
-        d = fmt.completion_dict(llm, c, rid, created, req.want_logprobs, echo)
+        d = fmt.completion_dict(llm, c, req.rid, created, req.want_logprobs, req.echo_text)
     d["model"] = req.model
     d["system_fingerprint"] = f"minirt-{__version__}"
     d["usage"] = fmt.usage_dict(c)
@@ -943,23 +1041,83 @@ def serve(args: Any, load: Callable[[], Any] | None = None) -> int:
     if args.host not in _LOOPBACK and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
-    llm = load() if load is not None else load_from_args(args)
-    with llm:
-        llm.configure_scheduler(n_parallel=args.parallel, kv_budget_tokens=args.kv_budget_tokens,
-                                max_queue=args.queue)
-        app = build_app(llm, api_key=api_key)
+    slot_dir = getattr(args, "slot_save_path", None)
+    if slot_dir and not os.path.isdir(slot_dir):
+        raise InvalidRequestError(f"--slot-save-path {slot_dir}: not a directory")
+    opts = dict(api_key=api_key, model_id=getattr(args, "alias", None) or None, slot_save_path=slot_dir)
+    router = router_from_args(args)
+    if router is not None:
+        holder: Any = contextlib.closing(router)
+        app = build_app(None, router=router, **opts)
+        what = f"{len(router.entries)} models ({', '.join(router.entries)})"
+    else:
+        llm = load() if load is not None else load_from_args(args)
+        holder = llm
+        with contextlib.ExitStack() as guard:
+            guard.callback(llm.close)  # closed on a configuration error below
+            llm.configure_scheduler(n_parallel=args.parallel, kv_budget_tokens=args.kv_budget_tokens,
+                                    max_queue=args.queue)
+            app = build_app(llm, strict_model=bool(getattr(args, "strict_model", False)), **opts)
+            guard.pop_all()
+        what = f"{app.state.minirt.model_id} ({llm.arch}, n_ctx {llm.n_ctx})"
+    with holder:
         verbose = logging.getLogger("minirt").getEffectiveLevel() <= logging.INFO
         config = uvicorn.Config(app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
                                 ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=verbose,
                                 timeout_graceful_shutdown=5, lifespan="off")
         server = _server_class()(config)
-        log.info("serving %s (%s, n_ctx %d) at %s://%s:%d/v1", app.state.minirt.model_id, llm.arch, llm.n_ctx,
-                 "https" if args.ssl_certfile else "http", args.host, args.port)
+        log.info("serving %s at %s://%s:%d/v1", what, "https" if args.ssl_certfile else "http", args.host, args.port)
         server.run()
         if not server.started:
             return 1  # e.g. the port was taken; uvicorn logged why
     return 0
 
 
-__all__ = ["build_app", "serve", "BackgroundServer", "ServerState", "HTTPError", "error_for", "parse_chat",
+ROUTER_CTX = 4096  # a model's context in a multi-model server unless -c sets it
+ROUTER_KV_CONTEXTS = 4  # its KV budget: this many full contexts unless --kv-budget-tokens sets it
+
+
+def router_from_args(args: Any) -> Any:
+    """The :class:`minirt.router.ModelRouter` that ``--models-dir`` / several (or ``NAME=PATH``)
+    ``--model`` options describe, or None for a single-model server."""
+    from .loading import load_options
+    from .router import ModelRouter, parse_keep_alive, parse_model_specs, scan_models_dir
+
+    specs = args.model if isinstance(getattr(args, "model", None), list) else \
+        ([args.model] if getattr(args, "model", None) else [])
+    models_dir = getattr(args, "models_dir", None)
+    if not models_dir and len(specs) <= 1 and not any("=" in s for s in specs):
+        if isinstance(getattr(args, "model", None), list):
+            args.model = specs[0] if specs else None  # one model: the plain server
+        return None
+    models = scan_models_dir(models_dir) if models_dir else {}
+    for name, path in parse_model_specs(specs).items():
+        if name in models:
+            raise InvalidRequestError(f"--model {name}: the name is also in --models-dir")
+        models[name] = path
+    keep = getattr(args, "keep_alive", None)
+    keep_s = parse_keep_alive(keep) if keep is not None else None
+    if keep_s is not None and keep_s < 0:
+        keep_s = None
+
+    def load(path: str) -> Any:
+        import minirt
+
+        kw = load_options(args)
+        kw.setdefault("n_ctx", ROUTER_CTX)
+        llm = minirt.load(path, pull=False, **kw)
+        try:
+            llm.configure_scheduler(n_parallel=args.parallel, max_queue=args.queue,
+                                    kv_budget_tokens=args.kv_budget_tokens or llm.n_ctx * ROUTER_KV_CONTEXTS)
+        except BaseException:
+            llm.close()
+            raise
+        return llm
+
+    return ModelRouter(models, load, memory_budget=getattr(args, "models_memory", None), keep_alive=keep_s,
+                       max_loaded=getattr(args, "models_max", None))
+
+
+__all__ = ["build_app", "serve", "router_from_args", "acquire_model", "run_generation",
+           "BackgroundServer", "ServerState", "HTTPError", "error_for", "parse_chat",
            "parse_completion", "model_id_for", "MAX_BODY_BYTES"]

@@ -258,18 +258,35 @@ def test_invalid_requests_are_400(server, path, body, param, code):
     assert "Traceback" not in err["message"]
 
 
-def test_unknown_model_404_and_bad_json_400(server):
-    assert_error(httpx.post(server.url + "/v1/chat/completions", json={"model": "gpt-4o", "messages": MSGS}),
-                 404, param="model", code="model_not_found")
+def test_any_model_name_is_served_and_bad_json_400(server, client, llm):
+    # a single-model server answers to any name, as llama-server does, and echoes it
+    want = llm.generate(PROMPT, max_tokens=5, temperature=0)
+    r = client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=5, temperature=0)
+    assert r.model == "gpt-4o" and r.choices[0].text == want.text
+    ch = client.chat.completions.create(model="some/fixed-name", messages=MSGS, max_tokens=3, temperature=0)
+    assert ch.model == "some/fixed-name" and ch.choices[0].message.content == llm.chat(
+        MSGS, max_tokens=3, temperature=0).text
+    assert_error(httpx.get(server.url + "/v1/models/gpt-4o"), 404, param="model", code="model_not_found")
     assert_error(httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x",'), 400, code="invalid_json")
     assert_error(httpx.post(server.url + "/v1/completions", content=b"\xff\xfe"), 400, code="invalid_json")
     assert_error(httpx.post(server.url + "/v1/completions", json=["a"]), 400, code="invalid_json")
+    assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "x", "model": 3}), 400, param="model",
+                 code="invalid_type")
     with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
-        with pytest.raises(openai.NotFoundError):
-            c.chat.completions.create(model="gpt-4o", messages=MSGS)
         with pytest.raises(openai.BadRequestError) as ei:
             c.chat.completions.create(model="tiny.gguf", messages=MSGS, n=2)
         assert ei.value.body["param"] == "n"
+
+
+def test_strict_model_and_alias(llm):
+    app = build_app(llm, model_id="my-alias", strict_model=True)
+    with BackgroundServer(app) as srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as c:
+        assert [m.id for m in c.models.list().data] == ["my-alias"]
+        assert c.models.retrieve("my-alias").id == "my-alias"
+        assert c.completions.create(model="my-alias", prompt=PROMPT, max_tokens=2).model == "my-alias"
+        assert c.completions.create(model="tiny.gguf", prompt=PROMPT, max_tokens=2).model == "tiny.gguf"
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="gpt-4o", messages=MSGS)
 
 
 def test_body_size_limit_413(server):
@@ -583,3 +600,40 @@ def test_serve_load_bench_smoke(tiny_path, tmp_path):
     assert dc["ok"] and 1 <= dc["dropped"] <= 4 and dc["kept"] == 8 and dc["drained"] and dc["rss_ok"]
     assert dc["server_saw_disconnects"] >= 1
     assert rep["llama_server"].startswith("missing") and "MISSING" in p.stdout
+
+
+def test_serve_load_bench_alternates_with_peer(tiny_path, tmp_path):
+    """The llama-server comparison path, with a stand-in peer (minirt itself behind llama-server's
+    command line): both servers measured in alternating rounds, the summary and ratio printed, and
+    the many-streams check."""
+    root = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"""#!{sys.executable}
+import argparse, os, sys
+ap = argparse.ArgumentParser()
+for a in ("-m", "--host", "--port", "-np", "-c", "-t"):
+    ap.add_argument(a)
+ap.add_argument("-cb", action="store_true")
+a = ap.parse_args()
+cmd = [sys.executable, "-m", "minirt", "serve", "-m", a.m, "--port", a.port, "--parallel", a.np,
+       "-c", str(int(a.c) // int(a.np))]
+os.execv(sys.executable, cmd)
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "load.json"
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MINIRT_LLAMA_SERVER": str(fake)}
+    p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", tiny_path, "-n", "3",
+                        "--max-tokens", "4", "-c", "96", "-r", "2", "--check-streams", "10", "--time-limit", "240",
+                        "--log-dir", str(tmp_path), "--json", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads(out.read_text())
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(" round ")]
+    assert lines == [" round 1/2: minirt", " round 1/2: llama-server", " round 2/2: llama-server",
+                     " round 2/2: minirt"]
+    for name in ("minirt", "llama_server"):
+        assert len(rep[name]["rounds"]) == 2 and not rep[name]["load"]["failures"]
+        assert rep[name]["load"]["tokens"] == 3 * 4
+    assert rep["minirt_vs_llama_server"] > 0 and "minirt / llama-server aggregate:" in p.stdout
+    assert rep["many_streams"]["ok"] and rep["many_streams"]["summary"]["completed"] == 10
