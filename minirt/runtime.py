@@ -221,6 +221,8 @@ class Model:
             self._sched_opts: dict[str, Any] = {}
             self._fingerprint: str | None = None
             self._grammar_engine: Any = None
+            # chat content's control-token texts stay text (see _chat_prompt); True: llama.cpp's way
+            self.parse_special_content = False
         except BaseException:
             self.file.close()
             raise
@@ -299,11 +301,12 @@ class Model:
             raise ContextOverflowError(f"the prompt has at least {low} tokens ({len(text)} characters) but the "
                                        f"context holds {self.n_ctx}; raise n_ctx or shorten it")
 
-    def _chat_ids(self, text: str) -> list[int]:
-        """Tokenize a rendered chat prompt: special tokens parsed, BOS added unless the template did."""
+    def _chat_ids(self, text: str, plain_spans: Seq[tuple[int, int]] | None = None) -> list[int]:
+        """Tokenize a rendered chat prompt: special tokens parsed (except in ``plain_spans``, the
+        caller's data), BOS added unless the template did."""
         tk = self.tokenizer
         self._check_text_fits(text)
-        ids = tk.encode(text, add_special=False, parse_special=True)
+        ids = tk.encode(text, add_special=False, parse_special=True, plain_spans=plain_spans)
         if tk.add_bos and tk.bos_id is not None and (not ids or ids[0] != tk.bos_id):
             ids = [tk.bos_id] + ids
         if tk.add_eos and tk.eos_id is not None:
@@ -589,7 +592,8 @@ class Model:
                                           "grammar, json_schema or response_format")
             kw["grammar"] = g
         ids, text = self._chat_prompt(messages, plan.render_tools if plan is not None else None, trace,
-                                      kw.pop("chat_template_kwargs", None), with_text=True)
+                                      kw.pop("chat_template_kwargs", None), with_text=True,
+                                      parse_special_content=kw.pop("parse_special_content", None))
         rf = kw.pop("reasoning_format", None)
         if rf not in (None, "auto", "none"):
             raise InvalidRequestError(f"reasoning_format must be 'auto' or 'none', got {rf!r}")
@@ -606,18 +610,34 @@ class Model:
         return ids, parser
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
-                     template_kwargs: dict[str, Any] | None = None, with_text: bool = False) -> Any:
+                     template_kwargs: dict[str, Any] | None = None, with_text: bool = False,
+                     parse_special_content: bool | None = None) -> Any:
         """Render and tokenize a conversation; ``template_kwargs`` (``chat_template_kwargs``, e.g.
-        ``enable_thinking``, ``reasoning_effort``) are variables the template reads."""
+        ``enable_thinking``, ``reasoning_effort``) are variables the template reads.
+
+        Control tokens come only from the template's own text: a control-token text inside the
+        messages, tools or template variables is tokenized as plain text (no role injection).
+        ``parse_special_content=True`` (or ``Model.parse_special_content = True``) parses them
+        in the content too, as llama.cpp and transformers do."""
+        if parse_special_content is None:
+            parse_special_content = self.parse_special_content
+        if not isinstance(parse_special_content, bool):
+            raise InvalidRequestError(f"parse_special_content must be a boolean, got {parse_special_content!r}")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs must be a dict of template variables")
         reserved = {"messages", "tools", "add_generation_prompt"} & set(template_kwargs or ())
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
         t0 = time.perf_counter()
-        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **(template_kwargs or {}))
+        if parse_special_content:
+            text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **(template_kwargs or {}))
+            spans: list[tuple[int, int]] = []
+        else:
+            text, spans = self.chat_template.render_spans(messages, add_generation_prompt=True, tools=tools,
+                                                          control_texts=self.tokenizer.control_texts_in,
+                                                          **(template_kwargs or {}))
         t1 = time.perf_counter()
-        ids = self._chat_ids(text)
+        ids = self._chat_ids(text, spans)
         if trace is not None:
             trace.messages = [dict(m) for m in messages]
             trace.rendered = text

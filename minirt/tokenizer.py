@@ -54,6 +54,7 @@ Libraries used, and why:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 from array import array
@@ -859,12 +860,17 @@ class Tokenizer:
 
     # ---- public API ------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = False,
+               plain_spans: Sequence[tuple[int, int]] | None = None) -> list[int]:
         """Token ids of ``text`` (llama.cpp ``llama_tokenize``).
 
         ``add_special``: add BOS / EOS as the vocabulary's ``add_bos_token`` / ``add_eos_token`` say.
         ``parse_special``: control tokens written in the text (``<|im_start|>``) become their ids;
         otherwise only user-defined tokens are recognised and control-token text is tokenized as text.
+        ``plain_spans``: with ``parse_special``, ``[start, end)`` ranges of ``text`` (sorted, not
+        overlapping) where control tokens are *not* recognised — caller data inside a rendered
+        chat (:meth:`minirt.ChatTemplate.render_spans`); user-defined tokens still are, as with
+        ``parse_special=False``.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
@@ -880,7 +886,7 @@ class Tokenizer:
             if self.bos_id is None:
                 raise TokenizerError("add_special=True needs a BOS token, and the vocabulary has none")
             out.append(self.bos_id)
-        fragments = self._partition(text, parse_special) if text else []
+        fragments = self._partition(text, parse_special, plain_spans) if text else []
         if self.vocab_type == "spm":
             prev_special = True  # the first fragment gets the space prefix too
             for frag in fragments:
@@ -1043,26 +1049,45 @@ class Tokenizer:
 
     # ---- special-token partition -------------------------------------------------------------
 
-    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+    def control_texts_in(self, text: str) -> list[str]:
+        """Texts of the control tokens that occur in ``text``, longest first (those that
+        ``parse_special=True`` recognises and ``parse_special=False`` does not)."""
+        attrs = self._attrs
+        return [t for t, i in self._special_candidates(text, True) if attrs[i] & _ATTR_HIDDEN]
+
+    def _partition(self, text: str, parse_special: bool,
+                   plain_spans: Sequence[tuple[int, int]] | None = None) -> list[str | int]:
         """Text fragments and special-token ids, as llama.cpp's ``tokenizer_st_partition``."""
         cands = self._special_candidates(text, parse_special)
         if not cands:
             return [text]
         frags: list[tuple[int, int] | int] = [(0, len(text))]
         attrs = self._attrs
+        starts = [a for a, _ in plain_spans] if plain_spans else []
+        ends = [b for _, b in plain_spans] if plain_spans else []
+
+        def in_plain(a: int, b: int) -> bool:  # does [a, b) overlap a plain span?
+            k = bisect.bisect_left(starts, b) - 1
+            return k >= 0 and ends[k] > a
+
         for tok, tid in cands:  # longest first, then by id
             lstrip = attrs[tid] & ATTR_LSTRIP
             rstrip = attrs[tid] & ATTR_RSTRIP
+            guard = bool(starts) and attrs[tid] & _ATTR_HIDDEN
             new: list[tuple[int, int] | int] = []
             for fr in frags:
                 if isinstance(fr, int):
                     new.append(fr)
                     continue
                 pos, end = fr
-                while pos < end:
-                    m = text.find(tok, pos, end)
+                search = pos
+                while search < end:
+                    m = text.find(tok, search, end)
                     if m < 0:
                         break
+                    if guard and in_plain(m, m + len(tok)):
+                        search = m + 1  # caller data: this control text stays text
+                        continue
                     left = m
                     if lstrip:
                         while left > pos and text[left - 1] in _C_SPACE:
@@ -1074,6 +1099,7 @@ class Tokenizer:
                     if rstrip:
                         while pos < end and text[pos] in _C_SPACE:
                             pos += 1
+                    search = pos
                 if pos < end:
                     new.append((pos, end))
             frags = new
