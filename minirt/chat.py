@@ -247,7 +247,8 @@ def _size_of(x: Any, limit: int, mode: str = "str", indent: int = 0, seps: tuple
         elif isinstance(obj, Undefined):
             total += 0
         elif isinstance(obj, (Mapping, Namespace)):
-            items = obj.items() if isinstance(obj, Mapping) else object.__getattribute__(obj, "_Namespace__attrs").items()
+            attrs = obj if isinstance(obj, Mapping) else object.__getattribute__(obj, "_Namespace__attrs")
+            items = attrs.items()
             total += 14 + (indent * depth + 1 if indent else 0)
             for k, v in items:
                 total += item_sep + key_sep
@@ -473,7 +474,8 @@ def _make_env(budget: _Budget) -> Any:
                sort_keys: bool = False) -> str:
         ind = len(indent) if isinstance(indent, str) else int(indent) if isinstance(indent, int) and indent > 0 else 0
         seps = (2, 2)
-        if isinstance(separators, (list, tuple)) and len(separators) == 2 and all(isinstance(p, str) for p in separators):
+        if isinstance(separators, (list, tuple)) and len(separators) == 2 \
+                and all(isinstance(p, str) for p in separators):
             seps = (len(separators[0]), len(separators[1]))
         budget.check_size(x, "tojson", "json", indent=ind, seps=seps)
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -630,7 +630,8 @@ class Model:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
         t0 = time.perf_counter()
         if parse_special_content:
-            text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **(template_kwargs or {}))
+            text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                            **(template_kwargs or {}))
             spans: list[tuple[int, int]] = []
         else:
             text, spans = self.chat_template.render_spans(messages, add_generation_prompt=True, tools=tools,
