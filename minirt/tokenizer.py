@@ -938,7 +938,17 @@ class Tokenizer:
         if self.vocab_type not in ("spm", "bpe") or getattr(self, "model", None) in ("whitespace", "hybriddna"):
             return 0
         if self._max_piece is None:
-            self._max_piece = max(1, max((len(self.token_to_piece(i)) for i in range(self.n_vocab)), default=1))
+            # a BPE vocabulary without every byte drops the bytes it cannot write: no bound then
+            if self.vocab_type == "bpe":
+                have = self._tok2id
+                full = (all(c in have for c in _BYTE_TO_CHAR) if self._byte_encode
+                        else all("<0x%02X>" % b in have for b in range(256)))
+            else:
+                full = True
+            self._max_piece = max(1, max((len(self.token_to_piece(i)) for i in range(self.n_vocab)), default=1)) \
+                if full else 0
+        if not self._max_piece:
+            return 0
         data = text.encode("utf-8", "surrogatepass")
         n = len(data)
         if self._strips:
