@@ -367,6 +367,9 @@ def _estimate_format(fmt: str, args: tuple, kwargs: Mapping[str, Any], limit: in
                     if abs(value) >= 10 ** _MAX_SPEC_DIGITS:
                         raise TemplateError("chat template formats with a width or precision too large")
                     total += abs(value)
+                elif isinstance(value, str):  # a spec given as a string: its width and precision
+                    for digits in _FMT_DIGITS.findall(value):
+                        total += _spec_number(digits)
             for digits in _FMT_DIGITS.findall(re.sub(r"\{[^{}]*\}", "", spec)):
                 total += _spec_number(digits)
         if total > limit:
@@ -603,7 +606,13 @@ def _make_env(budget: _Budget) -> Any:
                        join=f_join, format=f_format, wordwrap=f_wordwrap, string=f_string, pprint=f_pprint,
                        escape=f_escape, e=f_escape, forceescape=f_forceescape, urlencode=f_urlencode,
                        urlize=f_urlize, sum=f_sum)
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    base_lipsum = env.globals["lipsum"]
+
+    def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> Any:  # noqa: A002
+        budget.check_len(int(n) * int(max) * 16, "lipsum")  # words of at most a dozen letters
+        return base_lipsum(n, html, min, max)
+
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, lipsum=lipsum)
     return env
 
 

@@ -145,6 +145,8 @@ HUGE = {  # each would build tens of megabytes or more in one C call
     "str.format repeat": "{{ ('{0}' * 5000).format('x' * 10000) }}",
     "str.format width": "{{ '{:99999999}'.format(1) }}",
     "str.format nested": "{{ '{:{}}'.format(1, 99999999) }}",
+    "str.format nested string": "{{ '{0:{1}}'.format('x', '>99999999') }}",
+    "lipsum": "{{ lipsum(n=100000, html=false) }}",
     "wordwrap": "{{ ('a ' * 90000) | wordwrap(1, wrapstring='-' * 1000) }}",
     "tojson": "{{ (['x' * 10000] * 5000) | tojson }}",
     "tojson indent": "{{ [[[[[[[1, 2, 3]]]]]]] | tojson(indent=9000000) }}",
