@@ -187,6 +187,15 @@ def raw_bytes(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
+def _is_text(s: str) -> bool:
+    """True when ``s`` is valid Unicode (no surrogates: no raw bytes from the file)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_token_texts(texts: Sequence[str]) -> None:
     """Refuse at load an entry no file could hold: a surrogate that is not an escaped byte."""
     try:
@@ -832,7 +841,13 @@ class Tokenizer:
         try:
             # a repeated pair keeps its first (lowest) rank, as in llama.cpp (HF would keep the last)
             # raw-UTF-8 vocabularies: a symbol that is no token becomes <0xNN> byte tokens
-            bpe = _hf_models.BPE(vocab=self._tok2id, merges=list(dict.fromkeys(self._merge_pairs)),
+            vocab, pairs = self._tok2id, list(dict.fromkeys(self._merge_pairs))
+            if not _is_text("".join(vocab)):
+                # entries holding raw bytes (not UTF-8) can never match text, and HF's model only
+                # takes text: leave them (and merges naming them) out of it
+                vocab = {t: i for t, i in vocab.items() if _is_text(t)}
+                pairs = [(a, b) for a, b in pairs if _is_text(a) and _is_text(b)]
+            bpe = _hf_models.BPE(vocab=vocab, merges=pairs,
                                  ignore_merges=self._ignore_merges, byte_fallback=not self._byte_encode)
         except Exception as e:  # HF rejects merges naming unknown tokens: report which one
             self._validate_merges()

@@ -366,6 +366,18 @@ def test_token_texts_that_are_not_utf8_are_raw_bytes():
     assert d.push(tid) + d.finish() == "\ufffdq\ufffd"
 
 
+def test_bpe_vocabulary_with_raw_byte_entries_loads():
+    md = tiny_bpe()
+    base = md["tokenizer.ggml.tokens"]
+    raw = b"\xff\xfe".decode("utf-8", "surrogateescape")
+    md["tokenizer.ggml.tokens"] = base + [raw, "<|" + "z" * 50 + "|>"]
+    md["tokenizer.ggml.token_type"] = np.append(md["tokenizer.ggml.token_type"], [1, 3]).astype(np.int32)
+    tok = Tokenizer.from_metadata(md)
+    assert tok.token_to_piece(len(base)).startswith(b"[UNK_BYTE_0xff")  # llama.cpp's rendering
+    ids = tok.encode("the <|" + "z" * 50 + "|>", parse_special=True)
+    assert ids[-1] == len(base) + 1
+
+
 def test_token_text_no_file_could_hold_is_refused_at_load():
     md = tiny_spm()
     md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"][:-1] + ["\ud800x"]
