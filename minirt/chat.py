@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError, MinirtError, TemplateError
@@ -142,14 +142,29 @@ class _Budget(threading.local):
 
     def check_len(self, n: int, what: str) -> None:
         if self.active and n > self.max_chars:
-            raise TemplateError(f"chat template output too large: {what} would make {n} characters "
-                                f"(limit {self.max_chars})")
+            raise TemplateError(f"chat template output too large: {what} would make "
+                                f"{'more than ' + str(self.max_chars) if n == self.max_chars + 1 else n} "
+                                f"characters (limit {self.max_chars})")
+
+    def check_size(self, x: Any, what: str, mode: str = "str", factor: int = 1, **kw: Any) -> None:
+        """Refuse before the work when turning ``x`` into text (``mode``, see :func:`_size_of`),
+        times ``factor`` (escaping), would pass the limit."""
+        if self.active:
+            lim = self.max_chars // max(1, factor)
+            n = _size_of(x, lim, mode, **kw)
+            self.check_len(self.max_chars + 1 if n > lim else n * factor, what)
+
+    def check_int(self, bits: int, what: str) -> None:
+        if self.active and bits > MAX_INT_BITS:
+            raise TemplateError(f"chat template computes an integer too large: {what} would have about "
+                                f"{bits} bits (limit {MAX_INT_BITS})")
 
 
-_WIDTH_RE = re.compile(r"\d{7,}")  # a width / precision of a million or more in a format spec
+_MAX_URLIZE = 4096  # characters the urlize filter may read
 
 
-def _estimate_str_call(s: str, name: str, args: tuple, kwargs: dict) -> tuple[int, tuple] | None:
+def _estimate_str_call(s: str, name: str, args: tuple, kwargs: dict,
+                       limit: int = 1 << 62) -> tuple[int, tuple] | None:
     """Size of ``s.<name>(*args)`` before computing it (and args with iterables materialised)."""
     if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         old, new = args[0], args[1]
@@ -166,11 +181,205 @@ def _estimate_str_call(s: str, name: str, args: tuple, kwargs: dict) -> tuple[in
         items = list(args[0])
         total = sum(len(x) for x in items if isinstance(x, str)) + len(s) * max(0, len(items) - 1)
         return total, (items,) + tuple(args[1:])
-    if name in ("format", "format_map"):
-        nums = [a for a in list(args) + list(kwargs.values()) if isinstance(a, int) and abs(a) >= 1_000_000]
-        if _WIDTH_RE.search(s) or ("{" in s and nums):  # a width of a million or more, literal or nested
-            return 1 << 62, args
+    if name == "encode":
+        return 4 * len(s), args
+    if name == "format":
+        return _estimate_format(s, args, kwargs, limit), args
+    if name == "format_map" and args and isinstance(args[0], Mapping):
+        return _estimate_format(s, (), args[0], limit), args
+    if name == "translate" and args:
+        table = args[0]
+        vals = table.values() if isinstance(table, Mapping) else table if isinstance(table, (list, tuple, str)) else ()
+        longest = max((len(v) for v in vals if isinstance(v, str)), default=1)
+        return len(s) * max(1, longest), args
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes before the work: one C call (str(), json.dumps, str.format, **) cannot be interrupted by
+# the deadline, so what it would produce is estimated first, at a cost bounded by the limit
+# ---------------------------------------------------------------------------------------------
+
+MAX_INT_BITS = 1 << 16  # integers a template may compute (about 19,700 digits)
+_FLOAT_CHARS = 330  # the longest float in positional notation ("%f" of 1.8e308) and a sign
+_MAX_SPEC_DIGITS = 9  # a width or precision of a billion or more is refused outright
+
+
+def _int_chars(v: int) -> int:
+    return v.bit_length() * 31 // 100 + 2  # decimal digits of v (log10 2 < 0.31) and a sign
+
+
+def _size_of(x: Any, limit: int, mode: str = "str", indent: int = 0, seps: tuple[int, int] = (2, 2)) -> int:
+    """An upper bound on the length of ``str(x)`` (``mode="str"``; ``"repr"``), of
+    ``json.dumps(x, indent=indent)`` (``"json"``, ``seps``: lengths of the item and key
+    separators) or ``pprint.pformat(x)`` (``"pprint"``), computed without building it. Stops as
+    soon as the bound passes ``limit`` (returns it then); every object visited adds at least one
+    character, so the walk visits at most ``limit`` objects."""
+    from jinja2.runtime import Undefined
+    from jinja2.utils import Namespace
+
+    total = 0
+    item_sep, key_sep = seps
+    stack: list[tuple[Any, int, int]] = [(x, 0, 0)]  # (object, depth, column)
+    top = True
+    while stack:
+        obj, depth, col = stack.pop()
+        if mode == "pprint":
+            total += col + 1  # a line of its own, indented to its column
+        elif indent and depth:
+            total += 1 + indent * depth  # newline and indentation
+        if isinstance(obj, str):
+            n = len(obj)
+            if top and mode == "str":
+                total += n
+            elif mode == "json":
+                total += n * (2 if obj.isascii() and obj.isprintable() else 12) + 2
+            else:
+                total += n * (2 if obj.isprintable() else 10) + 3
+        elif isinstance(obj, bool) or obj is None:
+            total += 5
+        elif isinstance(obj, int):
+            total += _int_chars(obj)
+        elif isinstance(obj, float):
+            total += 24
+        elif isinstance(obj, (bytes, bytearray)):
+            total += 4 * len(obj) + 3
+        elif isinstance(obj, Undefined):
+            total += 0
+        elif isinstance(obj, (Mapping, Namespace)):
+            attrs = obj if isinstance(obj, Mapping) else object.__getattribute__(obj, "_Namespace__attrs")
+            items = attrs.items()
+            total += 14 + (indent * depth + 1 if indent else 0)
+            for k, v in items:
+                total += item_sep + key_sep
+                ksize = _size_of(k, limit, "repr" if mode != "json" else "json") if not isinstance(k, (int, float)) \
+                    else 24
+                total += ksize
+                if total > limit:
+                    return limit + 1
+                stack.append((v, depth + 1, col + ksize + key_sep + 1))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            total += 4 + (indent * depth + 1 if indent else 0) + item_sep * len(obj)
+            if total > limit:
+                return limit + 1
+            stack.extend((v, depth + 1, col + 1) for v in obj)
+        else:
+            total += 100  # a function, a macro, a loop object ...: a short fixed repr
+        top = False
+        if total > limit:
+            return limit + 1
+    return total
+
+
+_PCT_RE = re.compile(r"%(?:\(([^)]*)\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?(.)")
+_FMT_DIGITS = re.compile(r"\d+")
+
+
+def _spec_number(digits: str) -> int:
+    if len(digits) > _MAX_SPEC_DIGITS:
+        raise TemplateError("chat template formats with a width or precision too large")
+    return int(digits)
+
+
+def _value_chars(v: Any, conv: str, limit: int) -> int:
+    if conv in "diouxXc":
+        return _int_chars(v) * 2 if isinstance(v, int) else 24
+    if conv in "eEfFgG%":
+        return _FLOAT_CHARS + (_int_chars(v) if isinstance(v, int) else 0)
+    return _size_of(v, limit, "repr" if conv in "ra" else "str")
+
+
+def _estimate_percent(fmt: str, args: Any, limit: int) -> int:
+    """An upper bound on the length of ``fmt % args``."""
+    total = len(fmt)
+    pos_args = list(args) if isinstance(args, tuple) else [args]
+    k = 0
+
+    def take() -> Any:
+        nonlocal k
+        v = pos_args[k] if k < len(pos_args) else None
+        k += 1
+        return v
+
+    for m in _PCT_RE.finditer(fmt):
+        key, width, prec, conv = m.groups()
+        if conv == "%":
+            continue
+        w = p = 0
+        if width == "*":
+            v = take()
+            w = abs(v) if isinstance(v, int) else 0
+        elif width:
+            w = _spec_number(width)
+        if prec == "*":
+            v = take()
+            p = abs(v) if isinstance(v, int) else 0
+        elif prec:
+            p = _spec_number(prec)
+        if key is not None:
+            value = args.get(key) if isinstance(args, Mapping) else None
+        else:
+            value = take()
+        total += w + p + _value_chars(value, conv, limit)
+        if total > limit:
+            return limit + 1
+    return total
+
+
+def _estimate_format(fmt: str, args: tuple, kwargs: Mapping[str, Any], limit: int) -> int:
+    """An upper bound on the length of ``fmt.format(*args, **kwargs)``."""
+    import string
+
+    total = 0
+    auto = 0
+    sizes: dict[int, int] = {}
+
+    def field(name: str, conv: str | None) -> tuple[int, Any]:
+        nonlocal auto
+        root = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if root == "":
+            value, key = (args[auto] if auto < len(args) else None), -1 - auto
+            auto += 1
+        elif root.isdigit():
+            i = _spec_number(root)
+            value, key = (args[i] if i < len(args) else None), -1 - i
+        else:
+            value = kwargs.get(root)
+            key = id(value)
+        if key not in sizes:
+            sizes[key] = max(100, _size_of(value, limit, "repr" if conv in ("r", "a") else "str"))
+        return sizes[key] + (_FLOAT_CHARS if isinstance(value, (int, float)) else 0), value
+
+    try:
+        parsed = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return len(fmt)  # malformed: str.format raises its own error
+    for literal, name, spec, conv in parsed:
+        total += len(literal)
+        if name is None:
+            continue
+        total += field(name, conv)[0]
+        if spec:
+            for nested in re.findall(r"\{([^{}]*)\}", spec):
+                n, value = field(nested.split("!")[0].split(":")[0], None)
+                total += n
+                if isinstance(value, int):
+                    if abs(value) >= 10 ** _MAX_SPEC_DIGITS:
+                        raise TemplateError("chat template formats with a width or precision too large")
+                    total += abs(value)
+                elif isinstance(value, str):  # a spec given as a string: its width and precision
+                    for digits in _FMT_DIGITS.findall(value):
+                        total += _spec_number(digits)
+            for digits in _FMT_DIGITS.findall(re.sub(r"\{[^{}]*\}", "", spec)):
+                total += _spec_number(digits)
+        if total > limit:
+            return limit + 1
+    return total
+
+
+def _estimate_wordwrap(s: str, width: int, wrapstring: str) -> int:
+    lines = min(len(s), len(s.split()) + len(s) // max(1, width) + s.count("\n")) + 1
+    return len(s) + lines * len(wrapstring)
 
 
 def _make_env(budget: _Budget) -> Any:
@@ -209,6 +418,9 @@ def _make_env(budget: _Budget) -> Any:
             return "".join(parts)
 
         def checked_concat(self, parts: Any) -> str:
+            for p in parts:
+                if not isinstance(p, str):
+                    budget.check_size(p, "'~'")
             strs = [str(p) for p in parts]
             budget.check_len(sum(len(p) for p in strs), "'~'")
             return "".join(strs)
@@ -222,21 +434,21 @@ def _make_env(budget: _Budget) -> Any:
             raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            seqs = (str, list, tuple)
+            seqs = (str, list, tuple, bytes, bytearray)
+            ints = isinstance(left, int) and isinstance(right, int)
             if operator == "*":
+                if ints:
+                    budget.check_int(left.bit_length() + right.bit_length(), "'*'")
                 for seq, k in ((left, right), (right, left)):
                     if isinstance(seq, seqs) and isinstance(k, int):
                         budget.check_len(len(seq) * max(0, k), "'*'")
             elif operator == "+" and isinstance(left, seqs) and isinstance(right, seqs):
                 budget.check_len(len(left) + len(right), "'+'")
-            elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
-                if abs(right) > 1024 and abs(left) > 1:
-                    raise TemplateError("chat template computes a power too large to evaluate")
+            elif operator == "**" and ints and right > 0 and abs(left) > 1:
+                # bits of the result, checked without computing it (right may itself be huge)
+                budget.check_int(abs(left).bit_length() * min(right, MAX_INT_BITS + 1), "'**'")
             elif operator == "%" and isinstance(left, str):
-                vals = right if isinstance(right, tuple) else (right,)
-                big = any(isinstance(v, int) and abs(v) >= 1_000_000 for v in vals)
-                if _WIDTH_RE.search(left) or ("*" in left and big):
-                    raise TemplateError("chat template formats with a width or precision too large")
+                budget.check_len(_estimate_percent(left, right, budget.max_chars), "'%' formatting")
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
@@ -244,27 +456,38 @@ def _make_env(budget: _Budget) -> Any:
             owner = getattr(target, "__self__", None)
             if isinstance(owner, str):
                 name = getattr(target, "__name__", "")
-                est = _estimate_str_call(owner, name, args, kwargs)
+                est = _estimate_str_call(owner, name, args, kwargs, budget.max_chars) if budget.active else None
                 if est is not None:
-                    if budget.active and name in ("format", "format_map") and est[0] == 1 << 62:
-                        raise TemplateError("chat template formats with a width or precision too large")
                     budget.check_len(est[0], f"str.{name}()")
                     args = est[1]
             out = super().call(__context, __obj, *args, **kwargs)
-            if isinstance(out, (str, list, tuple)):
+            if isinstance(out, (str, list, tuple, bytes, bytearray)):
                 budget.check_len(len(out), "a call")
             return out
 
-    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    def finalize(value: Any) -> Any:
+        # {{ value }} is turned into text by str() in one C call: size it first
+        if not isinstance(value, str):
+            budget.check_size(value, "an output expression")
+        return value
+
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols], finalize=finalize)
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
+        ind = len(indent) if isinstance(indent, str) else int(indent) if isinstance(indent, int) and indent > 0 else 0
+        seps = (2, 2)
+        if isinstance(separators, (list, tuple)) and len(separators) == 2 \
+                and all(isinstance(p, str) for p in separators):
+            seps = (len(separators[0]), len(separators[1]))
+        budget.check_size(x, "tojson", "json", indent=ind, seps=seps)
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def raise_exception(message: Any) -> None:
         raise TemplateError(f"chat template error: {message}")
 
     def strftime_now(fmt: str) -> str:
+        budget.check_len(len(str(fmt)) * 64, "strftime_now")  # %c and friends expand a few dozen times
         return datetime.datetime.now().strftime(fmt)
 
     def c_trim(value: Any) -> str:
@@ -278,10 +501,11 @@ def _make_env(budget: _Budget) -> Any:
 
     def f_indent(s: Any, width: Any = 4, first: bool = False, blank: bool = False) -> str:
         w = len(width) if isinstance(width, str) else int(width)
-        budget.check_len(len(str(s)) * (1 + max(0, w)), "indent")
+        budget.check_size(s, "indent", factor=1 + max(0, w))
         return base["indent"](s, width, first, blank)
 
     def f_replace(eval_ctx: Any, s: Any, old: Any, new: Any, count: Any = None) -> Any:
+        budget.check_size(s, "replace")
         est = _estimate_str_call(str(s), "replace", (str(old), str(new)) + ((count,) if count else ()), {})
         if est is not None:
             budget.check_len(est[0], "replace")
@@ -289,28 +513,106 @@ def _make_env(budget: _Budget) -> Any:
 
     def f_join(eval_ctx: Any, value: Any, d: Any = "", attribute: Any = None) -> Any:
         items = list(value)
-        budget.check_len(len(str(d)) * max(0, len(items) - 1), "join")
+        budget.check_size(d, "join")
+        total = len(str(d)) * max(0, len(items) - 1)
+        lim = budget.max_chars
+        for it in items:  # each item is turned into text in C: size it first
+            total += len(it) if isinstance(it, str) else _size_of(it, lim - total if lim > total else 0)
+            budget.check_len(total, "join")
         return base["join"](eval_ctx, items, d, attribute)
 
     def f_format(value: Any, *args: Any, **kwargs: Any) -> str:
-        if isinstance(value, str) and _WIDTH_RE.search(value):
-            raise TemplateError("chat template formats with a width or precision too large")
+        if budget.active:
+            fmt = value if isinstance(value, str) else str(value)
+            budget.check_len(_estimate_percent(fmt, kwargs or args, budget.max_chars), "format")
         return base["format"](value, *args, **kwargs)
 
-    def f_wordwrap(*a: Any, **k: Any) -> str:
-        out = base["wordwrap"](*a, **k)
-        budget.check_len(len(out), "wordwrap")
-        return out
+    def f_wordwrap(environment: Any, s: str, width: int = 79, break_long_words: bool = True,
+                   wrapstring: str | None = None, break_on_hyphens: bool = True) -> str:
+        if budget.active:
+            ws = environment.newline_sequence if wrapstring is None else wrapstring
+            budget.check_size(s, "wordwrap")
+            budget.check_len(_estimate_wordwrap(str(s), int(width), str(ws)), "wordwrap")
+        return base["wordwrap"](environment, s, width, break_long_words, wrapstring, break_on_hyphens)
 
-    # keep the eval-context flag of the wrapped filters
+    def f_string(value: Any) -> str:
+        budget.check_size(value, "string")
+        return base["string"](value)
+
+    def f_pprint(value: Any) -> str:
+        budget.check_size(value, "pprint", "pprint")
+        return base["pprint"](value)
+
+    def f_escape(value: Any) -> Any:
+        budget.check_size(value, "escape", factor=6)  # "&#34;" is the longest entity
+        return base["escape"](value)
+
+    def f_forceescape(value: Any) -> Any:
+        budget.check_size(value, "forceescape", factor=6)
+        return base["forceescape"](value)
+
+    def f_urlencode(value: Any) -> str:
+        budget.check_size(value, "urlencode", factor=12)  # 4 bytes of UTF-8 as %XX each
+        return base["urlencode"](value)
+
+    def f_urlize(eval_ctx: Any, value: str, *a: Any, **k: Any) -> str:
+        # its address regexes backtrack quadratically on long words: the input is capped
+        if not isinstance(value, str):
+            budget.check_size(value, "urlize")
+        if budget.active and len(str(value)) > _MAX_URLIZE:
+            raise TemplateError(f"chat template urlizes {len(str(value))} characters (limit {_MAX_URLIZE})")
+        return base["urlize"](eval_ctx, value, *a, **k)
+
+    def f_sum(environment: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
+        items = list(iterable)
+        if attribute is not None:
+            from jinja2.filters import make_attrgetter
+
+            get = make_attrgetter(environment, attribute)
+            items = [get(x) for x in items]
+        if isinstance(start, (int, float)) and all(isinstance(x, (int, float)) for x in items):
+            return sum(items, start)  # linear: the result has about as many digits as the largest
+        if isinstance(start, (list, tuple)) and all(isinstance(x, type(start)) for x in items):
+            # sum() of sequences copies the running total at every step (quadratic, in one C
+            # call); concatenating once is linear and gives the same result
+            budget.check_len(len(start) + sum(len(x) for x in items), "sum")
+            out = list(start)
+            for x in items:
+                out.extend(x)
+            return out if isinstance(start, list) else tuple(out)
+        raise TemplateError("chat template sums values that are not numbers, lists or tuples")
+
+    def checked(name: str, fn: Any) -> Any:
+        """Any other filter, its result's size checked (the ones that can grow much are checked
+        before they run, above)."""
+        @functools.wraps(fn)
+        def run(*a: Any, **k: Any) -> Any:
+            out = fn(*a, **k)
+            if isinstance(out, (str, list, tuple)):
+                budget.check_len(len(out), f"the {name} filter")
+            return out
+
+        return run
+
+    for name in ("wordwrap", "sum", "urlize"):
+        pass_arg = getattr(base[name], "jinja_pass_arg", None)
+        target = {"wordwrap": f_wordwrap, "sum": f_sum, "urlize": f_urlize}[name]
+        if pass_arg is not None:
+            target.jinja_pass_arg = pass_arg  # type: ignore[attr-defined]
     f_replace.jinja_pass_arg = base["replace"].jinja_pass_arg  # type: ignore[attr-defined]
     f_join.jinja_pass_arg = base["join"].jinja_pass_arg  # type: ignore[attr-defined]
-    f_wordwrap.jinja_pass_arg = getattr(base["wordwrap"], "jinja_pass_arg", None)  # type: ignore[attr-defined]
-    if f_wordwrap.jinja_pass_arg is None:  # type: ignore[attr-defined]
-        del f_wordwrap.jinja_pass_arg  # type: ignore[attr-defined]
+    env.filters.update({name: checked(name, fn) for name, fn in base.items()})
     env.filters.update(tojson=tojson, c_trim=c_trim, center=f_center, indent=f_indent, replace=f_replace,
-                       join=f_join, format=f_format, wordwrap=f_wordwrap)
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+                       join=f_join, format=f_format, wordwrap=f_wordwrap, string=f_string, pprint=f_pprint,
+                       escape=f_escape, e=f_escape, forceescape=f_forceescape, urlencode=f_urlencode,
+                       urlize=f_urlize, sum=f_sum)
+    base_lipsum = env.globals["lipsum"]
+
+    def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> Any:  # noqa: A002
+        budget.check_len(int(n) * int(max) * 16, "lipsum")  # words of at most a dozen letters
+        return base_lipsum(n, html, min, max)
+
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, lipsum=lipsum)
     return env
 
 
@@ -329,7 +631,14 @@ def _compile(source: str) -> Any:
     with _ENV_LOCK:
         if _ENV is None:
             _ENV = _make_env(_BUDGET)
-        return _ENV.from_string(source)
+        # compiling folds constant expressions (a filter of literals runs now): the same limits
+        b = _BUDGET
+        saved = b.max_chars, b.active
+        b.max_chars, b.active = 1 << 20, True
+        try:
+            return _ENV.from_string(source)
+        finally:
+            b.max_chars, b.active = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +731,88 @@ def _input_size(messages: list[dict[str, Any]], tools: list[Any] | None, extra: 
     return n
 
 
+_PUA = re.compile("[\U000F0000-\U0010FFFD]")  # supplementary private use areas A and B
+_MAX_DEPTH = 64  # nesting of the caller's data that render_spans walks
+
+
+class _Protector:
+    """Swaps control-token texts in the caller's strings for private-use characters and back."""
+
+    def __init__(self, find: Callable[[str], Sequence[str]], data: Any, source: str) -> None:
+        self._find = find
+        self._by_text: dict[str, str] = {}
+        self._by_mark: dict[str, str] = {}
+        taken = set(_PUA.findall(source))
+        for text in _strings(data):
+            if _PUA.search(text):
+                taken.update(_PUA.findall(text))
+        self._taken = taken
+        self._next = 0xF0000
+
+    def _mark(self, text: str) -> str:
+        m = self._by_text.get(text)
+        if m is None:
+            while chr(self._next) in self._taken:
+                self._next += 1
+            if self._next > 0x10FFFD:
+                raise TemplateError("chat input uses every private-use character: cannot mark its control tokens")
+            m = chr(self._next)
+            self._next += 1
+            self._by_text[text], self._by_mark[m] = m, text
+        return m
+
+    def _str(self, s: str) -> str:
+        for t in self._find(s):
+            if t in s:
+                s = s.replace(t, self._mark(t))
+        return s
+
+    def neutral(self, data: Any, depth: int = 0) -> Any:
+        """A copy of ``data`` (dicts, lists, tuples, strings) with control texts swapped."""
+        if isinstance(data, str):
+            return self._str(data)
+        if depth > _MAX_DEPTH:
+            raise InvalidRequestError(f"chat input is nested more than {_MAX_DEPTH} levels deep")
+        if isinstance(data, Mapping):
+            return {(self._str(k) if isinstance(k, str) else k): self.neutral(v, depth + 1) for k, v in data.items()}
+        if isinstance(data, (list, tuple)):
+            out = [self.neutral(v, depth + 1) for v in data]
+            return tuple(out) if isinstance(data, tuple) else out
+        return data
+
+    def restore(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        if not self._by_mark:
+            return text, []
+        marks = re.compile("[" + "".join(self._by_mark) + "]")
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        n = pos = 0
+        for m in marks.finditer(text):
+            out.append(text[pos:m.start()])
+            n += m.start() - pos
+            real = self._by_mark[m.group()]
+            out.append(real)
+            spans.append((n, n + len(real)))
+            n += len(real)
+            pos = m.end()
+        out.append(text[pos:])
+        return "".join(out), spans
+
+
+def _strings(data: Any, depth: int = 0) -> Iterator[str]:
+    if isinstance(data, str):
+        yield data
+    elif depth <= _MAX_DEPTH:
+        if isinstance(data, Mapping):
+            for k, v in data.items():
+                if isinstance(k, str):
+                    yield k
+                yield from _strings(v, depth + 1)
+        elif isinstance(data, (list, tuple)):
+            for v in data:
+                yield from _strings(v, depth + 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # the template
 # ---------------------------------------------------------------------------------------------
@@ -508,6 +899,32 @@ class ChatTemplate:
         if limit is None:
             limit = (1 << 20) + 16 * _input_size(msgs, tool_list, extra)
         return self._render(ctx, limit)
+
+    def render_spans(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                     tools: Sequence[Mapping[str, Any]] | None = None, *,
+                     control_texts: Callable[[str], Sequence[str]], **extra: Any) -> tuple[str, list[tuple[int, int]]]:
+        """Render like :meth:`render`, and say which control-token texts in the result came from
+        the caller's data (message content, names, tool calls, tools, extra variables) rather
+        than from the template: ``(text, spans)``, each span ``[start, end)`` of ``text``.
+
+        ``control_texts(s)`` lists the control-token texts occurring in ``s`` (longest first;
+        ``Tokenizer.control_texts_in``). Each occurrence in the caller's strings is swapped for
+        a private-use character no input contains before rendering, so the template sees one
+        opaque character, and swapped back afterwards, its place recorded: tokenizing with
+        ``Tokenizer.encode(text, parse_special=True, plain_spans=spans)`` then makes control
+        tokens only of the template's own text (no role injection through content).
+        """
+        msgs = self.prepare(_normalize_messages(messages))
+        tool_list = _normalize_tools(tools)
+        prot = _Protector(control_texts, (msgs, tool_list, extra), self.source)
+        msgs, tool_list, extra = prot.neutral((msgs, tool_list, dict(extra)))
+        ctx: dict[str, Any] = dict(self.special_tokens)
+        ctx.update(extra)
+        ctx.update(messages=msgs, tools=tool_list, add_generation_prompt=bool(add_generation_prompt))
+        limit = self.max_output_chars
+        if limit is None:
+            limit = (1 << 20) + 16 * _input_size(msgs, tool_list, extra)
+        return prot.restore(self._render(ctx, limit))
 
     def prepare(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages (validated copies) as the template expects them, following llama.cpp:

@@ -34,6 +34,7 @@ class PieceSource(Protocol):
 
 _SPACE_BEFORE_PUNCT = re.compile(r" (?=[?!.,])")
 _SPACE_BEFORE_CONTRACTION = re.compile(r" (?='(?:s|m|re|ve))")
+_QUOTE = re.compile(r" ' ")
 
 
 def clean_spaces(text: str) -> str:
@@ -47,10 +48,52 @@ def clean_spaces(text: str) -> str:
     return _SPACE_BEFORE_CONTRACTION.sub("", text)
 
 
-# Every pattern clean_spaces rewrites starts with a space and spans at most 4 characters, and it
-# only ever deletes spaces; so text can be cleaned in two parts split at a point whose previous
-# 3 characters contain no space, and the results joined, with the same result as one pass.
-_CLEAN_WINDOW = 3
+class _StreamingClean:
+    """:func:`clean_spaces` applied to text that arrives in pieces: each of its three passes is a
+    left-to-right rewrite with at most three characters of lookahead, so each runs as a small
+    transducer that holds back only a possible partial match (at most 1 + 2 + 3 characters in
+    all). ``feed(a) + feed(b) + ... + finish() == clean_spaces(a + b + ...)``; each call costs
+    O(its text)."""
+
+    def __init__(self) -> None:
+        self._h1 = ""  # pass 1: a trailing space (its next character decides it)
+        self._h2 = ""  # pass 2: a partial " ' " (" " or " '")
+        self._h3 = ""  # pass 3: from a space whose "'s" / "'re" ... is not complete yet
+
+    def feed(self, text: str, final: bool = False) -> str:
+        # pass 1: " " before ?!., is removed
+        buf = self._h1 + text
+        self._h1 = ""
+        if buf.endswith(" ") and not final:
+            buf, self._h1 = buf[:-1], " "  # undecided until the next character comes
+        t1 = _SPACE_BEFORE_PUNCT.sub("", buf)
+        # pass 2: " ' " -> "'" (leftmost, non-overlapping: str.replace's order)
+        buf = self._h2 + t1
+        self._h2 = ""
+        if not final:
+            # a partial match can only start after the last complete one (the scan's alignment)
+            last_end = 0
+            for m in _QUOTE.finditer(buf):
+                last_end = m.end()
+            if buf.endswith(" '") and len(buf) - 2 >= last_end:
+                buf, self._h2 = buf[:-2], " '"
+            elif buf.endswith(" ") and len(buf) - 1 >= last_end:
+                buf, self._h2 = buf[:-1], " "
+        t2 = buf.replace(" ' ", "'")
+        # pass 3: " " before 's 'm 're 've is removed
+        buf = self._h3 + t2
+        self._h3 = ""
+        if not final:
+            for k in (3, 2, 1):
+                j = len(buf) - k
+                if j >= 0 and buf[j] == " " and buf[j + 1:] in ("", "'", "'r", "'v"):
+                    buf, self._h3 = buf[:j], buf[j:]
+                    break
+        return _SPACE_BEFORE_CONTRACTION.sub("", buf)
+
+    def held(self) -> int:
+        """Characters held back (tests bound it)."""
+        return len(self._h1) + len(self._h2) + len(self._h3)
 
 
 class StreamDecoder:
@@ -73,8 +116,7 @@ class StreamDecoder:
         """Forget everything pushed so far; the next token starts a new sequence."""
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._first = True
-        self._pending = ""  # decoded text not yet emitted (clean_spaces only)
-        self._tail = ""  # last characters already emitted (clean_spaces context)
+        self._cleaner = _StreamingClean()  # clean_spaces, a few characters held back
         self.token_ids: list[int] = []
 
     def push(self, token_id: int) -> str:
@@ -99,20 +141,4 @@ class StreamDecoder:
         return text
 
     def _emit(self, text: str, final: bool) -> str:
-        pending = self._pending + text
-        if final:
-            cut = len(pending)
-        else:
-            # largest cut whose 3 preceding characters (emitted tail included) hold no space
-            ctx = self._tail + pending
-            off = len(self._tail)
-            cut = len(ctx)
-            while cut > off and " " in ctx[max(0, cut - _CLEAN_WINDOW):cut]:
-                cut = ctx.rfind(" ", 0, cut)
-            cut -= off
-            if cut <= 0:
-                self._pending = pending
-                return ""
-        done, self._pending = pending[:cut], pending[cut:]
-        self._tail = (self._tail + done)[-_CLEAN_WINDOW:]
-        return clean_spaces(done)
+        return self._cleaner.feed(text, final)

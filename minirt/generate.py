@@ -88,50 +88,149 @@ class Trace:
         self.steps.append({"step": step, "seconds": seconds, **info})
 
 
+# Bounds on the stop strings of one request (llama-server has none, OpenAI allows 4): enough
+# for chat templates' end markers and user lists, small enough that building the matcher for a
+# request stays cheap.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 32768  # characters over all stop strings of one request
+
+
 class StopStrings:
     """Holds back text that could be the start of a stop string; reports when one completes.
 
     ``feed(delta)`` returns ``(text safe to emit, stopped)``. On a stop, the text before the stop
-    string is emitted and the stop string itself never is.
+    string is emitted and the stop string itself never is. The stop string that *ends* first in
+    the output wins (the same whatever the token boundaries); of those ending at the same place,
+    the longest.
+
+    Matching is an Aho-Corasick automaton over the stop strings, fed one character at a time, so
+    a token costs O(its text) amortized whatever the number and length of the stop strings; the
+    automaton's state depth is exactly how many characters must be held back (the longest
+    suffix of the output that is a prefix of some stop string). Building it costs O(total
+    length of the stop strings), bounded by :data:`MAX_STOP_CHARS`.
     """
 
     def __init__(self, stops: Seq[str]) -> None:
         self.stops = [s for s in stops if s]
-        self.pending = ""
         self.max_len = max((len(s) for s in self.stops), default=0)
+        self.steps = 0  # automaton transitions taken (tests assert the per-token cost with it)
+        # trie: goto[(node, char)] -> child; node 0 is the root
+        goto: dict[tuple[int, str], int] = {}
+        depth = [0]
+        for s in self.stops:
+            node = 0
+            for ch in s:
+                nxt = goto.get((node, ch))
+                if nxt is None:
+                    nxt = goto[(node, ch)] = len(depth)
+                    depth.append(depth[node] + 1)
+                node = nxt
+        n = len(depth)
+        term = [0] * n  # length of the longest stop string ending at this node (0: none)
+        for s in self.stops:
+            node = 0
+            for ch in s:
+                node = goto[(node, ch)]
+            term[node] = len(s)
+        children: list[list[tuple[str, int]]] = [[] for _ in range(n)]
+        for (parent, ch), child in goto.items():
+            children[parent].append((ch, child))
+        fail = [0] * n
+        queue = [c for _, c in children[0]]
+        for node in queue:  # breadth first: a node's failure target is shallower, already done
+            for ch, child in children[node]:
+                f = fail[node]
+                while f and (f, ch) not in goto:
+                    f = fail[f]
+                target = goto.get((f, ch), 0)
+                fail[child] = target if target != child else 0
+                if not term[child]:
+                    term[child] = term[fail[child]]
+                queue.append(child)
+        self._goto, self._fail, self._term, self._depth = goto, fail, term, depth
+        self._node = 0
+        self._held: list[str] = []  # text not yet emitted, oldest first; its length is depth[node]
+        self._held_len = 0
+
+    @property
+    def pending(self) -> str:
+        """The text held back (a possible start of a stop string)."""
+        return "".join(self._held)
 
     def feed(self, delta: str) -> tuple[str, bool]:
         if not self.stops:
             return delta, False
-        buf = self.pending + delta
-        hit = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if hit >= 0:
-            self.pending = ""
-            return buf[:hit], True
-        # keep the longest suffix of buf that is a prefix of some stop string
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:k]):
-                    keep = k
+        goto, fail, term = self._goto, self._fail, self._term
+        node = self._node
+        steps = 0
+        for i, ch in enumerate(delta):
+            while True:
+                steps += 1
+                nxt = goto.get((node, ch))
+                if nxt is not None:
+                    node = nxt
                     break
-        self.pending = buf[len(buf) - keep:] if keep else ""
-        return buf[: len(buf) - keep], False
+                if node == 0:
+                    break
+                node = fail[node]
+            if term[node]:
+                self.steps += steps
+                text = "".join(self._held) + delta[:i + 1]
+                self._reset()
+                return text[:len(text) - term[node]], True
+        self.steps += steps
+        self._node = node
+        keep = self._depth[node]
+        if delta:
+            self._held.append(delta)
+            self._held_len += len(delta)
+        n_out = self._held_len - keep
+        if n_out <= 0:
+            return "", False
+        # emit the oldest n_out held characters: whole chunks, then a split of the last one
+        out = []
+        held = self._held
+        k = 0
+        while n_out and n_out >= len(held[k]):
+            out.append(held[k])
+            n_out -= len(held[k])
+            k += 1
+        if n_out:
+            out.append(held[k][:n_out])
+            held[k] = held[k][n_out:]
+        del held[:k]
+        self._held_len = keep
+        return "".join(out), False
+
+    def _reset(self) -> None:
+        self._node = 0
+        self._held = []
+        self._held_len = 0
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        out = "".join(self._held)
+        self._reset()
         return out
 
 
 def validate_stop(stop: Any) -> list[str]:
-    """``stop`` may be None, a string or a list of strings."""
+    """``stop`` may be None, a string or a list of strings: at most :data:`MAX_STOP_STRINGS`
+    strings of :data:`MAX_STOP_CHARS` characters in all."""
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
-    raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
+        stops = [stop]
+    elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        stops = [s for s in stop if s]
+    else:
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}"[:300])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    total = sum(len(s) for s in stops)
+    if total > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"stop strings have {total} characters in all; at most {MAX_STOP_CHARS} "
+                                  "are allowed")
+    return stops
 
 
 EventSink = Callable[[TokenEvent], None]
@@ -194,7 +293,19 @@ class Sequence:
         return self.n_prefilled < len(self.prompt_ids)
 
     def cancelled(self) -> bool:
-        return self._stop.is_set() or (self.cancel is not None and self.cancel.is_set())
+        """True once the consumer or the caller's cancel object asked to stop. A cancel object
+        whose ``is_set()`` raises fails this request (the error is kept in ``error``), never the
+        batch it runs in."""
+        if self._stop.is_set():
+            return True
+        if self.cancel is None:
+            return False
+        try:
+            return bool(self.cancel.is_set())
+        except Exception as e:
+            if self.error is None:
+                self.error = e
+            return True
 
     def request_stop(self) -> None:
         """Ask the sequence to end with "cancelled" at the next step (thread-safe)."""

@@ -27,7 +27,7 @@ import numpy as np
 from . import gguf as gguf_mod
 from . import registry
 from .archs import build, read_config
-from .errors import InvalidRequestError, ModelClosedError, TokenizerError
+from .errors import ContextOverflowError, InvalidRequestError, ModelClosedError, TokenizerError
 from .forward import Segment
 from .generate import Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop
 from .grammar import options as grammar_options
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
 KV_MEMORY_FRACTION = 0.25
+MAX_N_CTX = 1 << 24  # positions of one context (16 Mi); a larger n_ctx is refused at load
 STATE_FORMAT = "minirt-kv-state-1"  # default n_ctx: the KV cache of one full context fits in this share of RAM
 
 
@@ -208,6 +209,7 @@ class Model:
             self.n_vocab = cfg.n_vocab
             self.n_ctx = self._pick_n_ctx(n_ctx, cfg)
             self.model = build(self.file, self.backend, self.n_ctx)
+            self._cfg = self.model.cfg  # kept after close() for arch / repr
             if threads is not None and (not isinstance(threads, int) or threads <= 0):
                 raise InvalidRequestError(f"threads must be a positive integer, got {threads!r}")
             self.engine = Engine(self.model, n_batch)
@@ -219,6 +221,8 @@ class Model:
             self._sched_opts: dict[str, Any] = {}
             self._fingerprint: str | None = None
             self._grammar_engine: Any = None
+            # chat content's control-token texts stay text (see _chat_prompt); True: llama.cpp's way
+            self.parse_special_content = False
         except BaseException:
             self.file.close()
             raise
@@ -236,12 +240,20 @@ class Model:
             return max(256, min(cfg.n_ctx_train, fit))
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0:
             raise InvalidRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if n_ctx > MAX_N_CTX:
+            raise InvalidRequestError(f"n_ctx {n_ctx} is over the limit of {MAX_N_CTX} positions (MAX_N_CTX)")
+        total = _total_memory()
+        if n_ctx * per_tok > total:
+            raise InvalidRequestError(f"n_ctx {n_ctx} needs a KV cache of {n_ctx * per_tok / 2**30:.1f} GiB for "
+                                      f"one context, more than this machine's {total / 2**30:.1f} GiB of memory; "
+                                      f"at most n_ctx={total // per_tok} fits")
         if n_ctx > cfg.n_ctx_train:
             log.warning("n_ctx %d exceeds the %d positions the model was trained for", n_ctx, cfg.n_ctx_train)
         return n_ctx
 
     def _new_cache(self, n_ctx: int | None = None) -> KVCache:
-        c = self.model.cfg
+        self._check_open()
+        c = self._cfg
         return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, n_ctx or self.n_ctx)
 
     def _check_open(self) -> None:
@@ -251,7 +263,7 @@ class Model:
     # -- information -------------------------------------------------------------------------------
     @property
     def arch(self) -> str:
-        return self.model.cfg.arch
+        return self._cfg.arch
 
     @property
     def eog_ids(self) -> frozenset[int]:
@@ -261,7 +273,11 @@ class Model:
         return self.backend.info()
 
     def __repr__(self) -> str:
-        return f"<minirt.Model {self.name} arch={self.arch} n_ctx={self.n_ctx} device={self.device}>"
+        cfg = self.__dict__.get("_cfg")  # a model whose load failed half-way has no config
+        arch = cfg.arch if cfg is not None else "?"
+        closed = " closed" if self.__dict__.get("_closed") else ""
+        return (f"<minirt.Model {self.__dict__.get('name', '?')} arch={arch} n_ctx={self.__dict__.get('n_ctx', '?')} "
+                f"device={self.__dict__.get('device', '?')}{closed}>")
 
     # -- steps 2, 3 and 8 --------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -276,10 +292,21 @@ class Model:
         """Render chat messages into the prompt text with the model's template (step 3)."""
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
 
-    def _chat_ids(self, text: str) -> list[int]:
-        """Tokenize a rendered chat prompt: special tokens parsed, BOS added unless the template did."""
+    def _check_text_fits(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit the context whatever its tokens
+        (the bound of :meth:`Tokenizer.min_tokens`): tokenizing megabytes only to refuse them
+        would cost far more than the check."""
+        low = self.tokenizer.min_tokens(text)
+        if low >= self.n_ctx:
+            raise ContextOverflowError(f"the prompt has at least {low} tokens ({len(text)} characters) but the "
+                                       f"context holds {self.n_ctx}; raise n_ctx or shorten it")
+
+    def _chat_ids(self, text: str, plain_spans: Seq[tuple[int, int]] | None = None) -> list[int]:
+        """Tokenize a rendered chat prompt: special tokens parsed (except in ``plain_spans``, the
+        caller's data), BOS added unless the template did."""
         tk = self.tokenizer
-        ids = tk.encode(text, add_special=False, parse_special=True)
+        self._check_text_fits(text)
+        ids = tk.encode(text, add_special=False, parse_special=True, plain_spans=plain_spans)
         if tk.add_bos and tk.bos_id is not None and (not ids or ids[0] != tk.bos_id):
             ids = [tk.bos_id] + ids
         if tk.add_eos and tk.eos_id is not None:
@@ -296,10 +323,12 @@ class Model:
         check_prompt(ids, self.n_vocab, self.n_ctx + 1)
         cache = self._new_cache(len(ids))
         out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
+        nb = self.engine.n_batch
         try:
-            for s in range(0, len(ids), self.engine.n_batch):
-                chunk = ids[s:s + self.engine.n_batch]
+            for s in range(0, len(ids), nb):
+                chunk = ids[s:s + nb]
                 with self._step_lock:
+                    self._check_open()  # close() may have run on another thread since the last chunk
                     out[s:s + len(chunk)] = self.model.forward(chunk, [Segment(cache, len(chunk), "all")])[0]
         finally:
             cache.release()
@@ -308,6 +337,7 @@ class Model:
     # -- requests ----------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Seq[int], add_special: bool | None, trace: Trace | None) -> list[int]:
         if isinstance(prompt, str):
+            self._check_text_fits(prompt)
             t0 = time.perf_counter()
             ids = self.tokenizer.encode(prompt, add_special=True if add_special is None else add_special,
                                         parse_special=False)
@@ -562,7 +592,8 @@ class Model:
                                           "grammar, json_schema or response_format")
             kw["grammar"] = g
         ids, text = self._chat_prompt(messages, plan.render_tools if plan is not None else None, trace,
-                                      kw.pop("chat_template_kwargs", None), with_text=True)
+                                      kw.pop("chat_template_kwargs", None), with_text=True,
+                                      parse_special_content=kw.pop("parse_special_content", None))
         rf = kw.pop("reasoning_format", None)
         if rf not in (None, "auto", "none"):
             raise InvalidRequestError(f"reasoning_format must be 'auto' or 'none', got {rf!r}")
@@ -579,18 +610,35 @@ class Model:
         return ids, parser
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any, trace: Trace | None,
-                     template_kwargs: dict[str, Any] | None = None, with_text: bool = False) -> Any:
+                     template_kwargs: dict[str, Any] | None = None, with_text: bool = False,
+                     parse_special_content: bool | None = None) -> Any:
         """Render and tokenize a conversation; ``template_kwargs`` (``chat_template_kwargs``, e.g.
-        ``enable_thinking``, ``reasoning_effort``) are variables the template reads."""
+        ``enable_thinking``, ``reasoning_effort``) are variables the template reads.
+
+        Control tokens come only from the template's own text: a control-token text inside the
+        messages, tools or template variables is tokenized as plain text (no role injection).
+        ``parse_special_content=True`` (or ``Model.parse_special_content = True``) parses them
+        in the content too, as llama.cpp and transformers do."""
+        if parse_special_content is None:
+            parse_special_content = self.parse_special_content
+        if not isinstance(parse_special_content, bool):
+            raise InvalidRequestError(f"parse_special_content must be a boolean, got {parse_special_content!r}")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs must be a dict of template variables")
         reserved = {"messages", "tools", "add_generation_prompt"} & set(template_kwargs or ())
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
         t0 = time.perf_counter()
-        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **(template_kwargs or {}))
+        if parse_special_content:
+            text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                            **(template_kwargs or {}))
+            spans: list[tuple[int, int]] = []
+        else:
+            text, spans = self.chat_template.render_spans(messages, add_generation_prompt=True, tools=tools,
+                                                          control_texts=self.tokenizer.control_texts_in,
+                                                          **(template_kwargs or {}))
         t1 = time.perf_counter()
-        ids = self._chat_ids(text)
+        ids = self._chat_ids(text, spans)
         if trace is not None:
             trace.messages = [dict(m) for m in messages]
             trace.rendered = text

@@ -54,6 +54,7 @@ Libraries used, and why:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 from array import array
@@ -111,6 +112,7 @@ _SPM_SPACE = "\u2581"  # ▁
 _DNA_MARKER = "\ue000"  # hybriddna: suffix that keeps DNA k-mers apart from equal BPE tokens
 _C_SPACE = " \t\n\v\f\r"  # C isspace(), used for lstrip / rstrip of special tokens
 _MAX_CACHE = 1 << 17  # per-word / per-piece encode caches are cleared past this many entries
+_MAX_CACHED_PIECE = 256  # longer SPM pieces (runs of spaces, long words) are not cached
 
 # Token texts that mark the end of generation (llama.cpp's vocab loader, EOG detection by text).
 _EOG_TEXTS = frozenset([
@@ -178,6 +180,35 @@ def _to_byte_level(word: str) -> str:
     return word.encode("utf-8").decode("latin-1").translate(_ENCODE_TABLE)
 
 
+def raw_bytes(text: str) -> bytes:
+    """The bytes of a vocabulary entry as stored in the file. The GGUF reader decodes strings
+    with ``surrogateescape``, so an entry that is not valid UTF-8 (some vocabularies hold raw
+    bytes) gets its original bytes back, as llama.cpp, which never decodes, uses them."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _is_text(s: str) -> bool:
+    """True when ``s`` is valid Unicode (no surrogates: no raw bytes from the file)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_token_texts(texts: Sequence[str]) -> None:
+    """Refuse at load an entry no file could hold: a surrogate that is not an escaped byte."""
+    try:
+        "".join(texts).encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        for i, t in enumerate(texts):
+            try:
+                t.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError as e:
+                raise TokenizerError(f"tokenizer.ggml.tokens[{i}] is not valid text (code point "
+                                     f"U+{ord(t[e.start]):04X} at index {e.start})") from None
+
+
 def _from_byte_level(text: str) -> bytes:
     """Inverse of :func:`_to_byte_level` for a vocabulary entry (llama.cpp ``llama_decode_text``).
 
@@ -193,7 +224,7 @@ def _from_byte_level(text: str) -> bytes:
             if b is not None:
                 out.append(b)
             else:
-                out += b"[UNK_BYTE_0x" + ch.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+                out += b"[UNK_BYTE_0x" + raw_bytes(ch).hex().encode() + raw_bytes(text) + b"]"
         return bytes(out)
 
 
@@ -392,22 +423,37 @@ class _Splitter:
 
 
 def _trie_regex(words: Iterable[str]) -> str:
-    """An alternation of ``words`` as a trie; at each position it matches the longest word."""
+    """An alternation of ``words`` as a trie; at each position it matches the longest word.
+
+    Built without recursion and without copying (a special token may be thousands of characters
+    long): a run of single-child nodes becomes one literal, groups open only where the trie
+    branches or a word ends."""
     trie: dict[str, Any] = {}
     for w in words:
         node = trie
         for ch in w:
             node = node.setdefault(ch, {})
         node[""] = True
-
-    def emit(node: dict[str, Any]) -> str:
-        kids = [regex.escape(ch) + emit(sub) for ch, sub in sorted(node.items()) if ch != ""]
+    out: list[str] = []
+    stack: list[Any] = [trie]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        kids = sorted((ch, sub) for ch, sub in item.items() if ch != "")
         if not kids:
-            return ""
-        body = kids[0] if len(kids) == 1 else "(?:" + "|".join(kids) + ")"
-        return "(?:" + body + ")?" if "" in node else body
-
-    return emit(trie)
+            continue
+        opt, alt = "" in item, len(kids) > 1
+        seq: list[Any] = [("(?:" if opt else "") + ("(?:" if alt else "")]
+        for j, (ch, sub) in enumerate(kids):
+            if j:
+                seq.append("|")
+            seq.append(regex.escape(ch))
+            seq.append(sub)
+        seq.append((")" if alt else "") + (")?" if opt else ""))
+        stack.extend(reversed(seq))
+    return "".join(out)
 
 
 def decode_utf8_like_llama(data: bytes) -> str:
@@ -511,6 +557,7 @@ class Tokenizer:
                 if len(t) > 1 and t.endswith(_DNA_MARKER):
                     texts[i] = t[:-1]
         self._texts = texts
+        _check_token_texts(texts)
         if len(self._tok2id) != n:
             seen: set[str] = set()
             dup = next(t for t in texts if t in seen or seen.add(t))  # type: ignore[func-returns-value]
@@ -719,6 +766,8 @@ class Tokenizer:
         self._specials_all = [(texts[i], i) for i in specials]
         self._specials_user = [(texts[i], i) for i in specials if not attrs[i] & _ATTR_HIDDEN]
         self._special_finder: dict[bool, Any] = {}
+        self._max_piece: int | None = None  # bytes of the longest piece (min_tokens), found on first use
+        self._strips = any(attrs[i] & (ATTR_LSTRIP | ATTR_RSTRIP) for i in specials)
 
         self._pieces: list[bytes | None] = [None] * n
         self._cache: dict[str, tuple[int, ...]] = {}
@@ -792,7 +841,13 @@ class Tokenizer:
         try:
             # a repeated pair keeps its first (lowest) rank, as in llama.cpp (HF would keep the last)
             # raw-UTF-8 vocabularies: a symbol that is no token becomes <0xNN> byte tokens
-            bpe = _hf_models.BPE(vocab=self._tok2id, merges=list(dict.fromkeys(self._merge_pairs)),
+            vocab, pairs = self._tok2id, list(dict.fromkeys(self._merge_pairs))
+            if not _is_text("".join(vocab)):
+                # entries holding raw bytes (not UTF-8) can never match text, and HF's model only
+                # takes text: leave them (and merges naming them) out of it
+                vocab = {t: i for t, i in vocab.items() if _is_text(t)}
+                pairs = [(a, b) for a, b in pairs if _is_text(a) and _is_text(b)]
+            bpe = _hf_models.BPE(vocab=vocab, merges=pairs,
                                  ignore_merges=self._ignore_merges, byte_fallback=not self._byte_encode)
         except Exception as e:  # HF rejects merges naming unknown tokens: report which one
             self._validate_merges()
@@ -820,12 +875,17 @@ class Tokenizer:
 
     # ---- public API ------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = False,
+               plain_spans: Sequence[tuple[int, int]] | None = None) -> list[int]:
         """Token ids of ``text`` (llama.cpp ``llama_tokenize``).
 
         ``add_special``: add BOS / EOS as the vocabulary's ``add_bos_token`` / ``add_eos_token`` say.
         ``parse_special``: control tokens written in the text (``<|im_start|>``) become their ids;
         otherwise only user-defined tokens are recognised and control-token text is tokenized as text.
+        ``plain_spans``: with ``parse_special``, ``[start, end)`` ranges of ``text`` (sorted, not
+        overlapping) where control tokens are *not* recognised — caller data inside a rendered
+        chat (:meth:`minirt.ChatTemplate.render_spans`); user-defined tokens still are, as with
+        ``parse_special=False``.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
@@ -841,7 +901,7 @@ class Tokenizer:
             if self.bos_id is None:
                 raise TokenizerError("add_special=True needs a BOS token, and the vocabulary has none")
             out.append(self.bos_id)
-        fragments = self._partition(text, parse_special) if text else []
+        fragments = self._partition(text, parse_special, plain_spans) if text else []
         if self.vocab_type == "spm":
             prev_special = True  # the first fragment gets the space prefix too
             for frag in fragments:
@@ -881,6 +941,35 @@ class Tokenizer:
                 out.append(self.eos_id)  # type: ignore[arg-type]
         return out
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, computed without tokenizing (O(len(text)), in C).
+
+        Every byte of the input belongs to exactly one token, and no token stands for more bytes
+        than the longest piece of the vocabulary, so ``bytes / longest piece`` tokens at least
+        (only whitespace can be swallowed by a special token's lstrip / rstrip, so it is not
+        counted when the vocabulary has such tokens). Vocabularies that normalize their input
+        (WordPiece, Unigram) or drop whitespace give 0: no cheap bound holds for them.
+        """
+        if self.vocab_type not in ("spm", "bpe") or getattr(self, "model", None) in ("whitespace", "hybriddna"):
+            return 0
+        if self._max_piece is None:
+            # a BPE vocabulary without every byte drops the bytes it cannot write: no bound then
+            if self.vocab_type == "bpe":
+                have = self._tok2id
+                full = (all(c in have for c in _BYTE_TO_CHAR) if self._byte_encode
+                        else all("<0x%02X>" % b in have for b in range(256)))
+            else:
+                full = True
+            self._max_piece = max(1, max((len(self.token_to_piece(i)) for i in range(self.n_vocab)), default=1)) \
+                if full else 0
+        if not self._max_piece:
+            return 0
+        data = text.encode("utf-8", "surrogatepass")
+        n = len(data)
+        if self._strips:
+            n -= sum(data.count(c) for c in b" \t\n\v\f\r")
+        return n // self._max_piece
+
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of ``ids`` (llama.cpp ``llama_detokenize`` with ``remove_special=False``).
 
@@ -917,12 +1006,12 @@ class Tokenizer:
         if kind == "test":
             return b"%x" % i
         if kind == "plamo2":
-            return bytes([self._byte_of[i]]) if i in self._byte_of else text.encode("utf-8")
+            return bytes([self._byte_of[i]]) if i in self._byte_of else raw_bytes(text)
         if attr & _ATTR_SPECIAL:
-            return text.encode("utf-8")
+            return raw_bytes(text)
         if attr & ATTR_NORMAL:
             if kind != "bpe" or self.escape_whitespaces:
-                return text.replace(_SPM_SPACE, " ").encode("utf-8")
+                return raw_bytes(text.replace(_SPM_SPACE, " "))
             return _from_byte_level(text)
         if attr & ATTR_BYTE:
             return bytes([self._byte_of[i]])
@@ -985,26 +1074,45 @@ class Tokenizer:
 
     # ---- special-token partition -------------------------------------------------------------
 
-    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+    def control_texts_in(self, text: str) -> list[str]:
+        """Texts of the control tokens that occur in ``text``, longest first (those that
+        ``parse_special=True`` recognises and ``parse_special=False`` does not)."""
+        attrs = self._attrs
+        return [t for t, i in self._special_candidates(text, True) if attrs[i] & _ATTR_HIDDEN]
+
+    def _partition(self, text: str, parse_special: bool,
+                   plain_spans: Sequence[tuple[int, int]] | None = None) -> list[str | int]:
         """Text fragments and special-token ids, as llama.cpp's ``tokenizer_st_partition``."""
         cands = self._special_candidates(text, parse_special)
         if not cands:
             return [text]
         frags: list[tuple[int, int] | int] = [(0, len(text))]
         attrs = self._attrs
+        starts = [a for a, _ in plain_spans] if plain_spans else []
+        ends = [b for _, b in plain_spans] if plain_spans else []
+
+        def in_plain(a: int, b: int) -> bool:  # does [a, b) overlap a plain span?
+            k = bisect.bisect_left(starts, b) - 1
+            return k >= 0 and ends[k] > a
+
         for tok, tid in cands:  # longest first, then by id
             lstrip = attrs[tid] & ATTR_LSTRIP
             rstrip = attrs[tid] & ATTR_RSTRIP
+            guard = bool(starts) and attrs[tid] & _ATTR_HIDDEN
             new: list[tuple[int, int] | int] = []
             for fr in frags:
                 if isinstance(fr, int):
                     new.append(fr)
                     continue
                 pos, end = fr
-                while pos < end:
-                    m = text.find(tok, pos, end)
+                search = pos
+                while search < end:
+                    m = text.find(tok, search, end)
                     if m < 0:
                         break
+                    if guard and in_plain(m, m + len(tok)):
+                        search = m + 1  # caller data: this control text stays text
+                        continue
                     left = m
                     if lstrip:
                         while left > pos and text[left - 1] in _C_SPACE:
@@ -1016,6 +1124,7 @@ class Tokenizer:
                     if rstrip:
                         while pos < end and text[pos] in _C_SPACE:
                             pos += 1
+                    search = pos
                 if pos < end:
                     new.append((pos, end))
             frags = new
@@ -1028,9 +1137,18 @@ class Tokenizer:
             return []
         if len(specials) <= 48:
             return [(t, i) for t, i in specials if t in text]
-        finder = self._special_finder.get(parse_special)
+        finder = self._special_finder.get(parse_special, False)
+        if finder is False:
+            try:
+                finder = regex.compile(_trie_regex(t for t, _ in specials))
+            except (RecursionError, regex.error, OverflowError, MemoryError):
+                # specials nested too deeply for the regex parser (a hostile vocabulary: tokens
+                # that are prefixes of each other hundreds deep): scan for each one instead
+                log.warning("special tokens too deeply nested for one pattern; scanning for each")
+                finder = None
+            self._special_finder[parse_special] = finder
         if finder is None:
-            finder = self._special_finder[parse_special] = regex.compile(_trie_regex(t for t, _ in specials))
+            return [(t, i) for t, i in specials if t in text]
         # every special that occurs is a prefix of the longest special matching at its position
         longest = set(finder.findall(text, overlapped=True))
         if not longest:
@@ -1050,19 +1168,26 @@ class Tokenizer:
         # so tokenizing the pieces separately gives the ids of one pass over the whole text
         no_cut = self._spm_no_cut
         parts = text.split(_SPM_SPACE)
-        pieces = [parts[0]] if parts[0] else []
+        # groups of parts joined once at the end (appending to a string in a list copies it
+        # every time: quadratic in a run of spaces)
+        groups: list[list[str]] = [[parts[0]]] if parts[0] else []
+        last = parts[0][-1:] if parts[0] else ""
         for p in parts[1:]:
             p = _SPM_SPACE + p
-            if pieces and pieces[-1][-1] in no_cut:
-                pieces[-1] += p
+            if groups and last in no_cut:
+                groups[-1].append(p)
             else:
-                pieces.append(p)
-        for piece in pieces:
+                groups.append([p])
+            last = p[-1]
+        for g in groups:
+            piece = g[0] if len(g) == 1 else "".join(g)
             ids = cache.get(piece)
             if ids is None:
-                if len(cache) >= _MAX_CACHE:
-                    cache.clear()
-                ids = cache[piece] = self._spm_merge(piece)
+                ids = self._spm_merge(piece)
+                if len(piece) <= _MAX_CACHED_PIECE:
+                    if len(cache) >= _MAX_CACHE:
+                        cache.clear()
+                    cache[piece] = ids
             out.extend(ids)
 
     def _spm_merge(self, text: str) -> tuple[int, ...]:

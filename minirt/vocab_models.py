@@ -73,8 +73,8 @@ class WordPiece:
     """BERT-style WordPiece over a GGUF vocabulary whose word-initial pieces start with ``▁``."""
 
     def __init__(self, texts: Sequence[str], unk_id: int | None, lowercase: bool, strip_accents: bool) -> None:
-        self._tok = {t.encode("utf-8"): i for i, t in enumerate(texts)}
-        self._max_len = max(len(t.encode("utf-8")) for t in texts)
+        self._tok = {t.encode("utf-8", "surrogateescape"): i for i, t in enumerate(texts)}
+        self._max_len = max(len(t.encode("utf-8", "surrogateescape")) for t in texts)
         self.unk_id = unk_id
         self.lowercase = lowercase
         self.strip_accents = strip_accents
@@ -177,12 +177,12 @@ class Unigram:
         for i, (t, a) in enumerate(zip(texts, attrs)):
             if a & (ATTR_NORMAL | ATTR_USER_DEFINED | ATTR_UNUSED):
                 node = self._trie
-                for b in t.encode("utf-8"):
+                for b in t.encode("utf-8", "surrogateescape"):
                     node = node.setdefault(b, {})
                 node[-1] = i
             if a & ATTR_USER_DEFINED:
                 node = self._user_trie
-                for b in t.encode("utf-8"):
+                for b in t.encode("utf-8", "surrogateescape"):
                     node = node.setdefault(b, {})
                 node[-1] = i
         self._xcda: np.ndarray | None = None
