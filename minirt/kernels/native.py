@@ -796,6 +796,8 @@ def _block_weights(b: Any) -> dict[str, Any]:
 def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
     a, m = b.attn, b.mlp
+    if not hasattr(m, "down") or isinstance(m.down, list):
+        return "a mixture-of-experts feed-forward (decode runs it layer by layer, reading only the chosen experts)"
     if (m.gate is None) != (m.act == "xielu"):
         return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
     if m.act not in _LAYER_ACTS:
@@ -837,6 +839,10 @@ class LayerStack:
         self._dk = {int(b.attn.head_dim_k) for b in blocks}
         self._dv = {int(b.attn.head_dim_v) for b in blocks}
         self._half_rope = {}
+        for i, b in enumerate(blocks):  # before anything reads a block's MLP
+            why = layer_unsupported(b)
+            if why is not None:
+                raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
         for i, (b, ri) in enumerate(zip(blocks, rope_index)):
             why = layer_unsupported(b)
