@@ -92,32 +92,34 @@ class Backend:
         it, through this backend's ``matmul`` on that expert's row view of the 3-D tensor, so only
         the chosen experts' bytes are read (a decode step reads ``n_used`` experts per layer)."""
         r = m.router
-        ids, w = blocks.route(self._mm(r.gate, x), r)
+        ids, w = blocks.route(self._mm_bias(r.gate, x), r)
         out = np.zeros((x.shape[0], m.down[0].out_features), dtype=np.float32)
         for e, rows, slot in blocks.group_by_expert(ids, m.n_expert):
             xe = np.ascontiguousarray(x[rows])
-            u = self._mm(m.up[e], xe)
+            u = self._mm_bias(m.up[e], xe)
             if m.gate is None:
                 a = blocks.activation(m.act, u, m.act_params)
             elif m.act == "swiglu_oai":
-                a = blocks.swiglu_oai(self._mm(m.gate[e], xe), u, *m.act_params)
+                a = blocks.swiglu_oai(self._mm_bias(m.gate[e], xe), u, *m.act_params)
             else:
-                a = self.act_mul(self._mm(m.gate[e], xe), u, m.act)
-            y = self._mm(m.down[e], np.ascontiguousarray(a))
+                a = self.act_mul(self._mm_bias(m.gate[e], xe), u, m.act)
+            y = self._mm_bias(m.down[e], np.ascontiguousarray(a))
             out[rows] += w[rows, slot][:, None] * y  # rows are distinct within one expert
         if m.shared is not None:
             s = m.shared
-            u = self._mm(s.up, x)
-            a = blocks.activation(s.act, u, s.act_params) if s.gate is None else self.act_mul(self._mm(s.gate, x), u,
-                                                                                                 s.act)
-            y = self._mm(s.down, np.ascontiguousarray(a))
+            u = self._mm_bias(s.up, x)
+            if s.gate is None:
+                a = blocks.activation(s.act, u, s.act_params)
+            else:
+                a = self.act_mul(self._mm_bias(s.gate, x), u, s.act)
+            y = self._mm_bias(s.down, np.ascontiguousarray(a))
             if m.shared_gate is not None:
-                g = self._mm(m.shared_gate, x)  # (T, 1)
+                g = self._mm_bias(m.shared_gate, x)  # (T, 1)
                 y *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
             out += y
         return out
 
-    def _mm(self, lin: Any, x: np.ndarray) -> np.ndarray:
+    def _mm_bias(self, lin: Any, x: np.ndarray) -> np.ndarray:
         """``matmul`` plus the bias."""
         y = self.matmul(x, lin)
         if lin.bias is not None:

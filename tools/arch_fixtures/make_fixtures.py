@@ -61,6 +61,13 @@ def _layer_types(n: int, pattern: int) -> list[str]:
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
+def ROUTER(name: str) -> dict[str, float]:  # noqa: N802 (reads like a constant in the table)
+    """Router weights x8 (logits with a standard deviation of about 4 over the experts, as trained
+    routers are decisive): with N(0, 0.05) routers the top-k choice is a near tie at many positions
+    and every rounding error of either runtime sends a token to other experts."""
+    return {name: 8.0}
+
+
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": dict(
         config="LlamaConfig", model="LlamaForCausalLM", tokenizer="bpe", pre="llama-bpe",
@@ -200,7 +207,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     # mixtures of experts: hidden 128 (head size 32) keeps the files small (the K-quants then fall back
     # to llama-quantize's 32-block types); qwen3moe has hidden 256 so that its experts are Q4_K / Q6_K
     "qwen2moe": dict(
-        config="Qwen2MoeConfig", model="Qwen2MoeForCausalLM", no_repack=True, tokenizer="bpe", pre="qwen2",
+        config="Qwen2MoeConfig", model="Qwen2MoeForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"), tokenizer="bpe", pre="qwen2",
         features="4 experts top-2 (softmax, not renormalised), expert FFN 128, shared expert FFN 256 with "
                  "sigmoid gate, q/k/v bias, GQA 4/2, hidden 128, BPE vocab",
         kwargs=dict(_common(layers=2, head_dim=32, hidden=128), rms_norm_eps=1e-6, num_experts=4,
@@ -208,21 +215,21 @@ ARCHS: dict[str, dict[str, Any]] = {
                     norm_topk_prob=False, qkv_bias=True, decoder_sparse_step=1, mlp_only_layers=[],
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "qwen3moe": dict(
-        config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", no_repack=True, tokenizer="bpe", pre="qwen2",
-        features="8 experts top-2 (softmax, renormalised as Qwen3-30B-A3B), expert FFN 256, per-head q/k "
+        config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"), tokenizer="bpe", pre="qwen2",
+        features="4 experts top-2 (softmax, renormalised as Qwen3-30B-A3B), expert FFN 256, per-head q/k "
                  "RMSNorm, GQA 4/2, hidden 256 (K-quant experts), BPE vocab",
-        kwargs=dict(_common(layers=2), rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2,
+        kwargs=dict(_common(layers=2), rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=256, norm_topk_prob=True, attention_bias=False, decoder_sparse_step=1,
                     mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "olmoe": dict(
-        config="OlmoeConfig", model="OlmoeForCausalLM", no_repack=True, tokenizer="bpe", pre="olmo",
+        config="OlmoeConfig", model="OlmoeForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"), tokenizer="bpe", pre="olmo",
         features="8 experts top-2 (softmax, not renormalised), expert FFN 128, q/k RMSNorm over the whole "
-                 "projection, GQA 4/2, hidden 128, BPE vocab",
-        kwargs=dict(_common(layers=2, head_dim=32, hidden=128), intermediate_size=128, rms_norm_eps=1e-5,
+                 "projection, MHA 4/4 (llama.cpp's olmoe sizes the k norm by n_embd), hidden 128, BPE vocab",
+        kwargs=dict(_common(layers=2, kv=4, head_dim=32, hidden=128), intermediate_size=128, rms_norm_eps=1e-5,
                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "granitemoe": dict(
-        config="GraniteMoeConfig", model="GraniteMoeForCausalLM", no_repack=True, tokenizer="bpe", pre="refact",
+        config="GraniteMoeConfig", model="GraniteMoeForCausalLM", no_repack=True, scale=ROUTER("router.layer.weight"), tokenizer="bpe", pre="refact",
         features="4 experts top-2 (softmax over the top-2), expert FFN 128, embedding x12, residual x0.22, "
                  "attention scale 1/32, logits /4, GQA 4/2, hidden 128, tied, BPE vocab",
         kwargs=dict(_common(layers=2, head_dim=32, hidden=128, tied=True), intermediate_size=128,
@@ -230,7 +237,7 @@ ARCHS: dict[str, dict[str, Any]] = {
                     residual_multiplier=0.22, attention_multiplier=0.03125, logits_scaling=4.0,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gpt_oss": dict(
-        config="GptOssConfig", model="GptOssForCausalLM", no_repack=True, tokenizer="bpe", pre="gpt-4o",
+        config="GptOssConfig", model="GptOssForCausalLM", no_repack=True, scale=ROUTER("mlp.router.weight"), tokenizer="bpe", pre="gpt-4o",
         features="2 layers: sliding (window 16) then full, attention sinks, q/k/v/o biases, YaRN rope "
                  "(factor 32, original 4096), 4 biased experts top-2 (softmax over the chosen logits), clamped "
                  "SwiGLU (alpha 1.702, limit 7), expert FFN 128, GQA 4/2, hidden 128, BPE vocab",
