@@ -5,7 +5,7 @@ llama.cpp on it with ``bench/compare.py`` (decode and prefill, side by side in o
 
     # build (needs a Python with torch + transformers + gguf-py: --ref-python), then compare
     python bench/moe.py --llama-cpp /path/to/llama.cpp --ref-python /path/to/torch-venv/bin/python
-    python bench/moe.py ... --tiny --quick      # smoke run: a few-MB model, one repetition
+    python bench/moe.py ... --tiny --quick --llama-repack 0 -- -t 2 -p 32 -g 8   # smoke run: a few-MB model
 
 The default shape is a Qwen3-MoE (``qwen3moe``) with hidden 2048, 16 layers, 32 experts of width
 768, top-4, 16 query / 4 KV heads of 128: 2.7 B parameters, about 1.6 GB at Q4_K_M. Weights are
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="bench/compare.py --quick")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the bf16 GGUF")
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--llama-repack", type=int, choices=[0, 1], default=1,
+                    help="llama-bench --repack (0: no CPU weight repacking; it crashes on the --tiny shapes)")
     args = ap.parse_args(argv)
     gguf = build(args)
     print(f"model: {gguf} ({gguf.stat().st_size / 1e9:.2f} GB)", flush=True)
@@ -127,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     import compare
 
     bench_bin = Path(args.bin or Path(args.llama_cpp) / "build" / "bin") / "llama-bench"
+    if not args.llama_repack:  # bench/compare.py runs the binary it is given: one that adds the flag
+        wrapper = gguf.parent / "llama-bench-norepack"
+        wrapper.write_text(f'#!/bin/sh\nexec "{bench_bin}" "$@" --repack 0\n')
+        wrapper.chmod(0o755)
+        bench_bin = wrapper
     cargs = ["-m", str(gguf), "--llama-bench", str(bench_bin)] + (["--quick"] if args.quick else []) + rest
     return compare.run(cargs)
 
