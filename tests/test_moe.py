@@ -246,3 +246,45 @@ def test_inconsistent_moe_files_raise_typed_errors(tmp_path, meta, tensor_drop, 
     _rewrite(QWEN3MOE, path, meta=meta, tensors=lambda ts: [t for t in ts if t[0] != tensor_drop])
     with mgguf.open(path) as f, pytest.raises(GGUFError, match=match):
         describe(f)
+
+
+# ------------------------------------------------------------------------------------------------
+# the native experts kernel (mr_moe_experts)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("folder", ["qwen3moe", "gpt_oss", "olmoe"])
+def test_native_experts_match_the_per_op_loop_and_skip_unchosen_experts(folder):
+    """``mr_moe_experts`` gives the per-op loop's result (same matmul kernels, same order), and
+    never reads an expert no token chose: those experts' bytes are NaN here."""
+    from minirt.kernels import NativeBackend, native
+    from minirt.kernels.base import Backend
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    path = ARCH_DIR / folder / "model-f16.gguf"
+    _need(path)
+    with mgguf.open(path) as f:
+        m = describe(f).blocks[1].mlp
+        be = NativeBackend()
+        try:
+            native.ExpertSet(m)
+        except minirt.BackendError as e:
+            pytest.skip(str(e))  # an extension built before mr_moe_experts
+        x = np.random.default_rng(1).normal(size=(9, m.down[0].out_features)).astype(np.float32)
+        ids, w = route(be.matmul(x, m.router.gate) + (m.router.gate.bias if m.router.gate.bias is not None else 0),
+                       m.router)
+        ref = Backend.moe_experts(be, x, m, ids, w)
+        got = be.moe_experts(x, m, ids, w)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+        unused = sorted(set(range(m.n_expert)) - set(ids.reshape(-1).tolist()))
+        if not unused:
+            ids, w = ids[:1], w[:1]  # one token: the others' experts are unchosen
+            x = x[:1]
+            ref = Backend.moe_experts(be, x, m, ids, w)
+            unused = sorted(set(range(m.n_expert)) - set(ids.reshape(-1).tolist()))
+        for e in unused:
+            for lins in (m.gate, m.up, m.down):
+                if lins is not None:
+                    lins[e].w = np.full_like(lins[e].w, 0xFF)  # F16 NaN in every element
+        got = NativeBackend().moe_experts(x, m, ids, w)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

@@ -93,18 +93,7 @@ class Backend:
         the chosen experts' bytes are read (a decode step reads ``n_used`` experts per layer)."""
         r = m.router
         ids, w = blocks.route(self._mm_bias(r.gate, x), r)
-        out = np.zeros((x.shape[0], m.down[0].out_features), dtype=np.float32)
-        for e, rows, slot in blocks.group_by_expert(ids, m.n_expert):
-            xe = np.ascontiguousarray(x[rows])
-            u = self._mm_bias(m.up[e], xe)
-            if m.gate is None:
-                a = blocks.activation(m.act, u, m.act_params)
-            elif m.act == "swiglu_oai":
-                a = blocks.swiglu_oai(self._mm_bias(m.gate[e], xe), u, *m.act_params)
-            else:
-                a = self.act_mul(self._mm_bias(m.gate[e], xe), u, m.act)
-            y = self._mm_bias(m.down[e], np.ascontiguousarray(a))
-            out[rows] += w[rows, slot][:, None] * y  # rows are distinct within one expert
+        out = self.moe_experts(x, m, ids, w)
         if m.shared is not None:
             s = m.shared
             u = self._mm_bias(s.up, x)
@@ -117,6 +106,23 @@ class Backend:
                 g = self._mm_bias(m.shared_gate, x)  # (T, 1)
                 y *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
             out += y
+        return out
+
+    def moe_experts(self, x: np.ndarray, m: Any, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The routed experts' weighted sum (T, d) for tokens x (T, d) that chose ``ids`` (T, k) with
+        weights ``w`` (T, k): each chosen expert's matmuls once over all its tokens."""
+        out = np.zeros((x.shape[0], m.down[0].out_features), dtype=np.float32)
+        for e, rows, slot in blocks.group_by_expert(ids, m.n_expert):
+            xe = np.ascontiguousarray(x[rows])
+            u = self._mm_bias(m.up[e], xe)
+            if m.gate is None:
+                a = blocks.activation(m.act, u, m.act_params)
+            elif m.act == "swiglu_oai":
+                a = blocks.swiglu_oai(self._mm_bias(m.gate[e], xe), u, *m.act_params)
+            else:
+                a = self.act_mul(self._mm_bias(m.gate[e], xe), u, m.act)
+            y = self._mm_bias(m.down[e], np.ascontiguousarray(a))
+            out[rows] += w[rows, slot][:, None] * y  # rows are distinct within one expert
         return out
 
     def _mm_bias(self, lin: Any, x: np.ndarray) -> np.ndarray:
