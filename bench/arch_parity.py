@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
     print("| arch | file | rel RMS minirt | rel RMS llama.cpp | argmax minirt | argmax llama.cpp | decisive argmax "
           "minirt / llama.cpp (share of positions) | minirt vs llama.cpp |")
     print("|---|---|---|---|---|---|---|---|")
+    moe = []
     for a in archs:
         for q in QUANTS:
             try:
@@ -32,6 +33,16 @@ def main(argv: list[str]) -> int:
             print(f"| {a} | {q} | {r['minirt_rel_rms']:.4f} | {r['llamacpp_rel_rms']:.4f} | {r['minirt_argmax']:.3f} | "
                   f"{r['llamacpp_argmax']:.3f} | {decisive} ({r['decisive_fraction']:.2f}) | "
                   f"{r['minirt_vs_llamacpp_rel_rms']:.4f} |")
+            if r["moe"]:
+                moe.append(r)
+    if moe:
+        print("\nMixtures of experts, over the positions where minirt and llama.cpp routed alike "
+              "(tests/arch_parity.same_routing_positions):\n")
+        print("| arch | file | share of positions | rel RMS minirt | rel RMS llama.cpp |")
+        print("|---|---|---|---|---|")
+        for r in moe:
+            print(f"| {r['arch']} | {r['quant']} | {r['same_routing_fraction']:.3f} | "
+                  f"{r['minirt_rel_rms_same_routing']:.4f} | {r['llamacpp_rel_rms_same_routing']:.4f} |")
     return 0
 
 

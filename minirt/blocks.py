@@ -25,7 +25,8 @@ import numpy as np
 from .errors import GGUFError, UnsupportedQuantError
 from .gguf import GGUFTensor
 
-ACTIVATIONS = ("silu", "gelu_tanh", "xielu")
+ACTIVATIONS = ("silu", "gelu_tanh", "xielu", "swiglu_oai")
+GATINGS = ("softmax", "sigmoid", "softmax_topk")
 NORM_KINDS = ("rms", "layer")
 
 
@@ -38,13 +39,18 @@ class Linear:
     The weight stays in the mapped file; a backend's ``matmul`` dequantizes on the fly. Fused GGUF
     tensors (``attn_qkv``, phi3's gate+up ``ffn_up``) are split into row views with :meth:`rows`:
     a ggml row is self-contained, so a row range is a zero-copy slice that every kernel can read.
+
+    A 3-D expert tensor ``(n_expert, rows, in_features)`` (``ffn_*_exps``) is one Linear of
+    ``n_expert · rows`` rows (expert e's rows are a contiguous block, as ggml stores them); its
+    per-expert matrices are the zero-copy row views of :meth:`experts`. A bias of such a tensor
+    has shape ``(n_expert, rows)``.
     """
 
-    __slots__ = ("name", "w", "qtype", "out_features", "in_features", "bias", "backend_data", "parent")
+    __slots__ = ("name", "w", "qtype", "out_features", "in_features", "bias", "backend_data", "parent", "n_expert")
 
     def __init__(self, t: GGUFTensor, bias: GGUFTensor | np.ndarray | None = None) -> None:
-        if len(t.shape) != 2:
-            raise GGUFError(f"tensor {t.name!r}: expected 2 dimensions, got shape {t.shape}")
+        if len(t.shape) not in (2, 3) or 0 in t.shape:
+            raise GGUFError(f"tensor {t.name!r}: expected 2 dimensions (3 for experts), got shape {t.shape}")
         from .quants import get_spec
 
         try:
@@ -52,18 +58,28 @@ class Linear:
         except UnsupportedQuantError as e:
             raise UnsupportedQuantError(f"tensor {t.name!r}: {e}") from None
         self.name = t.name
-        self.w = t.data  # uint8 (out, row_bytes), zero-copy
+        self.n_expert = t.shape[0] if len(t.shape) == 3 else 0  # 0: an ordinary matrix
+        self.w = t.data.reshape(-1, t.row_bytes)  # uint8 (out, row_bytes), zero-copy
         self.qtype = t.qtype
-        self.out_features, self.in_features = t.shape
+        self.out_features, self.in_features = self.w.shape[0], t.shape[-1]
         self.bias: np.ndarray | None = None
         if bias is not None:
-            b = bias if isinstance(bias, np.ndarray) else bias.dequantize().reshape(-1)
+            b = bias if isinstance(bias, np.ndarray) else bias.dequantize()
+            b = b.reshape(-1) if b.size == self.out_features else b
             if b.shape != (self.out_features,):
                 name = getattr(bias, "name", "bias")
                 raise GGUFError(f"tensor {name!r}: shape {b.shape} does not match {t.name} {t.shape}")
             self.bias = np.ascontiguousarray(b, dtype=np.float32)
         self.backend_data: Any = None  # a backend may cache a repacked/uploaded copy here
         self.parent: tuple[str, int] | None = None  # (tensor name, first row) of a row view
+
+    def experts(self) -> list[Linear]:
+        """The per-expert matrices ``(rows, in_features)`` of a 3-D expert tensor, as row views
+        named ``<name>[e<i>]`` (zero-copy: a kernel given expert i reads only its bytes)."""
+        if not self.n_expert:
+            raise GGUFError(f"tensor {self.name!r} is not a 3-D expert tensor")
+        n = self.out_features // self.n_expert
+        return [self.rows(e * n, (e + 1) * n, f"e{e}") for e in range(self.n_expert)]
 
     def rows(self, r0: int, r1: int, suffix: str) -> Linear:
         """Rows ``r0:r1`` as a Linear of their own (zero-copy), named ``<name>[suffix]``."""
@@ -76,6 +92,7 @@ class Linear:
         out.out_features, out.in_features = r1 - r0, self.in_features
         out.bias = None if self.bias is None else self.bias[r0:r1].copy()
         out.backend_data = None
+        out.n_expert = 0
         out.parent = (self.name, r0) if self.parent is None else (self.parent[0], self.parent[1] + r0)
         return out
 
@@ -216,6 +233,72 @@ class MLP:
     gate: Linear | None = None
     act_params: tuple[float, ...] = ()
 
+    @property
+    def n_ff(self) -> int:
+        return self.down.in_features
+
+
+@dataclass
+class Router:
+    """Which experts each token goes to, and with what weight.
+
+    ``logits = gate(x) (+ gate bias)``; probabilities by ``gating``: "softmax" over all experts,
+    "sigmoid" of each, or "softmax_topk" (the chosen logits softmaxed among themselves, gpt-oss).
+    The top ``n_used`` by probability (plus ``selection_bias``, which only chooses: DeepSeek-V3's
+    ``exp_probs_b``) are taken; their probabilities are renormalised to sum 1 when ``norm_topk``
+    and multiplied by ``scale``.
+    """
+
+    gate: Linear  # (n_expert, d)
+    n_used: int
+    gating: str = "softmax"
+    norm_topk: bool = False
+    scale: float = 1.0
+    selection_bias: np.ndarray | None = None  # (n_expert,) float32
+
+
+@dataclass
+class MoE:
+    """A mixture-of-experts feed-forward::
+
+        y = sum over the chosen e of w_e · down_e(act(gate_e(x)) · up_e(x))   (+ bias of each)
+          + [sigmoid(shared_gate · x)] · shared(x)
+
+    The experts are the per-expert row views of the 3-D ``ffn_*_exps`` tensors (``Linear.experts``),
+    each an ordinary (possibly biased) matrix, so every backend's matmul runs them; only the experts
+    some token chose are read. ``shared``: the always-on expert (qwen2moe, granitemoe shared);
+    ``shared_gate``: its (1, d) sigmoid gate, None for an ungated one. ``act_params`` as for MLP
+    ("swiglu_oai": alpha, limit).
+    """
+
+    router: Router
+    act: str
+    up: list[Linear]  # per expert (n_ff, d)
+    down: list[Linear]  # per expert (d, n_ff)
+    gate: list[Linear] | None = None  # per expert (n_ff, d); None: down(act(up(x)))
+    act_params: tuple[float, ...] = ()
+    shared: MLP | None = None
+    shared_gate: Linear | None = None
+
+    @property
+    def n_expert(self) -> int:
+        return len(self.up)
+
+    @property
+    def n_ff(self) -> int:
+        """Width of one routed expert."""
+        return self.down[0].in_features
+
+    def linears(self) -> list[Linear]:
+        """Every matrix of this feed-forward (router, experts, shared expert and its gate)."""
+        out = [self.router.gate] + (list(self.gate) if self.gate is not None else []) + list(self.up) + list(self.down)
+        if self.shared is not None:
+            m = self.shared
+            out += ([m.gate] if m.gate is not None else []) + [m.up, m.down]
+        if self.shared_gate is not None:
+            out.append(self.shared_gate)
+        return out
+
 
 @dataclass
 class Block:
@@ -229,7 +312,7 @@ class Block:
     """
 
     attn: Attention
-    mlp: MLP
+    mlp: MLP | MoE
     attn_norm: Norm | None = None
     post_attn_norm: Norm | None = None
     ffn_norm: Norm | None = None
@@ -264,7 +347,11 @@ class ModelDesc:
         out = [self.output]
         for b in self.blocks:
             a, m = b.attn, b.mlp
-            out += [a.wq, a.wk, a.wv, a.wo] + ([m.gate] if m.gate is not None else []) + [m.up, m.down]
+            out += [a.wq, a.wk, a.wv, a.wo]
+            if isinstance(m, MoE):
+                out += m.linears()
+            else:
+                out += ([m.gate] if m.gate is not None else []) + [m.up, m.down]
         return out
 
     def kv_shape(self) -> tuple[int, int, int]:
@@ -328,6 +415,56 @@ def xielu(x: np.ndarray, alpha_n: float, alpha_p: float, beta: float, eps: float
     return np.where(x > 0, pos, neg).astype(np.float32)
 
 
+def swiglu_oai(g: np.ndarray, u: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """gpt-oss' clamped SwiGLU (as ggml's ``swiglu_oai``): with ``g' = min(g, limit)``,
+    ``g' · sigmoid(alpha · g') · (clamp(u, −limit, limit) + 1)``."""
+    g = np.minimum(g, np.float32(limit))
+    u = np.clip(u, np.float32(-limit), np.float32(limit))
+    return (g / (np.float32(1.0) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1.0))).astype(np.float32)
+
+
+def route(logits: np.ndarray, r: Router) -> tuple[np.ndarray, np.ndarray]:
+    """The experts each token goes to and their weights, from router logits (T, n_expert) (the
+    gate's output, bias added): ``(ids (T, n_used) int64, weights (T, n_used) float32)``, ids in
+    descending order of selection score (ties: lower id first)."""
+    logits = logits.astype(np.float32, copy=False)
+    if r.gating == "sigmoid":
+        probs = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
+    elif r.gating == "softmax":
+        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = e / e.sum(axis=-1, keepdims=True)
+    elif r.gating == "softmax_topk":
+        probs = logits
+    else:
+        raise ValueError(f"unknown gating {r.gating!r}")
+    sel = probs if r.selection_bias is None else probs + r.selection_bias
+    ids = np.argsort(-sel, axis=-1, kind="stable")[:, :r.n_used]
+    w = np.take_along_axis(probs, ids, axis=-1).astype(np.float32)
+    if r.gating == "softmax_topk":
+        w = np.exp(w - w.max(axis=-1, keepdims=True))
+        w /= w.sum(axis=-1, keepdims=True)
+    if r.norm_topk:
+        w /= np.maximum(w.sum(axis=-1, keepdims=True), np.float32(6.103515625e-5))  # as llama.cpp: f16's min normal
+    if r.scale != 1.0:
+        w *= np.float32(r.scale)
+    return ids.astype(np.int64), w
+
+
+def group_by_expert(ids: np.ndarray, n_expert: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """For each expert some token chose: ``(expert, token rows (n,), slot in the token's choices (n,))``,
+    experts ascending, rows ascending (so a prefill runs each chosen expert once over all its tokens)."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=n_expert)
+    out, start = [], 0
+    for e in np.flatnonzero(counts):
+        sel = order[start:start + counts[e]]
+        start += counts[e]
+        out.append((int(e), sel // k, sel % k))
+    return out
+
+
 def activation(name: str, x: np.ndarray, params: Sequence[float] = ()) -> np.ndarray:
     if name == "silu":
         return silu(x)
@@ -356,12 +493,13 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool, rope
 
 
 def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-              softcap: float = 0.0) -> np.ndarray:
+              softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal grouped-query attention of new queries over the cached keys/values.
 
     q: (n, H, Dk) queries at positions p0..p0+n-1; kc: (Hkv, L, Dk), vc: (Hkv, L, Dv) hold
     positions 0..L-1 with L = p0 + n. ``window`` > 0 limits each query to its last ``window``
-    positions (sliding-window layers). Returns (n, H * Dv).
+    positions (sliding-window layers). ``sinks`` (H,): per-head logits that join each softmax's
+    denominator only (gpt-oss' attention sinks). Returns (n, H * Dv).
     """
     n, H, Dk = q.shape
     Hkv, L, Dv = vc.shape
@@ -378,8 +516,15 @@ def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: flo
         masked |= (qpos - kpos) >= window
     if masked.any():
         s[..., masked] = -np.inf
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
+    if sinks is None:
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+    else:
+        sk = sinks.astype(np.float32).reshape(Hkv, g, 1, 1)  # head h = kv head h // g, member h % g
+        mx = np.maximum(s.max(axis=-1, keepdims=True), sk)
+        s -= mx
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True) + np.exp(sk - mx)
     o = np.matmul(s.reshape(Hkv, g * n, L), vc)  # (Hkv, g*n, Dv)
     return o.reshape(H, n, Dv).transpose(1, 0, 2).reshape(n, H * Dv)

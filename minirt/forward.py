@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .blocks import Block, Linear, ModelDesc, Norm, Rope, activation, apply_rope
+from .blocks import Block, Linear, ModelDesc, MoE, Norm, Rope, activation, apply_rope
 from .errors import ContextOverflowError
 from .kv_cache import KVCache
 
@@ -42,7 +42,7 @@ def config_of(desc: ModelDesc) -> Config:
     """The :class:`Config` summary of a description (the KV layout must be uniform over layers)."""
     hkv, dk, dv = desc.kv_shape()
     b0 = desc.blocks[0]
-    return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.down.in_features,
+    return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.n_ff,
                   n_head=b0.attn.n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
                   n_ctx_train=desc.n_ctx_train)
 
@@ -124,6 +124,8 @@ class Transformer:
 
     def mlp(self, b: Block, h: np.ndarray) -> np.ndarray:
         m = b.mlp
+        if isinstance(m, MoE):
+            return self.backend.moe(h, m)
         u = self.mm(m.up, h)
         if m.gate is None:
             return self.mm(m.down, activation(m.act, u, m.act_params))
@@ -152,6 +154,10 @@ class Transformer:
             kc, vc = seg.cache.layer(i)
             kc[:, p0:p0 + n] = k[s0:s0 + n].transpose(1, 0, 2)
             vc[:, p0:p0 + n] = v[s0:s0 + n].transpose(1, 0, 2)
+            if a.sinks is not None:
+                out[s0:s0 + n] = self.backend.attention_sinks(q[s0:s0 + n], kc, vc, p0, a.scale, a.window,
+                                                              a.softcap, a.sinks)
+                continue
             out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap)
         return self.mm(a.wo, out)
 

@@ -160,6 +160,16 @@ int mr_attention_fast(int isa);
 double mr_bench_matmul(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes,
                        const float *x, long long n_tokens, float *y, int threads, int isa, int reps);
 
+/* ---- mixture-of-experts feed-forward (moe.c) ----
+ * out (n_tok, n_embd) = sum over j < n_used of w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) (+ each
+ * weight's bias), e = ids[t, j] in [0, n_expert). gate, up, down: n_expert weights each, expert e's
+ * matrices (its rows of the 3-D GGUF tensor, or their packed copy); gate NULL: down_e(act(up_e(x))).
+ * act: 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU (gpt-oss: alpha, limit). Each chosen expert runs one
+ * matmul over all the tokens that chose it; experts no token chose are not read. Returns as mr_matmul. */
+int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *down, long long n_expert,
+                   const float *x, long long n_tok, long long n_embd, const long long *ids, const float *w,
+                   long long n_used, int act, float alpha, float limit, float *out, int threads, int isa);
+
 /* ---- memory-bandwidth probe (bandwidth.c) ----
  * Streaming read of n_bytes at p (n_bytes > 0, a multiple of 8) in 2 MiB slices on `threads` threads
  * (<= 0: the default), `reps` times. Returns the fastest pass in nanoseconds (< 0 = MR_E_* error) and

@@ -64,6 +64,12 @@ HOST_PATH = {
     "hunyuan_dense": "q/k norms after RoPE",
     "olmo2": "a block without pre-norms",
     "phi3": "RoPE with a magnitude factor",
+    # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)
+    "gpt_oss": "a mixture-of-experts feed-forward",
+    "granitemoe": "a logit scale",
+    "olmoe": "a mixture-of-experts feed-forward",
+    "qwen2moe": "a mixture-of-experts feed-forward",
+    "qwen3moe": "a mixture-of-experts feed-forward",
 }
 
 
@@ -124,7 +130,9 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     rope_dim = _even(DK * int(rope0) / dk0) if rope0 is not None else DK
     sizes = {"embedding_length": D, "attention.head_count": H, "attention.head_count_kv": hkv,
              "attention.key_length": DK, "attention.value_length": DK, "feed_forward_length": F,
-             "rope.dimension_count": rope_dim}
+             "rope.dimension_count": rope_dim, "expert_feed_forward_length": F,
+             "expert_shared_feed_forward_length": F}
+    n_expert = int(orig("expert_count", 0))
 
     w = gguf.GGUFWriter(str(dst), arch)
     for key, f in fields.items():
@@ -153,6 +161,16 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
             return (DK,) if per_head else ((q_rows,) if kind == "attn_q_norm" else (kv_rows,))
         if kind.endswith("_norm"):
             return (D,)
+        if kind == "attn_sinks":
+            return (H,)
+        if kind == "ffn_gate_inp_shexp":
+            return (D,)
+        if kind in ("ffn_gate_inp", "exp_probs_b"):  # the router (n_expert, D) and its biases
+            return (n_expert,) if part == "bias" else (n_expert, D)
+        if kind.endswith("_exps"):  # experts (n_expert, rows, cols) and their biases (n_expert, rows)
+            rows = D if kind == "ffn_down_exps" else F * (2 if kind == "ffn_gate_up_exps" else 1)
+            return (n_expert, rows) if part == "bias" else (n_expert, rows, F if kind == "ffn_down_exps" else D)
+        kind = kind.removesuffix("_shexp")
         rows = {"attn_q": q_rows, "attn_k": kv_rows, "attn_v": kv_rows, "attn_qkv": q_rows + 2 * kv_rows,
                 "attn_output": D, "ffn_gate": F, "ffn_down": D}.get(kind)
         if kind == "ffn_up":  # F rows, or a fused gate+up of 2F
@@ -167,8 +185,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     for name, shape0 in tensors.items():
         shape = shape_of(name, shape0)
         kind = name.rsplit(".", 2)[-2]
-        if len(shape) == 2:
-            arr = rng.normal(0.0, 1.0 if kind in ("token_embd", "output") else shape[1] ** -0.5, shape)
+        if len(shape) == 3 or (len(shape) == 2 and "bias" not in name):
+            arr = rng.normal(0.0, 1.0 if kind in ("token_embd", "output") else shape[-1] ** -0.5, shape)
             w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), QT.Q8_0), raw_dtype=QT.Q8_0)
         else:
             if kind.startswith("rope_"):
@@ -247,6 +265,12 @@ def test_architecture_on_device_matches_cpu(arch, tmp_path, caplog):
         if folder in HOST_PATH:
             assert plan is None, f"{folder}: the device forward now runs; remove it from HOST_PATH"
             assert HOST_PATH[folder] in caplog.text, caplog.text
+            # the host path's matmuls read device copies: every matrix (each expert a view of its
+            # 3-D tensor's device copy) is in VRAM; a 1-D gate vector (qwen2moe's shared-expert
+            # gate, (1, d)) stays on the host
+            on_host = [lin.name for lin in dev.desc.linears() if be.weight(lin) is None
+                       and len(f.tensors[lin.parent[0] if lin.parent else lin.name].shape) >= 2]
+            assert not on_host, on_host[:5]
         else:
             assert plan is not None, f"{folder}: no device forward: {caplog.text}"
         ids = np.array([1, 17, 270, 5, 99], dtype=np.int64) % cpu.cfg.n_vocab

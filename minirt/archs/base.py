@@ -8,6 +8,7 @@ computing it. Hyperparameters come from metadata only, never from tensor names, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import MLP, Attention, Block, Linear, ModelDesc, Norm, Rope
+from ..blocks import MLP, Attention, Block, Linear, ModelDesc, MoE, Norm, Rope, Router
 from ..errors import GGUFError, UnsupportedArchitectureError
 from ..forward import Config, Segment, Transformer  # noqa: F401  (Segment re-exported: a batch's sequences)
 from ..gguf import GGUFFile, GGUFTensor
@@ -71,6 +72,14 @@ def meta_str(f: GGUFFile, key: str, default: str | None = None) -> str | None:
     if v is not None and not isinstance(v, str):
         raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be a string, got {_show(v)}")
     return v
+
+
+def meta_bool(f: GGUFFile, key: str, default: bool) -> bool:
+    """A boolean hyperparameter ``<arch>.<key>`` (GGUFError naming the key for another type)."""
+    v = _meta(f, key, default)
+    if not isinstance(v, (bool, np.bool_)):
+        raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be a boolean, got {_show(v)}")
+    return bool(v)
 
 
 def meta_layers(f: GGUFFile, key: str, n_layer: int, default: Any = None) -> list[int] | None:
@@ -279,13 +288,95 @@ def gated_mlp(f: GGUFFile, i: int, hp: HParams, act: str = "silu") -> MLP:
     return MLP(act=act, gate=gate, up=up, down=down)
 
 
+MAX_EXPERTS = 4096
+GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # GGUF expert_gating_func values (gguf.ExpertGatingFuncType)
+
+
+def _expert_linear(f: GGUFFile, name: str, shape: tuple[int, int, int]) -> Linear:
+    """A 3-D expert tensor ``name.weight`` (n_expert, rows, cols) with its ``name.bias`` (n_expert, rows) if present."""
+    w = tensor(f, name + ".weight", shape)
+    b = f.tensors.get(name + ".bias")
+    if b is not None and tuple(b.shape) != shape[:2]:
+        raise GGUFError(f"{f.path}: tensor {name + '.bias'!r} has shape {b.shape}, expected {shape[:2]}")
+    return Linear(w, b)
+
+
+def moe_ffn(f: GGUFFile, i: int, hp: HParams, *, n_ff: int | None = None, norm_topk: bool = False,
+            gating: str | None = None, act: str = "silu", act_params: tuple[float, ...] = (),
+            shared_ff: int | None = None) -> MoE:
+    """The mixture-of-experts feed-forward of block i from ``expert_count`` / ``expert_used_count``,
+    the router ``ffn_gate_inp`` (+ bias), the experts ``ffn_{gate,up,down}_exps`` (or a fused
+    ``ffn_gate_up_exps``, gate rows first in each expert) with their biases where present, the
+    selection bias ``exp_probs_b`` where present and the shared expert ``ffn_*_shexp`` (gated by
+    ``ffn_gate_inp_shexp`` where present).
+
+    Arguments are the architecture's defaults, each overridden by the file's metadata where it has
+    the key: ``n_ff`` the expert width (``expert_feed_forward_length``; default the file's
+    ``feed_forward_length``), ``norm_topk`` (``expert_weights_norm``), ``gating``
+    (``expert_gating_func``; default softmax), scale (``expert_weights_scale``; 0 or absent: 1),
+    ``shared_ff`` (``expert_shared_feed_forward_length``; default ``feed_forward_length``)."""
+    p, d = f"blk.{i}.", hp.n_embd
+    E = meta_int(f, "expert_count", required=True, hi=MAX_EXPERTS)
+    k = meta_int(f, "expert_used_count", required=True, hi=E)
+    F = meta_int(f, "expert_feed_forward_length", n_ff if n_ff is not None else hp.n_ff)
+    gf = _meta(f, "expert_gating_func")
+    if gf is not None:
+        g = meta_int(f, "expert_gating_func", lo=0, hi=16)
+        if g not in GATING_FUNCS:
+            raise UnsupportedArchitectureError(f"expert gating function {g} is not supported "
+                                               f"(supported: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})")
+        gating = gating if gating == "softmax_topk" else GATING_FUNCS[g]
+    if meta_int(f, "expert_group_count", 1, lo=0, hi=MAX_EXPERTS) > 1:
+        raise UnsupportedArchitectureError("expert groups (expert_group_count > 1) are not supported")
+    scale = meta_float(f, "expert_weights_scale", 0.0, hi=1e6) or 1.0
+    gate_in = f.tensors.get(p + "ffn_gate_inp.bias")
+    router = Router(gate=Linear(tensor(f, p + "ffn_gate_inp.weight", (E, d)), gate_in), n_used=k,
+                    gating=gating or "softmax", norm_topk=meta_bool(f, "expert_weights_norm", norm_topk), scale=scale)
+    if p + "exp_probs_b.bias" in f.tensors:
+        router.selection_bias = vector(f, p + "exp_probs_b.bias", E)
+    if p + "ffn_gate_up_exps.weight" in f.tensors:
+        gate, up = [], []
+        for lin in _expert_linear(f, p + "ffn_gate_up_exps", (E, 2 * F, d)).experts():
+            g_e, u_e = lin.split([F, F], ["gate", "up"])
+            gate.append(g_e)
+            up.append(u_e)
+    else:
+        up = _expert_linear(f, p + "ffn_up_exps", (E, F, d)).experts()
+        gate = (_expert_linear(f, p + "ffn_gate_exps", (E, F, d)).experts()
+                if p + "ffn_gate_exps.weight" in f.tensors else None)
+    down = _expert_linear(f, p + "ffn_down_exps", (E, d, F)).experts()
+    m = MoE(router=router, act=act, up=up, down=down, gate=gate, act_params=act_params)
+    if p + "ffn_up_shexp.weight" in f.tensors:
+        Fs = meta_int(f, "expert_shared_feed_forward_length", shared_ff if shared_ff is not None else hp.n_ff)
+        sg = linear(f, p + "ffn_gate_shexp", Fs, d, bias=False) if p + "ffn_gate_shexp.weight" in f.tensors else None
+        m.shared = MLP(act="silu", gate=sg, up=linear(f, p + "ffn_up_shexp", Fs, d, bias=False),
+                       down=linear(f, p + "ffn_down_shexp", d, Fs, bias=False))
+        if p + "ffn_gate_inp_shexp.weight" in f.tensors:
+            t = tensor(f, p + "ffn_gate_inp_shexp.weight")
+            if tuple(t.shape) not in ((d,), (1, d)):
+                raise GGUFError(f"{f.path}: tensor {t.name!r} has shape {t.shape}, expected ({d},)")
+            m.shared_gate = Linear(dataclasses.replace(t, shape=(1, d)))
+    return m
+
+
+def moe_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, *, ffn_norm: str = "ffn_norm",
+              moe: dict[str, Any] | None = None, **attn: Any) -> Block:
+    """:func:`pre_norm_block` with the MoE feed-forward of :func:`moe_ffn` (keyword arguments
+    ``moe``), or its dense gated MLP for the first ``leading_dense_block_count`` layers."""
+    b = pre_norm_block(f, i, hp, rope, ffn_norm=ffn_norm, mlp=False, **attn)
+    dense = meta_int(f, "leading_dense_block_count", 0, lo=0, hi=MAX_LAYERS)
+    b.mlp = gated_mlp(f, i, hp) if i < dense else moe_ffn(f, i, hp, **(moe or {}))
+    return b
+
+
 def pre_norm_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, *, act: str = "silu",
-                   ffn_norm: str = "ffn_norm", **attn: Any) -> Block:
+                   ffn_norm: str = "ffn_norm", mlp: bool = True, **attn: Any) -> Block:
     """The common block: RMSNorm ``attn_norm`` → attention → residual, RMSNorm ``ffn_norm`` (the
-    name the file uses) → gated MLP → residual. ``attn``: keyword arguments of :func:`attention`."""
+    name the file uses) → gated MLP → residual. ``attn``: keyword arguments of :func:`attention`.
+    ``mlp=False``: the caller sets ``mlp`` (a placeholder until then)."""
     p, d, eps = f"blk.{i}.", hp.n_embd, hp.rms_eps
     return Block(attn_norm=norm(f, p + "attn_norm", d, eps), attn=attention(f, i, hp, rope, **attn),
-                 ffn_norm=norm(f, p + ffn_norm, d, eps), mlp=gated_mlp(f, i, hp, act))
+                 ffn_norm=norm(f, p + ffn_norm, d, eps), mlp=gated_mlp(f, i, hp, act) if mlp else None)
 
 
 def post_norm_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, **attn: Any) -> Block:

@@ -207,9 +207,29 @@ class NativeBackend(Backend):
                                                    softcap=softcap, threads=self.threads)
         return super().attention(q, kc, vc, p0, scale, window, softcap)
 
+    def moe_experts(self, x: np.ndarray, m: Any, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The routed experts in one native call (``mr_moe_experts``: tokens grouped by expert, each
+        chosen expert's packed or ggml rows read once); the per-op loop where it cannot run them."""
+        es = getattr(self, "_expert_sets", None)
+        if es is None:
+            es = self._expert_sets = {}
+        key = id(m)
+        entry = es.get(key)
+        if entry is None or entry[0] is not m:
+            try:
+                entry = (m, self._mod.ExpertSet(m))
+            except BackendError as e:
+                log.info("%s; the experts run per op", e)
+                entry = (m, None)
+            es[key] = entry
+        if entry[1] is None:
+            return super().moe_experts(x, m, ids, w)
+        return self._mod.moe_experts(entry[1], np.ascontiguousarray(x, dtype=np.float32), ids, w, threads=self.threads)
+
     def close(self) -> None:
         """Drop the references the kernels keep for late pool workers (see ``native.drain_keepalive``)
         so that a closed model's weights and mapping can go."""
+        self._expert_sets = {}
         self._mod.drain_keepalive()
 
     def dequantize_rows(self, rows: np.ndarray, qtype: str, cols: int) -> np.ndarray:

@@ -75,6 +75,63 @@ class Backend:
             k, v = k.astype(np.float32), v.astype(np.float32)
         return blocks.attention(q, k, v, p0 - lo, scale, window, softcap)
 
+    def attention_sinks(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
+                        softcap: float, sinks: np.ndarray) -> np.ndarray:
+        """:meth:`attention` with per-head sink logits ``sinks`` (H,) in each softmax's denominator."""
+        n = q.shape[0]
+        lo = max(0, p0 - window + 1) if window else 0
+        k, v = kc[:, lo:p0 + n], vc[:, lo:p0 + n]
+        if k.dtype != np.float32:
+            k, v = k.astype(np.float32), v.astype(np.float32)
+        return blocks.attention(q, k, v, p0 - lo, scale, window, softcap, sinks)
+
+    def moe(self, x: np.ndarray, m: Any) -> np.ndarray:
+        """A mixture-of-experts feed-forward (:class:`minirt.blocks.MoE`) of x (T, d) → (T, d).
+
+        Tokens are grouped by expert: each chosen expert runs once, over all the tokens that chose
+        it, through this backend's ``matmul`` on that expert's row view of the 3-D tensor, so only
+        the chosen experts' bytes are read (a decode step reads ``n_used`` experts per layer)."""
+        r = m.router
+        ids, w = blocks.route(self._mm_bias(r.gate, x), r)
+        out = self.moe_experts(x, m, ids, w)
+        if m.shared is not None:
+            s = m.shared
+            u = self._mm_bias(s.up, x)
+            if s.gate is None:
+                a = blocks.activation(s.act, u, s.act_params)
+            else:
+                a = self.act_mul(self._mm_bias(s.gate, x), u, s.act)
+            y = self._mm_bias(s.down, np.ascontiguousarray(a))
+            if m.shared_gate is not None:
+                g = self._mm_bias(m.shared_gate, x)  # (T, 1)
+                y *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+            out += y
+        return out
+
+    def moe_experts(self, x: np.ndarray, m: Any, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The routed experts' weighted sum (T, d) for tokens x (T, d) that chose ``ids`` (T, k) with
+        weights ``w`` (T, k): each chosen expert's matmuls once over all its tokens."""
+        out = np.zeros((x.shape[0], m.down[0].out_features), dtype=np.float32)
+        for e, rows, slot in blocks.group_by_expert(ids, m.n_expert):
+            xe = np.ascontiguousarray(x[rows])
+            u = self._mm_bias(m.up[e], xe)
+            if m.gate is None:
+                a = blocks.activation(m.act, u, m.act_params)
+            elif m.act == "swiglu_oai":
+                a = blocks.swiglu_oai(self._mm_bias(m.gate[e], xe), u, *m.act_params)
+            else:
+                a = self.act_mul(self._mm_bias(m.gate[e], xe), u, m.act)
+            y = self._mm_bias(m.down[e], np.ascontiguousarray(a))
+            out[rows] += w[rows, slot][:, None] * y  # rows are distinct within one expert
+        return out
+
+    def _mm_bias(self, lin: Any, x: np.ndarray) -> np.ndarray:
+        """``matmul`` plus the bias."""
+        y = self.matmul(x, lin)
+        if lin.bias is not None:
+            y += lin.bias
+        return y
+
     # -- whole-pass hooks ------------------------------------------------------------------------------
     def decode_layers(self, model: Any, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
                       tables: Sequence[tuple[np.ndarray, np.ndarray]]) -> bool:

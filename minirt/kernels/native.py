@@ -796,6 +796,8 @@ def _block_weights(b: Any) -> dict[str, Any]:
 def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
     a, m = b.attn, b.mlp
+    if not hasattr(m, "down") or isinstance(m.down, list):
+        return "a mixture-of-experts feed-forward (decode runs it layer by layer, reading only the chosen experts)"
     if (m.gate is None) != (m.act == "xielu"):
         return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
     if m.act not in _LAYER_ACTS:
@@ -837,6 +839,10 @@ class LayerStack:
         self._dk = {int(b.attn.head_dim_k) for b in blocks}
         self._dv = {int(b.attn.head_dim_v) for b in blocks}
         self._half_rope = {}
+        for i, b in enumerate(blocks):  # before anything reads a block's MLP
+            why = layer_unsupported(b)
+            if why is not None:
+                raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
         for i, (b, ri) in enumerate(zip(blocks, rope_index)):
             why = layer_unsupported(b)
@@ -963,6 +969,100 @@ class LayerStack:
         rc = lib.mr_decode_layers(self._layers, self.n_layer, ffi.from_buffer("float[]", x, require_writable=True), n,
                                   seqs, int(bool(f16)), cos_p, sin_p, len(tables), _threads_arg(threads), self._isa)
         _after_call(lib, rc, "decode layers", self, (x, caches))
+
+
+_MOE_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 3}
+
+
+def moe_unsupported(m: Any) -> str | None:
+    """Why :func:`moe_experts` cannot run the routed experts of ``m`` (a :class:`minirt.blocks.MoE`); None if it can."""
+    if m.act not in _MOE_ACTS:
+        return f"expert activation {m.act!r}"
+    if m.act == "swiglu_oai" and (m.gate is None or len(m.act_params) != 2):
+        return "clamped SwiGLU without gate or without (alpha, limit)"
+    for lin in (m.gate or []) + m.up + m.down:
+        if lin.qtype not in QTYPES:
+            return f"expert weights of type {lin.qtype}"
+    return None
+
+
+class ExpertSet:
+    """The routed experts of one :class:`minirt.blocks.MoE` as ``mr_weight`` arrays for
+    ``mr_moe_experts``; a weight whose ``backend_data`` is a :class:`PackedMatrix` is read packed.
+    Raises :class:`BackendError` when :func:`moe_unsupported` names a reason."""
+
+    def __init__(self, m: Any) -> None:
+        ffi, lib = _lib()
+        if not hasattr(lib, "mr_moe_experts"):  # an extension built before the MoE kernels existed
+            raise BackendError(f"native MoE experts: {_build_path} predates them; reinstall minirt to rebuild")
+        why = moe_unsupported(m)
+        if why is not None:
+            raise BackendError(f"native MoE experts: {why}")
+        self._keep: list[Any] = []
+        self.n_expert, self.n_embd = m.n_expert, m.down[0].out_features
+        self.act = _MOE_ACTS[m.act]
+        oai = m.act == "swiglu_oai"
+        self.alpha, self.limit = (float(m.act_params[0]), float(m.act_params[1])) if oai else (0.0, 0.0)
+        self.gate = self._weights(ffi, m.gate) if m.gate is not None else ffi.NULL
+        self.up, self.down = self._weights(ffi, m.up), self._weights(ffi, m.down)
+        for e in range(self.n_expert):  # the shapes mr_moe_experts relies on
+            F = m.up[e].out_features
+            if ((m.up[e].in_features, m.down[e].out_features, m.down[e].in_features) != (self.n_embd, self.n_embd, F)
+                    or (m.gate is not None and (m.gate[e].out_features, m.gate[e].in_features) != (F, self.n_embd))):
+                raise BackendError(f"native MoE experts: expert {e} has inconsistent shapes")
+
+    def _weights(self, ffi: Any, lins: list[Any]) -> Any:
+        arr = ffi.new("mr_weight[]", len(lins))
+        self._keep.append(arr)
+        for W, lin in zip(arr, lins):
+            w = lin.backend_data if isinstance(lin.backend_data, PackedMatrix) else lin.w
+            _, tid, bs, ts = _qtype(lin.qtype)
+            W.qtype = tid
+            if isinstance(w, PackedMatrix):
+                W.packed, W.rows, W.cols, W.row_bytes = 1, w.rows, w.cols, 0
+                data = w.data
+            else:
+                data = np.ascontiguousarray(w)
+                W.packed, W.rows, W.row_bytes = 0, data.shape[0], data.shape[1]
+                W.cols = data.shape[1] // ts * bs
+            p = ffi.from_buffer("unsigned char[]", data)
+            self._keep += [w, data, p]
+            W.data = p
+            if lin.bias is not None:
+                b = np.ascontiguousarray(lin.bias, dtype=_F32)
+                bp = ffi.from_buffer("float[]", b)
+                self._keep += [b, bp]
+                W.bias = bp
+            else:
+                W.bias = ffi.NULL
+        return arr
+
+
+def moe_experts(es: ExpertSet, x: np.ndarray, ids: np.ndarray, w: np.ndarray, threads: int | None = None,
+                isa: str | None = None) -> np.ndarray:
+    """The routed experts' sum for tokens x (T, n_embd) float32 that chose experts ``ids`` (T, k)
+    int64 with weights ``w`` (T, k) float32: (T, n_embd), each chosen expert run once over its tokens."""
+    ffi, lib = _lib()
+    x = _f32_array(x, "x", (2,))
+    T = x.shape[0]
+    if x.shape[1] != es.n_embd:
+        raise InvalidRequestError(f"x has {x.shape[1]} columns, the experts {es.n_embd}")
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 2 or ids.shape[0] != T:
+        raise InvalidRequestError(f"ids must be an int64 array ({T}, k)")
+    k = ids.shape[1]
+    w = _f32_array(np.ascontiguousarray(w, dtype=_F32), "w", (2,))
+    if w.shape != ids.shape or k < 1:
+        raise InvalidRequestError(f"w {w.shape} must match ids {ids.shape}")
+    ids = np.ascontiguousarray(ids)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= es.n_expert):
+        raise InvalidRequestError(f"expert ids must be in [0, {es.n_expert})")
+    out = np.empty((T, es.n_embd), dtype=_F32)
+    rc = lib.mr_moe_experts(es.gate, es.up, es.down, es.n_expert, ffi.from_buffer("float[]", x), T, es.n_embd,
+                            ffi.cast("long long *", _address(ids)), ffi.from_buffer("float[]", w), k, es.act,
+                            es.alpha, es.limit, ffi.from_buffer("float[]", out, require_writable=True),
+                            _threads_arg(threads), _isa_id(isa))
+    _after_call(lib, rc, "moe experts", es, (x, ids))
+    return out
 
 
 def matmul(x: np.ndarray, w: np.ndarray | PackedMatrix, qtype: str | None = None, out: np.ndarray | None = None,
@@ -1334,7 +1434,7 @@ def read_bandwidth(buf: np.ndarray, threads: int | None = None, reps: int = 5,
 __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
     "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
-    "LayerStack",
+    "LayerStack", "ExpertSet", "moe_experts",
     "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul",
     "profile",
     "read_bandwidth",

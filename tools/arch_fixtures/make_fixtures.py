@@ -50,8 +50,8 @@ LLAMA_SPECIALS = {"unk": 0, "bos": 1, "eos": 2}
 
 
 def _common(vocab: int = 512, layers: int = 2, heads: int = 4, kv: int = 2, head_dim: int = 64,
-            tied: bool = False) -> dict[str, Any]:
-    return dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
+            tied: bool = False, hidden: int = HIDDEN) -> dict[str, Any]:
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=FFN, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                 max_position_embeddings=4096, tie_word_embeddings=tied)
 
@@ -59,6 +59,13 @@ def _common(vocab: int = 512, layers: int = 2, heads: int = 4, kv: int = 2, head
 def _layer_types(n: int, pattern: int) -> list[str]:
     """``pattern - 1`` sliding layers then one full-attention layer, repeated (Gemma 3 / Cohere 2 style)."""
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+
+
+def ROUTER(name: str) -> dict[str, float]:  # noqa: N802 (reads like a constant in the table)
+    """Router weights x8 (logits with a standard deviation of about 4 over the experts, as trained
+    routers are decisive): with N(0, 0.05) routers the top-k choice is a near tie at many positions
+    and every rounding error of either runtime sends a token to other experts."""
+    return {name: 8.0}
 
 
 ARCHS: dict[str, dict[str, Any]] = {
@@ -197,6 +204,50 @@ ARCHS: dict[str, dict[str, Any]] = {
                     rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 8192})),
+    # mixtures of experts: hidden 128 (head size 32) keeps the files small (the K-quants then fall back
+    # to llama-quantize's 32-block types); qwen3moe has hidden 256 so that its experts are Q4_K / Q6_K
+    "qwen2moe": dict(
+        config="Qwen2MoeConfig", model="Qwen2MoeForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"), tokenizer="bpe", pre="qwen2",
+        features="4 experts top-2 (softmax, not renormalised), expert FFN 128, shared expert FFN 256 with "
+                 "sigmoid gate, q/k/v bias, GQA 4/2, hidden 128, BPE vocab",
+        kwargs=dict(_common(layers=2, head_dim=32, hidden=128), rms_norm_eps=1e-6, num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                    norm_topk_prob=False, qkv_bias=True, decoder_sparse_step=1, mlp_only_layers=[],
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3moe": dict(
+        config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"), tokenizer="bpe", pre="qwen2",
+        features="4 experts top-2 (softmax, renormalised as Qwen3-30B-A3B), expert FFN 256, per-head q/k "
+                 "RMSNorm, GQA 4/2, hidden 256 (K-quant experts), BPE vocab",
+        kwargs=dict(_common(layers=2), rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=256, norm_topk_prob=True, attention_bias=False, decoder_sparse_step=1,
+                    mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "olmoe": dict(
+        config="OlmoeConfig", model="OlmoeForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"), tokenizer="bpe", pre="olmo",
+        features="8 experts top-2 (softmax, not renormalised), expert FFN 128, q/k RMSNorm over the whole "
+                 "projection, MHA 4/4 (llama.cpp's olmoe sizes the k norm by n_embd), hidden 128, BPE vocab",
+        kwargs=dict(_common(layers=2, kv=4, head_dim=32, hidden=128), intermediate_size=128, rms_norm_eps=1e-5,
+                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "granitemoe": dict(
+        config="GraniteMoeConfig", model="GraniteMoeForCausalLM", no_repack=True, scale=ROUTER("router.layer.weight"), tokenizer="bpe", pre="refact",
+        features="4 experts top-2 (softmax over the top-2), expert FFN 128, embedding x12, residual x0.22, "
+                 "attention scale 1/32, logits /4, GQA 4/2, hidden 128, tied, BPE vocab",
+        kwargs=dict(_common(layers=2, head_dim=32, hidden=128, tied=True), intermediate_size=128,
+                    rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=0.03125, logits_scaling=4.0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "gpt_oss": dict(
+        config="GptOssConfig", model="GptOssForCausalLM", no_repack=True, scale=ROUTER("mlp.router.weight"), tokenizer="bpe", pre="gpt-4o",
+        features="2 layers: sliding (window 16) then full, attention sinks, q/k/v/o biases, YaRN rope "
+                 "(factor 32, original 4096), 4 biased experts top-2 (softmax over the chosen logits), clamped "
+                 "SwiGLU (alpha 1.702, limit 7), expert FFN 128, GQA 4/2, hidden 128, BPE vocab",
+        kwargs=dict(_common(layers=2, head_dim=32, hidden=128), intermediate_size=128, rms_norm_eps=1e-5,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+                    swiglu_limit=7.0,
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096,
+                                     "rope_theta": 150000.0})),
     "gemma4": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         # attention scale is 1 (q/k are RMS-normed): q/k norm weights ~1/3 keep q.k ~ N(0, 1) instead of a
@@ -417,9 +468,46 @@ def quantize(bin_dir: Path, src: Path, dst: Path, qtype: str) -> str:
     return res.stdout + res.stderr
 
 
-def llamacpp_logits(path: Path, tokens: np.ndarray, n_ctx: int) -> tuple[np.ndarray, dict[str, Any]]:
-    """llama.cpp's logits at every position, one fresh KV cache per sequence: (n_seq, T, V)."""
+_LLAMACPP_CHILD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from make_fixtures import _llamacpp_logits_here
+logits, info = _llamacpp_logits_here(sys.argv[2], np.load(sys.argv[3]), int(sys.argv[4]), sys.argv[6] == "1")
+np.save(sys.argv[5], logits)
+print(json.dumps(info))
+"""
+
+
+def llamacpp_logits(path: Path, tokens: np.ndarray, n_ctx: int, no_repack: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
+    """llama.cpp's logits at every position, one fresh KV cache per sequence: (n_seq, T, V).
+
+    Run in a child process: with torch loaded in the same process, llama.cpp's MoE graphs crash
+    (both bring an OpenMP runtime). ``no_repack``: ``use_extra_bufts = False`` (no CPU weight
+    repacking; its MoE kernels crash on the small quantized expert tensors, see README)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tok, out = Path(tmp) / "tokens.npy", Path(tmp) / "logits.npy"
+        np.save(tok, tokens)
+        res = subprocess.run([sys.executable, "-c", _LLAMACPP_CHILD, str(Path(__file__).resolve().parent), str(path),
+                              str(tok), str(n_ctx), str(out), "1" if no_repack else "0"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"llama.cpp on {path} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+        return np.load(out), json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _llamacpp_logits_here(path: str, tokens: np.ndarray, n_ctx: int,
+                          no_repack: bool) -> tuple[np.ndarray, dict[str, Any]]:
     import llama_cpp
+    if no_repack:
+        from llama_cpp import llama as llama_mod
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+        llama_mod.llama_cpp.llama_model_default_params = params
     llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=2,
                           verbose=False, seed=0)
     outs = []
@@ -427,7 +515,7 @@ def llamacpp_logits(path: Path, tokens: np.ndarray, n_ctx: int) -> tuple[np.ndar
         llm.reset()
         llm.eval(seq.tolist())
         outs.append(np.array(llm.scores[: len(seq)], dtype=np.float32))
-    info = {"n_ctx": llm.n_ctx(), "n_vocab": llm.n_vocab()}
+    info = {"n_ctx": llm.n_ctx(), "n_vocab": llm.n_vocab(), "weight_repacking": not no_repack}
     llm.close()
     return np.stack(outs), info
 
@@ -508,7 +596,7 @@ def make(arch: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
     n_ctx = spec.get("n_ctx", 256)
     cpp_info = {}
     for q, path in files.items():
-        arrays[f"llamacpp_{q}"], cpp_info[q] = llamacpp_logits(path, tokens, n_ctx)
+        arrays[f"llamacpp_{q}"], cpp_info[q] = llamacpp_logits(path, tokens, n_ctx, spec.get("no_repack", False))
     np.savez_compressed(out / "ref.npz", **arrays)
 
     err = {q: errors(arrays[f"llamacpp_{q}"], arrays["hf"]) for q in files}

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from ...blocks import MoE
 from ...errors import BackendError
 from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
@@ -231,7 +232,7 @@ class CudaBackend(Backend):
             return
         todo = []
         for name, t in self.file.tensors.items():
-            if len(t.shape) != 2:
+            if len(t.shape) not in (2, 3):  # 3-D: experts, uploaded as one matrix of n_expert * rows rows
                 continue
             why = self.unsupported_reason(t.qtype, t.shape[1])
             if why:
@@ -241,7 +242,7 @@ class CudaBackend(Backend):
         total = sum(t.data.nbytes for _, t in todo)
         done = 0
         for name, t in todo:
-            self.add_weight(name, t.qtype, t.data.reshape(t.shape[0], -1))
+            self.add_weight(name, t.qtype, t.data.reshape(-1, t.row_bytes))
             done += t.data.nbytes
             if progress is not None:
                 progress(done, total)
@@ -490,6 +491,8 @@ class CudaBackend(Backend):
         b0 = desc.blocks[0]
         for i, b in enumerate(desc.blocks):
             a, m = b.attn, b.mlp
+            if isinstance(m, MoE) or isinstance(b0.mlp, MoE):
+                return f"layer {i}: a mixture-of-experts feed-forward"
             norms = [b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm]
             if b.parallel or b.residual_scale != 1.0:
                 return f"layer {i}: parallel blocks / residual scaling"

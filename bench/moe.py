@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""A random-weight mixture of experts of realistic proportions, built the way llama.cpp users get
+one (transformers checkpoint → ``convert_hf_to_gguf.py`` → ``llama-quantize``), then minirt vs
+llama.cpp on it with ``bench/compare.py`` (decode and prefill, side by side in one run).
+
+    # build (needs a Python with torch + transformers + gguf-py: --ref-python), then compare
+    python bench/moe.py --llama-cpp /path/to/llama.cpp --ref-python /path/to/torch-venv/bin/python
+    python bench/moe.py ... --tiny --quick --llama-repack 0 -- -t 2 -p 32 -g 8   # smoke run: a few-MB model
+
+The default shape is a Qwen3-MoE (``qwen3moe``) with hidden 2048, 16 layers, 32 experts of width
+768, top-4, 16 query / 4 KV heads of 128: 2.7 B parameters, about 1.6 GB at Q4_K_M. Weights are
+N(0, 0.02), seeded; the router is scaled so that routing is decisive. The files are cached in
+``--work`` (made once per shape). Everything after ``--`` goes to bench/compare.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHAPES = {
+    "default": dict(hidden_size=2048, num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
+                    moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=128),
+    "tiny": dict(hidden_size=256, num_hidden_layers=2, num_experts=16, num_experts_per_tok=2,
+                 moe_intermediate_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64),
+}
+
+# Run by --ref-python: writes a seeded random Qwen3-MoE checkpoint (bfloat16, parameters filled one
+# at a time so that memory stays near one copy) with a tiny byte-level BPE tokenizer.
+_BUILD = r"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch, transformers
+from make_fixtures import write_bpe
+out, shape, seed = Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+out.mkdir(parents=True, exist_ok=True)
+specials = write_bpe(out, 512)
+cfg = transformers.Qwen3MoeConfig(vocab_size=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                                  norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
+                                  mlp_only_layers=[], bos_token_id=specials["bos"], eos_token_id=specials["eos"],
+                                  pad_token_id=specials["pad"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **shape)
+torch.manual_seed(seed)
+with torch.device("meta"):
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+model = model.to_empty(device="cpu").to(torch.bfloat16)
+gen = torch.Generator().manual_seed(seed)
+with torch.no_grad():
+    for name, p in sorted(model.named_parameters()):
+        if p.ndim >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.16 if "mlp.gate.weight" in name else 0.02))
+        else:
+            p.fill_(1.0)
+model.save_pretrained(str(out), safe_serialization=True)
+"""
+
+
+def run(cmd: list[str], what: str) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{what} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+
+
+def build(args: argparse.Namespace) -> Path:
+    """The Q4_K_M (``--quant``) GGUF of the chosen shape, made once in ``--work``."""
+    shape = SHAPES["tiny" if args.tiny else "default"]
+    tag = "tiny" if args.tiny else "default"
+    work = Path(args.work) / f"qwen3moe-{tag}-s{args.seed}"
+    gguf = work / f"model-{args.quant.lower()}.gguf"
+    if gguf.is_file():
+        return gguf
+    hf, f16 = work / "hf", work / "model-bf16.gguf"
+    llama = Path(args.llama_cpp)
+    print(f"building {tag} Qwen3-MoE in {work} ...", flush=True)
+    run([args.ref_python, "-c", _BUILD, str(ROOT / "tools" / "arch_fixtures"), str(hf), json.dumps(shape),
+         str(args.seed)], "building the checkpoint")
+    # the tiny vocabulary matches no known pre-tokenizer hash: name one (as tools/arch_fixtures does)
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("make_fixtures", ROOT / "tools" / "arch_fixtures" / "make_fixtures.py")
+    mf = module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mf)
+    run([args.ref_python, "-c", mf._CONVERT, str(llama), "qwen2", str(hf), "--outtype", "bf16", "--outfile", str(f16)],
+        "convert_hf_to_gguf.py")
+    run([str(Path(args.bin or llama / "build" / "bin") / "llama-quantize"), str(f16), str(gguf), args.quant.upper()],
+        "llama-quantize")
+    if not args.keep:
+        f16.unlink()
+        import shutil
+
+        shutil.rmtree(hf, ignore_errors=True)
+    return gguf
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py, build/bin)")
+    ap.add_argument("--bin", help="directory with llama-quantize and llama-bench (default <llama-cpp>/build/bin)")
+    ap.add_argument("--ref-python", required=True, help="Python with torch, transformers and gguf-py")
+    ap.add_argument("--work", default=str(Path.home() / ".cache" / "minirt" / "bench-moe"))
+    ap.add_argument("--quant", default="Q4_K_M")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--tiny", action="store_true", help="a few-MB model (smoke runs)")
+    ap.add_argument("--quick", action="store_true", help="bench/compare.py --quick")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the bf16 GGUF")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--llama-repack", type=int, choices=[0, 1], default=1,
+                    help="llama-bench --repack (0: no CPU weight repacking; it crashes on the --tiny shapes)")
+    args = ap.parse_args(argv)
+    gguf = build(args)
+    print(f"model: {gguf} ({gguf.stat().st_size / 1e9:.2f} GB)", flush=True)
+    if args.build_only:
+        return 0
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare
+
+    bench_bin = Path(args.bin or Path(args.llama_cpp) / "build" / "bin") / "llama-bench"
+    if not args.llama_repack:  # bench/compare.py runs the binary it is given: one that adds the flag
+        wrapper = gguf.parent / "llama-bench-norepack"
+        wrapper.write_text(f'#!/bin/sh\nexec "{bench_bin}" "$@" --repack 0\n')
+        wrapper.chmod(0o755)
+        bench_bin = wrapper
+    cargs = ["-m", str(gguf), "--llama-bench", str(bench_bin)] + (["--quick"] if args.quick else []) + rest
+    return compare.run(cargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
