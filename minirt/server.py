@@ -519,6 +519,8 @@ def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = M
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    from . import embedding_server
+
     mid = model_id or model_id_for(llm)
     state = ServerState(llm=llm, model_id=mid, aliases=_aliases(llm, mid), api_key=api_key or None,
                         max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
@@ -583,10 +585,14 @@ def build_app(llm: Model, api_key: str | None = None, *, max_body_bytes: int = M
         Route("/v1/models/{model:path}", endpoint(model_get), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(embedding_server.embeddings_endpoint(state)), methods=["POST"]),
+        Route("/v1/rerank", endpoint(embedding_server.rerank_endpoint(state)), methods=["POST"]),
         # the same routes without the /v1 prefix, as llama-server and llama-cpp-python serve them
         Route("/models", endpoint(models), methods=["GET"]),
         Route("/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/completions", endpoint(completions), methods=["POST"]),
+        Route("/embeddings", endpoint(embedding_server.embeddings_endpoint(state)), methods=["POST"]),
+        Route("/rerank", endpoint(embedding_server.rerank_endpoint(state)), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={StarletteHTTPException: http_error})
     app.state.minirt = state

@@ -1,0 +1,176 @@
+"""Embeddings and reranking against transformers and llama.cpp (fixtures in tests/data/embed/, made by
+tools/embed_fixtures/make_fixtures.py from tiny seeded HF models converted by llama.cpp's converter).
+
+The bar: cosine >= 0.9999 to transformers' sentence-transformers-pooled vectors for F16 files; for the
+quantized files, minirt's worst cosine must be no worse than llama.cpp's own on the same file (minus a
+rounding margin). Rerankers: the score within 1e-3 (F16) or within llama.cpp's own error (quantized).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import minirt
+from minirt import embedding
+from minirt.errors import ContextOverflowError, EmbeddingError, InvalidRequestError
+
+DATA = Path(__file__).parent / "data" / "embed"
+MODELS = sorted(p.name for p in DATA.iterdir() if (p / "ref.npz").exists()) if DATA.exists() else []
+pytestmark = pytest.mark.skipif(not MODELS, reason="no embedding fixtures (tools/embed_fixtures/make_fixtures.py)")
+
+_loaded: dict[tuple[str, str, str | None], minirt.Model] = {}
+
+
+def load(name: str, qtype: str = "f16", pooling: str | None = None) -> minirt.Model:
+    key = (name, qtype, pooling)
+    if key not in _loaded:
+        _loaded[key] = minirt.load(str(DATA / name / f"model-{qtype}.gguf"), embedding=True, pooling=pooling,
+                                   pull=False)
+    return _loaded[key]
+
+
+def ref(name: str) -> tuple[dict[str, np.ndarray], dict]:
+    z = dict(np.load(DATA / name / "ref.npz"))
+    return z, json.loads((DATA / name / "meta.json").read_text())
+
+
+def _seqs(z: dict[str, np.ndarray]) -> list[list[int]]:
+    return [z[k].tolist() for k in sorted(k for k in z if k.startswith("tokens_"))]
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+CASES = []
+for _name in MODELS:
+    _meta = json.loads((DATA / _name / "meta.json").read_text())
+    for _pool in _meta["poolings"]:
+        for _q in _meta["gguf"]:
+            CASES.append((_name, _pool, _q))
+
+
+@pytest.mark.parametrize("name,pooling,qtype", CASES)
+def test_against_transformers_and_llamacpp(name: str, pooling: str, qtype: str) -> None:
+    z, meta = ref(name)
+    seqs = _seqs(z)
+    alt = pooling if pooling != meta["poolings"][0] else None
+    m = load(name, qtype, alt)
+    hf, cpp = z[f"hf_{pooling}"], z[f"llamacpp_{pooling}_{qtype}"]
+    if pooling == "rank":
+        got = embedding.pool(m, m.model.desc.pooling, embedding.hidden_states(m, seqs))[:, 0]
+        err, cpp_err = np.abs(got - hf), np.abs(cpp - hf)
+        bar = 1e-3 if qtype == "f16" else max(float(cpp_err.max()) * 1.5, 1e-3)
+        assert err.max() <= bar, (err, cpp_err)
+        return
+    got = m.embed(seqs)  # all sequences in one call: batched into one forward pass
+    assert got.shape == hf.shape
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
+    cos, cpp_cos = _cos(got, hf), _cos(cpp, hf)
+    if qtype == "f16":
+        assert cos.min() >= 0.9999, cos
+    else:
+        assert cos.min() >= min(cpp_cos.min(), 0.9999) - 2e-4, (cos, cpp_cos)
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if "rank" not in json.loads((DATA / n / "meta.json").read_text())
+                                  ["poolings"]])
+def test_batched_equals_one_by_one(name: str) -> None:
+    z, _ = ref(name)
+    m = load(name)
+    seqs = _seqs(z)
+    together = m.embed(seqs)
+    alone = np.stack([m.embed(s)[0] for s in seqs])
+    np.testing.assert_allclose(together, alone, atol=2e-5)
+
+
+def _embed_model() -> minirt.Model:
+    name = next((n for n in MODELS if n.startswith("bert")), None)
+    if name is None:
+        pytest.skip("no bert fixture")
+    return load(name)
+
+
+def test_text_input_normalize_dimensions() -> None:
+    m = _embed_model()
+    a = m.embed("hello world")
+    assert a.shape == (1, m.model.cfg.n_embd) and a.dtype == np.float32
+    raw = m.embed(["hello world"], normalize=False)
+    np.testing.assert_allclose(a[0], raw[0] / np.linalg.norm(raw[0]), rtol=1e-5, atol=1e-7)
+    d = m.embed("hello world", dimensions=64)
+    want = raw[0, :64] / np.linalg.norm(raw[0, :64])
+    np.testing.assert_allclose(d[0], want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(InvalidRequestError):
+        m.embed("x", dimensions=0)
+    with pytest.raises(InvalidRequestError):
+        m.embed([])
+    with pytest.raises(InvalidRequestError):
+        m.embed([["a"]])  # type: ignore[list-item]
+    with pytest.raises(InvalidRequestError):
+        m.embed([m.n_vocab + 5])
+
+
+def test_truncation() -> None:
+    m = _embed_model()
+    n = embedding.max_tokens(m)
+    ids = [200] * (n + 10)
+    with pytest.raises(ContextOverflowError):
+        m.embed(ids, truncate=False)
+    np.testing.assert_allclose(m.embed(ids), m.embed(ids[:n]), atol=1e-6)
+    text = "ba " * (n + 10)
+    assert m.embed(text).shape == (1, m.model.cfg.n_embd)  # cut, keeping the closing SEP
+
+
+def test_encoder_refuses_generation_and_rerank() -> None:
+    m = _embed_model()
+    with pytest.raises(EmbeddingError):
+        m.generate("hello", max_tokens=2)
+    with pytest.raises(EmbeddingError):
+        m.rerank("q", ["d"])
+
+
+def test_rerank_api_and_pair_format() -> None:
+    name = next((n for n in MODELS if "rerank" in n), None)
+    if name is None:
+        pytest.skip("no reranker fixture")
+    m = load(name)
+    tk = m.tokenizer
+    ids = embedding.rerank_ids(m, "ab", "cd")
+    q, d = tk.encode("ab", add_special=False), tk.encode("cd", add_special=False)
+    # XLM-RoBERTa pair encoding: <s> q </s></s> d </s> (what llama.cpp's server and transformers form)
+    assert ids == [tk.bos_id] + q + [tk.eos_id, tk.sep_id] + d + [tk.eos_id]
+    s = m.rerank("ab", ["cd", "ef", "cd"])
+    assert s.shape == (3,) and s[0] == pytest.approx(s[2], abs=1e-6)
+    hs = embedding.hidden_states(m, [ids])
+    assert s[0] == pytest.approx(float(embedding.pool(m, m.model.desc.pooling, hs)[0, 0]), abs=1e-5)
+    with pytest.raises(EmbeddingError):
+        m.embed("x")
+    assert m.rerank("q", []).shape == (0,)
+
+
+def test_generative_model_without_pooling() -> None:
+    archs = Path(__file__).parent / "data" / "archs" / "llama" / "model-q8_0.gguf"
+    if not archs.exists():
+        pytest.skip("no llama fixture")
+    with minirt.load(str(archs), pull=False, n_ctx=64) as m:
+        with pytest.raises(EmbeddingError):
+            m.embed("hi")
+        m.close()
+    with minirt.load(str(archs), pull=False, n_ctx=64, pooling="mean") as m:  # llama.cpp's --pooling mean
+        v = m.embed([[1, 2, 3]])
+        assert v.shape == (1, m.model.cfg.n_embd)
+
+
+def test_create_embedding_shape() -> None:
+    m = _embed_model()
+    r = m.create_embedding(["a b", "c"], encoding_format="base64")
+    assert r["object"] == "list" and len(r["data"]) == 2
+    v = np.frombuffer(base64.b64decode(r["data"][1]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(v, m.embed("c")[0], atol=1e-6)
+    assert r["usage"]["prompt_tokens"] == len(m.tokenize("a b")) + len(m.tokenize("c"))
