@@ -174,3 +174,81 @@ def test_create_embedding_shape() -> None:
     v = np.frombuffer(base64.b64decode(r["data"][1]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(v, m.embed("c")[0], atol=1e-6)
     assert r["usage"]["prompt_tokens"] == len(m.tokenize("a b")) + len(m.tokenize("c"))
+
+
+# ----------------------------------------------------------------------------------------------
+# server: /v1/embeddings (OpenAI shape, the official client) and /v1/rerank (llama.cpp's shape)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def embed_server():  # type: ignore[no-untyped-def]
+    pytest.importorskip("starlette", reason="the server tests need starlette (pip install 'minirt[server]')")
+    from minirt.server import BackgroundServer, build_app
+
+    with BackgroundServer(build_app(_embed_model())) as srv:
+        yield srv
+
+
+def test_openai_client_embeddings(embed_server) -> None:  # type: ignore[no-untyped-def]
+    openai = pytest.importorskip("openai")
+    from minirt.server import model_id_for
+
+    m = _embed_model()
+    mid = model_id_for(m)
+    c = openai.OpenAI(base_url=embed_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = c.embeddings.create(model=mid, input=["a b", "c d e"])
+    assert [d.index for d in r.data] == [0, 1]
+    np.testing.assert_allclose(np.array(r.data[1].embedding), m.embed("c d e")[0], atol=1e-6)
+    assert r.usage.prompt_tokens == len(m.tokenize("a b")) + len(m.tokenize("c d e"))
+    # the client asks for base64 by default when numpy is there; float explicitly too
+    r = c.embeddings.create(model=mid, input="a b",
+                            encoding_format="float", dimensions=32)
+    v = np.array(r.data[0].embedding)
+    assert v.shape == (32,) and abs(np.linalg.norm(v) - 1) < 1e-5
+    r = c.embeddings.create(model=mid, input=[[200, 201, 202], [203]])
+    np.testing.assert_allclose(np.array(r.data[1].embedding), m.embed([203])[0], atol=1e-6)
+    with pytest.raises(openai.BadRequestError):
+        c.embeddings.create(model=mid, input=[])
+
+
+def test_http_routes(embed_server) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    for path in ("/v1/embeddings", "/embeddings"):
+        r = httpx.post(embed_server.url + path, json={"input": "hello", "encoding_format": "base64"}, timeout=60)
+        assert r.status_code == 200, r.text
+        v = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+        assert v.shape == (_embed_model().model.cfg.n_embd,)
+    r = httpx.post(embed_server.url + "/v1/embeddings", json={"input": "x", "encoding_format": "hex"}, timeout=60)
+    assert r.status_code == 400 and "encoding_format" in r.json()["error"]["message"]
+    n = embedding.max_tokens(_embed_model())
+    r = httpx.post(embed_server.url + "/v1/embeddings", json={"input": [[200] * (n + 1)], "truncate": False},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(embed_server.url + "/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=60)
+    assert r.status_code == 400  # not a reranker
+
+
+def test_rerank_route() -> None:
+    pytest.importorskip("starlette")
+    import httpx
+
+    from minirt.server import BackgroundServer, build_app
+
+    name = next((n for n in MODELS if "rerank" in n), None)
+    if name is None:
+        pytest.skip("no reranker fixture")
+    m = load(name)
+    docs = ["ab cd", "ef", "gh ij kl"]
+    want = m.rerank("ab", docs)
+    with BackgroundServer(build_app(m)) as srv:
+        for path in ("/v1/rerank", "/rerank"):
+            r = httpx.post(srv.url + path, json={"query": "ab", "documents": docs, "top_n": 2,
+                                                "return_documents": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            res = r.json()["results"]
+            order = np.argsort(-want)[:2].tolist()
+            assert [x["index"] for x in res] == order
+            assert res[0]["relevance_score"] == pytest.approx(float(want[order[0]]), abs=1e-6)
+            assert res[0]["document"]["text"] == docs[order[0]]
+        r = httpx.post(srv.url + "/v1/rerank", json={"query": "ab", "documents": "no"}, timeout=60)
+        assert r.status_code == 400

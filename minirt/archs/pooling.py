@@ -26,7 +26,9 @@ def pooling_from_meta(f: GGUFFile, hp: HParams, default: str | None = None, cls_
     """The file's pooling (None when it has no ``pooling_type`` and no ``default``); ``override``:
     the caller's choice instead of the file's (llama.cpp's ``--pooling``)."""
     key = f"{f.architecture}.pooling_type"
-    if key not in f.metadata:
+    if override is not None:
+        kind = override
+    elif key not in f.metadata:
         # converters do not write "rank" (llama.cpp is told --pooling rank); a classifier head says it
         if "cls.output.weight" in f.tensors or "cls.weight" in f.tensors:
             default = "rank"
@@ -35,8 +37,6 @@ def pooling_from_meta(f: GGUFFile, hp: HParams, default: str | None = None, cls_
         kind = default
     else:
         kind = POOLING_TYPES[meta_int(f, "pooling_type", lo=0, hi=len(POOLING_TYPES) - 1)]
-    if override is not None:
-        kind = override
     p = Pooling(kind=kind, cls_act=cls_act, softmax=softmax)
     d = hp.n_embd
     if kind == "rank":
