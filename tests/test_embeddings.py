@@ -62,7 +62,10 @@ def test_against_transformers_and_llamacpp(name: str, pooling: str, qtype: str) 
     seqs = _seqs(z)
     alt = pooling if pooling != meta["poolings"][0] else None
     m = load(name, qtype, alt)
-    hf, cpp = z[f"hf_{pooling}"], z[f"llamacpp_{pooling}_{qtype}"]
+    hf, cpp = z[f"hf_{pooling}"], z.get(f"llamacpp_{pooling}_{qtype}")
+    if cpp is None:  # no llama.cpp reference for this file (see the fixture's meta.json): transformers only
+        assert qtype == "f16"
+        cpp = hf
     if pooling == "rank":
         got = embedding.pool(m, m.model.desc.pooling, embedding.hidden_states(m, seqs))[:, 0]
         err, cpp_err = np.abs(got - hf), np.abs(cpp - hf)

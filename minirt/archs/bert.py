@@ -62,10 +62,11 @@ def _encoder(f: GGUFFile, hp: HParams, blocks: list[Block], *, pos: bool, embd_n
         desc.pos_embd = t
         desc.n_ctx_train = min(desc.n_ctx_train, t.shape[0])
     t = f.tensors.get("token_types.weight")
-    if t is not None:
-        if len(t.shape) != 2 or t.shape[1] != hp.n_embd:
+    if t is not None:  # (n_types, d); one type is stored as a vector (d,)
+        n_types = 1 if len(t.shape) == 1 else t.shape[0]
+        if t.shape[-1] != hp.n_embd or len(t.shape) > 2:
             raise GGUFError(f"{f.path}: tensor 'token_types.weight' has shape {t.shape}, expected (n, {hp.n_embd})")
-        desc.type_embd = vector(f, "token_types.weight", t.shape[0] * hp.n_embd).reshape(t.shape[0], hp.n_embd)
+        desc.type_embd = vector(f, "token_types.weight", n_types * hp.n_embd).reshape(n_types, hp.n_embd)
     desc.embd_norm = embd_norm
     desc.pooling = pooling_from_meta(f, hp, default="cls", cls_act=cls_act)
     return desc

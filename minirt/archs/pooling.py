@@ -46,9 +46,9 @@ def pooling_from_meta(f: GGUFFile, hp: HParams, default: str | None = None, cls_
                               kind="layer", required=False)
         if "cls.output.weight" in f.tensors:
             t = f.tensors["cls.output.weight"]
-            if len(t.shape) != 2 or t.shape[1] != d:
+            if len(t.shape) not in (1, 2) or t.shape[-1] != d:
                 raise GGUFError(f"{f.path}: tensor 'cls.output.weight' has shape {t.shape}, expected (n_out, {d})")
-            p.cls_out = _linear(f, "cls.output", t.shape[0], d)
+            p.cls_out = _linear(f, "cls.output", t.shape[0], d) if len(t.shape) == 2 else _one_row(f, "cls.output", d)
         if p.cls is None and p.cls_out is None:
             raise GGUFError(f"{f.path}: pooling type rank needs a classifier head ('cls' or 'cls.output' tensors)")
         cp = meta_int(f, "classifier.pooling_type", 2, lo=0, hi=len(POOLING_TYPES) - 1)
@@ -71,3 +71,21 @@ def _linear(f: GGUFFile, name: str, out_f: int, in_f: int) -> Linear:
     from .base import linear
 
     return linear(f, name, out_f, in_f, bias=None)
+
+
+def _one_row(f: GGUFFile, name: str, d: int) -> Linear:
+    """A one-output classifier (``cls.output.weight`` of one label is stored as a vector (d,)) as a
+    Linear of one row: the same bytes viewed (1, row_bytes)."""
+    t = f.tensors[name + ".weight"]
+    lin = object.__new__(Linear)
+    lin.name, lin.qtype, lin.out_features, lin.in_features = t.name, t.qtype, 1, d
+    lin.w = t.data.reshape(1, -1)
+    b = f.tensors.get(name + ".bias")
+    lin.bias = None if b is None else np.ascontiguousarray(b.dequantize().reshape(-1)[:1], dtype=np.float32)
+    if lin.bias is not None and b.dequantize().size != 1:
+        raise GGUFError(f"{f.path}: tensor {name + '.bias'!r} must have one element")
+    lin.backend_data, lin.parent = None, None
+    from ..quants import get_spec
+
+    get_spec(t.qtype)  # a type that can be read
+    return lin
