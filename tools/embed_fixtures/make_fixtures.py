@@ -78,6 +78,19 @@ MODELS: dict[str, dict[str, Any]] = {
         kwargs=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
                     rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "nomic_bert": dict(
+        config=None, model=None, tokenizer="wordpiece", pre="default", pooling="mean", quants=False,
+        features="nomic-bert: post-norm, rotary (NEOX, base 1000), fused Wqkv, SwiGLU, no biases, 2 token "
+                 "types. transformers has no NomicBertModel (it is remote code): the checkpoint is written "
+                 "here in its layout and llama.cpp is the only reference",
+        kwargs=dict(vocab_size=VOCAB, n_embd=HIDDEN, n_inner=FFN, n_layer=2, n_head=4, n_positions=2048,
+                    max_trained_positions=2048, activation_function="swiglu", causal=False, qkv_proj_bias=False,
+                    mlp_fc1_bias=False, mlp_fc2_bias=False, prenorm=False, rotary_emb_fraction=1.0,
+                    rotary_emb_interleaved=False, rotary_emb_scale_base=None, rotary_emb_base=1000,
+                    type_vocab_size=2, layer_norm_epsilon=1e-12, architectures=["NomicBertModel"],
+                    model_type="nomic_bert", pad_token_id=0,
+                    # the names the converter's generic readers look up first
+                    hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=4)),
     "modern_bert": dict(
         config="ModernBertConfig", model="ModernBertModel", tokenizer="bpe", pre="modern-bert", pooling="mean",
         features="ModernBERT: pre-norm LayerNorm without bias, layer 0 without attention norm, GeGLU, "
@@ -197,15 +210,46 @@ def build(spec: dict[str, Any], out: Path, seed: int) -> tuple[dict[str, Any], l
     else:
         specials = af.write_bpe(out, kw["vocab_size"])
         kw.update(bos_token_id=specials["bos"], eos_token_id=specials["eos"], pad_token_id=specials.get("pad"))
+    if spec["config"] is None:  # no transformers class: the checkpoint in the family's own layout
+        return write_nomic(out, kw, seed), []
     config = getattr(transformers, spec["config"])(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, spec["model"])(config).to(torch.float32)
     af.reinit(model, seed)
     model.save_pretrained(str(out), safe_serialization=True)
     dense: list[np.ndarray] = []
-    if spec["pooling"] != "rank":
+    if spec["pooling"] != "rank":  # (nomic: written by write_nomic)
         dense = write_st_modules(out, spec["pooling"], spec.get("dense", ()), model, seed)
     return json.loads((out / "config.json").read_text()), dense
+
+
+def write_nomic(out: Path, kw: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A NomicBertModel checkpoint (config.json + model.safetensors with nomic's tensor names),
+    weights drawn as :func:`reinit` does (matrices N(0, 0.05), norm gains 1 + N(0, 0.1), biases N(0, 0.05))."""
+    import torch
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+    d, f, n_l = kw["n_embd"], kw["n_inner"], kw["n_layer"]
+
+    def mat(*shape: int) -> Any:
+        return torch.randn(shape, generator=gen) * 0.05
+
+    def gain() -> Any:
+        return 1 + torch.randn((d,), generator=gen) * 0.1
+
+    t = {"embeddings.word_embeddings.weight": mat(kw["vocab_size"], d),
+         "embeddings.token_type_embeddings.weight": mat(kw["type_vocab_size"], d),
+         "emb_ln.weight": gain(), "emb_ln.bias": mat(d)}
+    for i in range(n_l):
+        p = f"encoder.layers.{i}."
+        t.update({p + "attn.Wqkv.weight": mat(3 * d, d), p + "attn.out_proj.weight": mat(d, d),
+                  p + "mlp.fc11.weight": mat(f, d), p + "mlp.fc12.weight": mat(f, d), p + "mlp.fc2.weight": mat(d, f),
+                  p + "norm1.weight": gain(), p + "norm1.bias": mat(d), p + "norm2.weight": gain(),
+                  p + "norm2.bias": mat(d)})
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(kw, indent=1))
+    write_st_modules(out, "mean", (), None, seed)
+    return kw
 
 
 def hf_outputs(spec: dict[str, Any], model_dir: Path, seqs: list[np.ndarray], dense: list[np.ndarray],
@@ -317,7 +361,9 @@ def make(name: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
                                 "poolings": poolings, "lengths": list(LENGTHS), "llamacpp_vs_hf": {},
                                 "gguf": {k: af.gguf_summary(v) for k, v in files.items()}}
         for pooling in poolings:
-            hf = hf_outputs(spec, hf_dir, seqs, dense, pooling)
+            hf = hf_outputs(spec, hf_dir, seqs, dense, pooling) if spec["model"] else None
+            if hf is None:  # llama.cpp's F16 result is the reference
+                hf = llamacpp_outputs(files["f16"], seqs, pooling)
             ref[f"hf_{pooling}"] = hf
             for k, path in files.items():
                 if not spec.get("llamacpp", True):
