@@ -54,7 +54,7 @@ def set_pooling(model: Model, kind: str) -> None:
     old = desc.pooling
     desc.pooling = pooling_from_meta(model.file, read_hparams(model.file), override=kind,
                                      cls_act=old.cls_act if old is not None else "tanh",
-                                     softmax=old.softmax if old is not None else False)
+                                     softmax=old.softmax if old is not None else False, causal=desc.causal)
 
 
 def max_tokens(model: Model) -> int:

@@ -22,9 +22,10 @@ from .base import HParams, meta_float, meta_int, norm
 
 
 def pooling_from_meta(f: GGUFFile, hp: HParams, default: str | None = None, cls_act: str = "tanh",
-                      softmax: bool = False, override: str | None = None) -> Pooling | None:
+                      softmax: bool = False, override: str | None = None, causal: bool = False) -> Pooling | None:
     """The file's pooling (None when it has no ``pooling_type`` and no ``default``); ``override``:
-    the caller's choice instead of the file's (llama.cpp's ``--pooling``)."""
+    the caller's choice instead of the file's (llama.cpp's ``--pooling``). ``causal``: a decoder,
+    whose classifier reads the last token (the only one that saw the whole input), as llama.cpp."""
     key = f"{f.architecture}.pooling_type"
     if override is not None:
         kind = override
@@ -51,7 +52,7 @@ def pooling_from_meta(f: GGUFFile, hp: HParams, default: str | None = None, cls_
             p.cls_out = _linear(f, "cls.output", t.shape[0], d) if len(t.shape) == 2 else _one_row(f, "cls.output", d)
         if p.cls is None and p.cls_out is None:
             raise GGUFError(f"{f.path}: pooling type rank needs a classifier head ('cls' or 'cls.output' tensors)")
-        cp = meta_int(f, "classifier.pooling_type", 2, lo=0, hi=len(POOLING_TYPES) - 1)
+        cp = meta_int(f, "classifier.pooling_type", 3 if causal else 2, lo=0, hi=len(POOLING_TYPES) - 1)
         p.cls_pool = {1: "mean", 3: "last"}.get(cp, "cls")
         labels = f.metadata.get(f"{f.architecture}.classifier.output_labels")
         if isinstance(labels, (list, np.ndarray)):
