@@ -311,6 +311,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+def _intermixed(p: argparse.ArgumentParser) -> None:
+    """Parse ``p``'s arguments intermixed (options after positionals), also as a subparser."""
+    plain = p.parse_known_args
+    busy = [False]
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        if busy[0]:  # parse_known_intermixed_args itself calls parse_known_args
+            return plain(args, namespace)
+        busy[0] = True
+        try:
+            return p.parse_known_intermixed_args(args, namespace)
+        finally:
+            busy[0] = False
+
+    p.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minirt", description="Run quantized GGUF language models.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log progress and timings to stderr")
@@ -365,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-normalize", action="store_true", help="raw pooled vectors (no L2 normalization)")
     p.add_argument("--rerank", metavar="QUERY", help="score the texts as documents for QUERY (a reranker)")
     p.set_defaults(func=cmd_embed)
+    # options may follow the texts (`minirt embed MODEL --rerank Q doc1 doc2`): this subcommand's
+    # arguments are parsed intermixed (argparse's subparser action calls parse_known_args)
+    _intermixed(p)
 
     p = sub.add_parser("info", help="describe a GGUF file or registry model")
     p.add_argument("file", nargs="?", help="path or registry name (default: the default model)")

@@ -255,3 +255,24 @@ def test_rerank_route() -> None:
             assert res[0]["document"]["text"] == docs[order[0]]
         r = httpx.post(srv.url + "/v1/rerank", json={"query": "ab", "documents": "no"}, timeout=60)
         assert r.status_code == 400
+
+
+def test_cli_embed_and_rerank(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    from minirt import cli
+
+    path = str(DATA / "bert" / "model-f16.gguf")
+    assert cli.main(["embed", path, "a b", "c"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    np.testing.assert_allclose(np.array(out["data"][1]["embedding"]), _embed_model().embed("c")[0], atol=1e-6)
+    monkeypatch.setattr("sys.stdin", io.StringIO("a b\n\nc\n"))
+    assert cli.main(["embed", path, "--dimensions", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["data"]) == 2 and len(out["data"][0]["embedding"]) == 8
+    name = next((n for n in MODELS if "rerank" in n), None)
+    if name is not None:
+        assert cli.main(["embed", str(DATA / name / "model-f16.gguf"), "--rerank", "ab", "cd", "ef"]) == 0
+        res = json.loads(capsys.readouterr().out)["results"]
+        assert sorted(r["index"] for r in res) == [0, 1] and "document" in res[0]
+    assert cli.main(["embed", str(DATA / "bert" / "model-f16.gguf"), "--rerank", "q", "d"]) == 2  # not a reranker
