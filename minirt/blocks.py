@@ -25,8 +25,9 @@ import numpy as np
 from .errors import GGUFError, UnsupportedQuantError
 from .gguf import GGUFTensor
 
-ACTIVATIONS = ("silu", "gelu_tanh", "xielu", "swiglu_oai")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "xielu", "swiglu_oai")
 GATINGS = ("softmax", "sigmoid", "softmax_topk")
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")  # llama.cpp LLAMA_POOLING_TYPE_* order
 NORM_KINDS = ("rms", "layer")
 
 
@@ -193,13 +194,16 @@ class Rope:
 
 @dataclass
 class Attention:
-    """Grouped-query causal self-attention over the KV cache.
+    """Grouped-query self-attention over the KV cache (causal unless ``causal`` is False).
 
     ``rope`` None: a NoPE layer. ``qk_norm_per_head``: q/k norms over each head (Dk,) or over the
     whole projection (H·Dk,) (OLMo 2); they apply before RoPE unless ``qk_norm_after_rope``.
     ``window`` > 0: each query sees its last ``window`` positions.
     ``sinks``: per-head attention-sink logits (a slot for architectures that have them; no backend
     runs them yet, so a description with sinks is refused).
+    ``causal`` False: every query sees every position of its sequence (encoders, EmbeddingGemma); a
+    window then extends both ways (``|q − k| ≤ window // 2``, ModernBERT's local layers,
+    EmbeddingGemma, llama.cpp's symmetric SWA).
     """
 
     n_head: int
@@ -219,6 +223,7 @@ class Attention:
     softcap: float = 0.0
     window: int = 0
     sinks: np.ndarray | None = None
+    causal: bool = True
 
 
 @dataclass
@@ -309,6 +314,8 @@ class Block:
 
     ``parallel``: ``x = x + s · (attn(pre(x)) + mlp(pre(x)))`` (Cohere; ``ffn_norm`` unused).
     Any norm may be None (OLMo 2 has post-norms only). ``s`` = ``residual_scale`` (Granite).
+    ``norm_residual`` (BERT's post-norm layout): the post norms apply to the residual sum instead,
+    ``x = post_attn(x + attn(x)); x = post_ffn(x + mlp(x))``.
     """
 
     attn: Attention
@@ -319,6 +326,36 @@ class Block:
     post_ffn_norm: Norm | None = None
     parallel: bool = False
     residual_scale: float = 1.0
+    norm_residual: bool = False
+
+
+@dataclass
+class Pooling:
+    """How an embedding model turns the final hidden states (T, d) of one sequence into its output.
+
+    ``kind`` (GGUF ``<arch>.pooling_type``): "none" (one vector per token), "mean", "cls" (first
+    token), "last" (last token), "rank" (a reranker's relevance score: the ``cls_pool`` token (or the mean)
+    through the classifier head ``cls`` → ``cls_act`` → ``cls_norm``, then ``cls_out`` → (n_cls_out,)).
+    ``dense``: projections applied after pooling, in order (EmbeddingGemma's sentence-transformers
+    Dense modules, no activation). ``labels``: the classifier's output names.
+    """
+
+    kind: str
+    cls: Linear | None = None
+    cls_act: str = "tanh"
+    cls_norm: Norm | None = None
+    cls_out: Linear | None = None
+    cls_pool: str = "cls"  # "cls" | "mean" | "last": the vector the classifier reads
+    softmax: bool = False  # a softmax over the classifier outputs
+    dense: list[Linear] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+
+    @property
+    def n_out(self) -> int | None:
+        """Width of one pooled output (None for per-token output, whose width is n_embd)."""
+        if self.kind == "rank":
+            return self.cls_out.out_features if self.cls_out is not None else None
+        return self.dense[-1].out_features if self.dense else None
 
 
 @dataclass
@@ -341,6 +378,16 @@ class ModelDesc:
     logit_scale: float = 1.0
     final_softcap: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # informational (shown by `minirt info`)
+    # encoder inputs: x = embd_norm(embed_scale · tok_embd[ids] + pos_embd[positions] + type_embd[0])
+    pos_embd: GGUFTensor | None = None  # (n_pos, d) absolute position embeddings (BERT)
+    type_embd: np.ndarray | None = None  # (n_types, d) token-type embeddings; type 0 is added, as llama.cpp
+    embd_norm: Norm | None = None
+    pooling: Pooling | None = None  # None: a generative model without an embedding output
+
+    @property
+    def causal(self) -> bool:
+        """True when every layer attends causally (then prompts may be split into chunks)."""
+        return all(b.attn.causal for b in self.blocks)
 
     def linears(self) -> list[Linear]:
         """Every matrix the forward pass streams, output first."""
@@ -352,6 +399,9 @@ class ModelDesc:
                 out += m.linears()
             else:
                 out += ([m.gate] if m.gate is not None else []) + [m.up, m.down]
+        p = self.pooling
+        if p is not None:
+            out += [lin for lin in (p.cls, p.cls_out, *p.dense) if lin is not None]
         return out
 
     def kv_shape(self) -> tuple[int, int, int]:
@@ -463,6 +513,20 @@ def group_by_expert(ids: np.ndarray, n_expert: int) -> list[tuple[int, np.ndarra
         start += counts[e]
         out.append((int(e), sel // k, sel % k))
     return out
+def erf(x: np.ndarray) -> np.ndarray:
+    """The error function in float32 (numpy has none): Abramowitz & Stegun 7.1.26 refined by one
+    Newton step on erf' = 2/sqrt(pi)·exp(−x²), |error| < 1e-7 — float32 rounding level."""
+    x64 = np.asarray(x, dtype=np.float64)
+    a = np.abs(x64)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    y = 1.0 - poly * np.exp(-a * a)
+    return (np.sign(x64) * y).astype(np.float32)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU with the error function, ``0.5·x·(1 + erf(x/√2))`` (BERT's ``gelu``)."""
+    return np.float32(0.5) * x * (np.float32(1.0) + erf(x * np.float32(1.0 / math.sqrt(2.0))))
 
 
 def activation(name: str, x: np.ndarray, params: Sequence[float] = ()) -> np.ndarray:
@@ -470,6 +534,10 @@ def activation(name: str, x: np.ndarray, params: Sequence[float] = ()) -> np.nda
         return silu(x)
     if name == "gelu_tanh":
         return gelu_tanh(x)
+    if name == "gelu":
+        return gelu(x)
+    if name == "tanh":
+        return np.tanh(x)
     if name == "xielu":
         return xielu(x, *params)
     raise ValueError(f"unknown activation {name!r}")
@@ -493,13 +561,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool, rope
 
 
 def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-              softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
-    """Causal grouped-query attention of new queries over the cached keys/values.
+              softcap: float = 0.0, sinks: np.ndarray | None = None, causal: bool = True) -> np.ndarray:
+    """Grouped-query attention of new queries over the cached keys/values.
 
     q: (n, H, Dk) queries at positions p0..p0+n-1; kc: (Hkv, L, Dk), vc: (Hkv, L, Dv) hold
     positions 0..L-1 with L = p0 + n. ``window`` > 0 limits each query to its last ``window``
     positions (sliding-window layers). ``sinks`` (H,): per-head logits that join each softmax's
-    denominator only (gpt-oss' attention sinks). Returns (n, H * Dv).
+    denominator only (gpt-oss' attention sinks). ``causal`` False: no causal mask (the whole
+    sequence is in kc/vc), and a window is symmetric, ``|q − k| <= window // 2``.
+    Returns (n, H * Dv).
     """
     n, H, Dk = q.shape
     Hkv, L, Dv = vc.shape
@@ -511,9 +581,12 @@ def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: flo
         s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
     qpos = p0 + np.arange(n)[:, None]
     kpos = np.arange(L)[None, :]
-    masked = kpos > qpos
-    if window:
-        masked |= (qpos - kpos) >= window
+    if causal:
+        masked = kpos > qpos
+        if window:
+            masked |= (qpos - kpos) >= window
+    else:
+        masked = np.abs(qpos - kpos) > window // 2 if window else np.zeros((n, L), dtype=bool)
     if masked.any():
         s[..., masked] = -np.inf
     if sinks is None:

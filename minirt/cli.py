@@ -299,6 +299,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, load=lambda: _load(args))
 
 
+def cmd_embed(args: argparse.Namespace) -> int:
+    """Embed texts (arguments, else one per line of stdin), or rerank them against ``--rerank``; print JSON."""
+    import json
+
+    from .embedding_server import embeddings_response, rerank_response
+
+    texts = list(args.texts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        sys.stderr.write("minirt: error: no text to embed (give TEXT arguments or lines on stdin)\n")
+        return 2
+    llm = _load(args, embedding=True, **({"pooling": args.pooling} if args.pooling else {}))
+    with llm:
+        if args.rerank is not None:
+            out = rerank_response(llm, {"query": args.rerank, "documents": texts, "return_documents": True})
+        else:
+            body: dict[str, Any] = {"input": texts, "dimensions": args.dimensions}
+            if args.no_normalize:
+                vecs = llm.embed(texts, normalize=False)
+                data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vecs)]
+                out = {"object": "list", "model": llm.name, "data": data}
+            else:
+                out = embeddings_response(llm, body)
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -306,6 +333,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+def _intermixed(p: argparse.ArgumentParser) -> None:
+    """Parse ``p``'s arguments intermixed (options after positionals), also as a subparser."""
+    plain = p.parse_known_args
+    busy = [False]
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        if busy[0]:  # parse_known_intermixed_args itself calls parse_known_args
+            return plain(args, namespace)
+        busy[0] = True
+        try:
+            return p.parse_known_intermixed_args(args, namespace)
+        finally:
+            busy[0] = False
+
+    p.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minirt", description="Run quantized GGUF language models.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log progress and timings to stderr")
@@ -368,6 +412,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_args(p, model_args=False)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("embed", help="embed texts (or rerank them against --rerank QUERY) and print JSON")
+    p.add_argument("model", help="registry name or GGUF path of an embedding or reranking model")
+    p.add_argument("texts", nargs="*", help="texts to embed (default: one per line of stdin)")
+    p.add_argument("-c", "--ctx", type=int, help="longest input in tokens (default: the model's)")
+    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: physical cores)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device (default auto)")
+    p.add_argument("--backend", choices=["auto", "native", "numba", "reference"], help="CPU kernels (default auto)")
+    p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"], help="instead of the file's")
+    p.add_argument("--dimensions", type=int, help="keep the first N dimensions, renormalized (Matryoshka)")
+    p.add_argument("--no-normalize", action="store_true", help="raw pooled vectors (no L2 normalization)")
+    p.add_argument("--rerank", metavar="QUERY", help="score the texts as documents for QUERY (a reranker)")
+    p.set_defaults(func=cmd_embed)
+    # options may follow the texts (`minirt embed MODEL --rerank Q doc1 doc2`): this subcommand's
+    # arguments are parsed intermixed (argparse's subparser action calls parse_known_args)
+    _intermixed(p)
 
     p = sub.add_parser("info", help="describe a GGUF file or registry model")
     p.add_argument("file", nargs="?", help="path or registry name (default: the default model)")

@@ -41,6 +41,11 @@ class GrammarError(InvalidRequestError):
     cannot constrain this request (the message names the problem)."""
 
 
+class EmbeddingError(InvalidRequestError):
+    """An embedding or rerank request the model cannot serve: no pooling in the file (a generative
+    model), embed() on a reranker, rerank() on an embedding model, generation on an encoder."""
+
+
 class ContextOverflowError(MinirtError, ValueError):
     """A prompt does not fit in the context window."""
 

@@ -106,10 +106,16 @@ class Transformer:
         b = self.desc.blocks[i]
         s = np.float32(b.residual_scale)
         h = self.norm(x, b.attn_norm)
-        a = self.norm(self.attention(i, b, h, ctx), b.post_attn_norm)
+        a = self.attention(i, b, h, ctx)
+        if not b.norm_residual:
+            a = self.norm(a, b.post_attn_norm)
         if b.parallel:
             m = self.norm(self.mlp(b, h), b.post_ffn_norm)
             return x + s * (a + m) if s != 1 else x + a + m
+        if b.norm_residual:  # post-norm (BERT): the norms normalize the residual sums
+            x = self.norm(x + a if s == 1 else x + s * a, b.post_attn_norm)
+            m = self.mlp(b, self.norm(x, b.ffn_norm))
+            return self.norm(x + m if s == 1 else x + s * m, b.post_ffn_norm)
         x = x + s * a if s != 1 else x + a
         m = self.norm(self.mlp(b, self.norm(x, b.ffn_norm)), b.post_ffn_norm)
         return x + s * m if s != 1 else x + m
@@ -158,7 +164,11 @@ class Transformer:
                 out[s0:s0 + n] = self.backend.attention_sinks(q[s0:s0 + n], kc, vc, p0, a.scale, a.window,
                                                               a.softcap, a.sinks)
                 continue
-            out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap)
+            if a.causal:
+                out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap)
+            else:  # the whole sequence is in this call (checked by encode)
+                out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap,
+                                                        causal=False)
         return self.mm(a.wo, out)
 
     # -- the whole pass ----------------------------------------------------------------------------
@@ -172,7 +182,7 @@ class Transformer:
         if out is not None:
             return out
         ctx = ForwardContext(self, segments)
-        x = self.embed(tokens)
+        x = self.inputs(tokens, ctx)
         if not self._native_decode(x, ctx):
             for i in range(len(self.desc.blocks)):
                 x = self.block(i, x, ctx)
@@ -182,6 +192,35 @@ class Transformer:
         rows = logit_rows(ctx.spans)
         logits = self.head(x[rows]) if rows else None
         return split_logits(ctx.spans, logits)
+
+    def inputs(self, tokens: np.ndarray, ctx: ForwardContext) -> np.ndarray:
+        """The first block's input (T, d): token embeddings plus, for encoders, position and
+        token-type embeddings and the embedding norm."""
+        x = self.embed(tokens)
+        d = self.desc
+        if d.pos_embd is not None:
+            pos = ctx.positions
+            if len(pos) and int(pos.max()) >= d.pos_embd.shape[0]:
+                raise ContextOverflowError(f"position {int(pos.max())} is beyond the {d.pos_embd.shape[0]} "
+                                           "position embeddings of the model")
+            x += self.backend.dequantize_rows(d.pos_embd.data[pos], d.pos_embd.qtype, d.n_embd)
+        if d.type_embd is not None:
+            x += d.type_embd[0]  # every token is of type 0 ("sentence A"), as llama.cpp feeds them
+        return self.norm(x, d.embd_norm)
+
+    def encode(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+        """Final hidden states (T, d) after the output norm of ``tokens`` (T,), the concatenated
+        tokens of each segment (embedding models; no logits). Non-causal models need each sequence
+        whole in one call: every segment must start at position 0."""
+        ctx = ForwardContext(self, segments)
+        if not self.desc.causal and any(p0 for _, _, p0 in ctx.spans):
+            raise ContextOverflowError("a bidirectional model needs each sequence in one pass (starting at 0)")
+        x = self.inputs(tokens, ctx)
+        for i in range(len(self.desc.blocks)):
+            x = self.block(i, x, ctx)
+        for seg in segments:
+            seg.cache.n_past += seg.n_tokens
+        return self.norm(x, self.desc.output_norm)
 
     def head(self, x: np.ndarray) -> np.ndarray:
         """Final norm, output matmul, logit scale and soft-cap of rows x (n, d) → (n, n_vocab)."""

@@ -189,13 +189,17 @@ class Model:
     def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", n_ctx: int | None = None,
                  threads: int | None = None, backend: str | None = None, n_batch: int = 512,
                  chat_template: str | None = None, pull: bool = True,
-                 progress: Callable[[int, int], Any] | None = None) -> None:
+                 progress: Callable[[int, int], Any] | None = None, embedding: bool = False,
+                 pooling: str | None = None) -> None:
         from .chat import ChatTemplate
         from .tokenizer import Tokenizer
 
         self.path = registry.model_path(model, pull_missing=pull, progress=progress)
         self.name = str(model)
         self._closed = False
+        # loaded for embeddings (llama-cpp-python's embedding=True): the context defaults to the trained
+        # length; KV caches are made per embedding batch, sized to its texts
+        self.embedding = bool(embedding)
         self.file = gguf_mod.open(self.path)
         try:
             self.metadata = self.file.metadata
@@ -210,6 +214,10 @@ class Model:
             self.n_ctx = self._pick_n_ctx(n_ctx, cfg)
             self.model = build(self.file, self.backend, self.n_ctx)
             self._cfg = self.model.cfg  # kept after close() for arch / repr
+            if pooling is not None:  # llama.cpp's --pooling: instead of the file's
+                from .embedding import set_pooling
+
+                set_pooling(self, pooling)
             if threads is not None and (not isinstance(threads, int) or threads <= 0):
                 raise InvalidRequestError(f"threads must be a positive integer, got {threads!r}")
             self.engine = Engine(self.model, n_batch)
@@ -235,6 +243,8 @@ class Model:
 
     def _pick_n_ctx(self, n_ctx: int | None, cfg: Any) -> int:
         per_tok = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * 4
+        if n_ctx is None and self.embedding:
+            return cfg.n_ctx_train
         if n_ctx is None:
             fit = int(_total_memory() * KV_MEMORY_FRACTION // per_tok)
             return max(256, min(cfg.n_ctx_train, fit))
@@ -334,6 +344,31 @@ class Model:
             cache.release()
         return out
 
+    # -- embeddings and reranking (minirt.embedding) ---------------------------------------------------
+    def embed(self, texts: str | Seq[str] | Seq[int] | Seq[Seq[int]], normalize: bool = True,
+              truncate: bool = True, dimensions: int | None = None) -> Any:
+        """Embeddings of ``texts`` (a string, strings, token ids or token-id lists), many per forward
+        pass: (n, dim) float32, L2-normalized when ``normalize``; for a model with pooling "none" a
+        list of (n_tokens, n_embd) arrays. Inputs longer than the model takes are cut when
+        ``truncate`` (ContextOverflowError otherwise); ``dimensions`` keeps the first dims and
+        renormalizes (Matryoshka models). EmbeddingError for models without pooling or rerankers."""
+        from . import embedding
+
+        return embedding.embed(self, texts, normalize=normalize, truncate=truncate, dimensions=dimensions)
+
+    def rerank(self, query: str, documents: Seq[str], truncate: bool = True) -> np.ndarray:
+        """Relevance scores (len(documents),) float32 of each document for ``query`` from a reranker
+        (pooling "rank": the classifier's raw score, as llama.cpp's server returns it)."""
+        from . import embedding
+
+        return embedding.rerank(self, query, documents, truncate=truncate)
+
+    def create_embedding(self, input: Any, model: str | None = None, **kw: Any) -> dict[str, Any]:
+        """llama-cpp-python's / OpenAI's embedding response dict for ``input``."""
+        from .embedding_server import embeddings_response
+
+        return embeddings_response(self, {"input": input, "model": model or self.name, **kw})
+
     # -- requests ----------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Seq[int], add_special: bool | None, trace: Trace | None) -> list[int]:
         if isinstance(prompt, str):
@@ -361,6 +396,10 @@ class Model:
                   progress: Callable[[int, int], Any] | None, trace: Trace | None,
                   context_overflow: str, n_keep: int | None, sampling: dict[str, Any]) -> Sequence:
         self._check_open()
+        if not self.model.desc.causal:
+            from .errors import EmbeddingError
+
+            raise EmbeddingError(f"{self.arch} attends bidirectionally: it embeds (embed / rerank), it cannot generate")
         check_prompt(prompt_ids, self.n_vocab, self.n_ctx)
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS

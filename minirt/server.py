@@ -571,6 +571,7 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
         state.metrics = metrics_mod.ServerMetrics(router.loaded)
     elif metrics:
         log.info("prometheus-client is not installed: /metrics is off")
+    from . import embedding_server
 
     def endpoint(fn: Callable[[Request], Awaitable[Any]], auth: bool = True) -> Callable[[Request], Awaitable[Any]]:
         async def wrapped(request: Request) -> Any:
@@ -644,11 +645,15 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
         Route("/v1/models/{model:path}", endpoint(model_get), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(embedding_server.embeddings_endpoint(state)), methods=["POST"]),
+        Route("/v1/rerank", endpoint(embedding_server.rerank_endpoint(state)), methods=["POST"]),
         # the same routes without the /v1 prefix, as llama-server and llama-cpp-python serve them
         Route("/models", endpoint(models), methods=["GET"]),
         Route("/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/completions", endpoint(completions), methods=["POST"]),
         *server_llama.routes(state, endpoint),  # /completion /tokenize /detokenize /props /slots /metrics
+        Route("/embeddings", endpoint(embedding_server.embeddings_endpoint(state)), methods=["POST"]),
+        Route("/rerank", endpoint(embedding_server.rerank_endpoint(state)), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={StarletteHTTPException: http_error})
     app.state.minirt = state

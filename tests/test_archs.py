@@ -39,6 +39,9 @@ def test_fixtures_present_for_every_supported_architecture():
     """Each architecture minirt lists as supported has its reference fixture (and only those load)."""
     assert ARCHS, f"no architecture fixtures under {ARCH_DIR}"
     gguf_archs = {json.loads((ARCH_DIR / a / "meta.json").read_text())["gguf_architecture"] for a in ARCHS}
+    embed_dir = ARCH_DIR.parent / "embed"  # encoders have embedding references (tests/test_embeddings.py)
+    gguf_archs |= {json.loads(m.read_text())["gguf"]["f16"]["metadata"]["general.architecture"]
+                   for m in embed_dir.glob("*/meta.json")}
     assert set(supported()) <= gguf_archs, f"supported without a fixture: {set(supported()) - gguf_archs}"
 
 

@@ -398,9 +398,12 @@ def decoder(f: GGUFFile, hp: HParams, blocks: list[Block], *, embed_scale: float
         raise GGUFError(f"{f.path}: {output.name} has shape {(output.out_features, output.in_features)}, "
                         f"expected ({hp.n_vocab}, {hp.n_embd}) to match the {hp.n_vocab} rows of token_embd.weight")
     eps = hp.rms_eps if output_norm == "rms" else meta_float(f, "attention.layer_norm_epsilon", 1e-5, hi=1.0)
+    from .pooling import pooling_from_meta  # here: pooling builds on this module
+
+    pooling = pooling_from_meta(f, hp, softmax=hp.arch in ("qwen3", "qwen3vl"), causal=True)  # as llama.cpp
     return ModelDesc(arch=hp.arch, n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_ctx_train=hp.n_ctx_train, tok_embd=tok,
                      blocks=blocks, output=output, output_norm=norm(f, "output_norm", hp.n_embd, eps, output_norm),
-                     embed_scale=embed_scale, logit_scale=logit_scale, final_softcap=hp.final_softcap,
+                     embed_scale=embed_scale, logit_scale=logit_scale, final_softcap=hp.final_softcap, pooling=pooling,
                      extra=dict(extra))
 
 

@@ -193,11 +193,14 @@ class NativeBackend(Backend):
         self._mod.rope(x, neox=neox, n_rot=rope_dim, cos=cos, sin=sin)
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-                  softcap: float) -> np.ndarray:
+                  softcap: float, causal: bool = True) -> np.ndarray:
         """Causal attention of q (n, H, D) at positions p0.. over one layer's cache (Hkv, n_ctx, D)
         that holds their keys: the native single-query kernel for decode, the native prefill kernel
-        where it beats numpy's BLAS, else the numpy version."""
+        where it beats numpy's BLAS, else the numpy version (also for non-causal attention, which
+        the native kernels do not mask)."""
         n = q.shape[0]
+        if not causal:
+            return super().attention(q, kc, vc, p0, scale, window, softcap, causal=False)
         if kc.shape == vc.shape and q.shape[-1] == kc.shape[-1]:
             if n == 1:
                 return self._mod.attention_decode(q[0], kc, vc, p0 + 1, scale, window=window, softcap=softcap,
@@ -240,7 +243,8 @@ class NativeBackend(Backend):
 
     def act_mul(self, g: np.ndarray, u: np.ndarray, act: str) -> np.ndarray:
         """``act(g) * u`` for g, u (T, n_ff) float32, computed into g where the kernel has ``act``."""
-        if not (g.flags.c_contiguous and u.flags.c_contiguous and g.dtype == np.float32 and u.dtype == np.float32):
+        if not (g.flags.c_contiguous and u.flags.c_contiguous and g.dtype == np.float32 and u.dtype == np.float32) \
+                or act not in self._mod._ACTS:  # e.g. erf GELU: the numpy version
             return super().act_mul(g, u, act)
         return self._mod.act_mul(g, u, act, out=g)
 

@@ -65,10 +65,16 @@ class Backend:
         return blocks.activation(act, g) * u
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-                  softcap: float) -> np.ndarray:
+                  softcap: float, causal: bool = True) -> np.ndarray:
         """Causal attention of n queries q (n, H, Dk) at positions p0.. over one layer's cache
-        kc (Hkv, n_ctx, Dk), vc (Hkv, n_ctx, Dv) that already holds their keys → (n, H·Dv)."""
+        kc (Hkv, n_ctx, Dk), vc (Hkv, n_ctx, Dv) that already holds their keys → (n, H·Dv).
+        ``causal`` False: the n queries are a whole sequence (p0 = 0) and see each other both ways."""
         n = q.shape[0]
+        if not causal:
+            k, v = kc[:, :p0 + n], vc[:, :p0 + n]
+            if k.dtype != np.float32:
+                k, v = k.astype(np.float32), v.astype(np.float32)
+            return blocks.attention(q, k, v, p0, scale, window, softcap, causal=False)
         lo = max(0, p0 - window + 1) if window else 0  # keys older than the window are never read
         k, v = kc[:, lo:p0 + n], vc[:, lo:p0 + n]
         if k.dtype != np.float32:

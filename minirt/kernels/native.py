@@ -804,6 +804,10 @@ def layer_unsupported(b: Any) -> str | None:
         return f"activation {m.act!r}"
     if a.sinks is not None:
         return "attention sinks"
+    if not a.causal:
+        return "non-causal attention"
+    if b.norm_residual:
+        return "norms of the residual sum (post-norm layout)"
     if a.head_dim_k != a.head_dim_v:
         return "different key and value head sizes"
     block_norms = [n for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None]

@@ -488,6 +488,8 @@ class CudaBackend(Backend):
             return "an output norm other than RMSNorm"
         if desc.logit_scale != 1.0:
             return "a logit scale"
+        if desc.pos_embd is not None or desc.type_embd is not None or desc.embd_norm is not None:
+            return "position / token-type embeddings or an embedding norm"
         b0 = desc.blocks[0]
         for i, b in enumerate(desc.blocks):
             a, m = b.attn, b.mlp
@@ -506,6 +508,8 @@ class CudaBackend(Backend):
                 return f"layer {i}: an MLP without gate or with activation {m.act!r}"
             if a.sinks is not None or a.qk_norm_after_rope:
                 return f"layer {i}: attention sinks or q/k norms after RoPE"
+            if not a.causal or b.norm_residual:
+                return f"layer {i}: non-causal attention or norms of the residual sum"
             if a.rope is not None and a.rope.mscale() != 1.0:
                 return f"layer {i}: RoPE with a magnitude factor"
             if (a.n_head, m.down.in_features) != (b0.attn.n_head, b0.mlp.down.in_features):
