@@ -65,13 +65,21 @@ class Backend:
         return blocks.activation(act, g) * u
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-                  softcap: float) -> np.ndarray:
+                  softcap: float, kv_types: tuple[str, str] | None = None) -> np.ndarray:
         """Causal attention of n queries q (n, H, Dk) at positions p0.. over one layer's cache
-        kc (Hkv, n_ctx, Dk), vc (Hkv, n_ctx, Dv) that already holds their keys → (n, H·Dv)."""
+        kc (Hkv, n_ctx, width_k), vc (Hkv, n_ctx, width_v) that already holds their keys → (n, H·Dv).
+        ``kv_types``: the stored element types (None: float32 / float16 arrays). This reference
+        version converts the visible rows to float32 first."""
+        from .. import kv_types as kvt
+
         n = q.shape[0]
         lo = max(0, p0 - window + 1) if window else 0  # keys older than the window are never read
         k, v = kc[:, lo:p0 + n], vc[:, lo:p0 + n]
-        if k.dtype != np.float32:
+        if kv_types is not None and (kv_types[0] not in ("f32", "f16") or kv_types[1] not in ("f32", "f16")):
+            from ..kv_cache import _dequantize
+
+            k, v = _dequantize(k, kvt.get(kv_types[0])), _dequantize(v, kvt.get(kv_types[1]))
+        if k.dtype != np.float32 or v.dtype != np.float32:
             k, v = k.astype(np.float32), v.astype(np.float32)
         return blocks.attention(q, k, v, p0 - lo, scale, window, softcap)
 
