@@ -76,13 +76,13 @@ class KVCache:
         """Write float32 keys k (Hkv, n, Dk) and values v (Hkv, n, Dv) of layer ``i`` at positions
         p0..p0+n-1, quantized to the cache types (None: leave that half alone)."""
         if k is not None:
-            self.k[i, :, p0:p0 + k.shape[1]] = _quantize(k, self.kt)
+            self.k[i, :, p0:p0 + k.shape[1]] = quantize_rows(k, self.kt)
         if v is not None:
-            self.v[i, :, p0:p0 + v.shape[1]] = _quantize(v, self.vt)
+            self.v[i, :, p0:p0 + v.shape[1]] = quantize_rows(v, self.vt)
 
     def read(self, i: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 keys (Hkv, p1-p0, Dk) and values (Hkv, p1-p0, Dv) of layer ``i``, positions p0..p1-1."""
-        return _dequantize(self.k[i, :, p0:p1], self.kt), _dequantize(self.v[i, :, p0:p1], self.vt)
+        return dequantize_rows(self.k[i, :, p0:p1], self.kt), dequantize_rows(self.v[i, :, p0:p1], self.vt)
 
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) arrays of layer ``i``."""
@@ -130,7 +130,7 @@ class KVCache:
         self.n_past = 0
 
 
-def _quantize(x: np.ndarray, t: kv_types.KVType) -> np.ndarray:
+def quantize_rows(x: np.ndarray, t: kv_types.KVType) -> np.ndarray:
     """float32 rows → stored rows: the native quantizer when the kernels are loaded (the same bytes
     the decode step writes), else the numpy reference (bit-identical)."""
     if t.name == "f32":
@@ -144,7 +144,7 @@ def _quantize(x: np.ndarray, t: kv_types.KVType) -> np.ndarray:
     return t.quantize(x)
 
 
-def _dequantize(s: np.ndarray, t: kv_types.KVType) -> np.ndarray:
+def dequantize_rows(s: np.ndarray, t: kv_types.KVType) -> np.ndarray:
     if t.name in ("f32", "f16"):
         return s.astype(np.float32)
     from .kernels import native

@@ -76,9 +76,9 @@ class Backend:
         lo = max(0, p0 - window + 1) if window else 0  # keys older than the window are never read
         k, v = kc[:, lo:p0 + n], vc[:, lo:p0 + n]
         if kv_types is not None and (kv_types[0] not in ("f32", "f16") or kv_types[1] not in ("f32", "f16")):
-            from ..kv_cache import _dequantize
+            from ..kv_cache import dequantize_rows
 
-            k, v = _dequantize(k, kvt.get(kv_types[0])), _dequantize(v, kvt.get(kv_types[1]))
+            k, v = dequantize_rows(k, kvt.get(kv_types[0])), dequantize_rows(v, kvt.get(kv_types[1]))
         if k.dtype != np.float32 or v.dtype != np.float32:
             k, v = k.astype(np.float32), v.astype(np.float32)
         return blocks.attention(q, k, v, p0 - lo, scale, window, softcap)
