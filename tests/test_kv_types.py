@@ -281,3 +281,35 @@ def test_cli_options():
 
     opts = load_options(args)
     assert opts["cache_type_k"] == "q8_0" and opts["cache_type_v"] == "q4_0"
+
+
+# ------------------------------------------------------------------------------------------------ real models
+
+
+@pytest.mark.parametrize("key", ["qwen", "gemma"])
+def test_real_models_teacher_forced_agreement_per_type(key):
+    """Both real models, llama.cpp's greedy continuations fed back: with f16 and q8_0 caches the
+    argmax at each position agrees with the f32 cache's, and the agreement with the float32
+    reference (transformers) stays within a point of the f32 cache's."""
+    import json
+
+    from tests.conftest import MODEL_NAMES, reference_jsonl, reference_npz
+
+    recs, z = reference_jsonl(key, "greedy"), reference_npz(key)
+    tf = json.loads(str(z["tf_argmax"]))
+    am: dict[str, list[np.ndarray]] = {}
+    for t in ("f32", "f16", "q8_0"):
+        with minirt.load(MODEL_NAMES[key], n_ctx=256, cache_type_k=t, cache_type_v=t) as llm:
+            am[t] = [llm.logits(r["prompt_ids"] + r["greedy_ids"]).argmax(-1)[len(r["prompt_ids"]) - 1:-1]
+                     for r in recs]
+    ref = [np.array(t_[:len(r["greedy_ids"])]) for r, t_ in zip(recs, tf)]
+
+    def agree(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+        return float(np.mean(np.concatenate([x == y for x, y in zip(a, b)])))
+
+    base = agree(am["f32"], ref)
+    for t in ("f16", "q8_0"):
+        print(f"{key} {t}: agreement with f32 cache {agree(am[t], am['f32']):.4f}, with the float32 reference "
+              f"{agree(am[t], ref):.4f} (f32 cache {base:.4f})")
+        assert agree(am[t], am["f32"]) >= (0.98 if t == "f16" else 0.95)
+        assert agree(am[t], ref) >= base - 0.01
