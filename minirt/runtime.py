@@ -188,8 +188,9 @@ class Model:
     def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", n_ctx: int | None = None,
                  threads: int | None = None, backend: str | None = None, n_batch: int = 512,
                  chat_template: str | None = None, pull: bool = True,
-                 progress: Callable[[int, int], Any] | None = None, cache_type_k: str = kv_types.DEFAULT_CACHE_TYPE,
-                 cache_type_v: str = kv_types.DEFAULT_CACHE_TYPE) -> None:
+                 progress: Callable[[int, int], Any] | None = None,
+                 cache_type_k: str | None = kv_types.DEFAULT_CACHE_TYPE,
+                 cache_type_v: str | None = kv_types.DEFAULT_CACHE_TYPE) -> None:
         """``cache_type_k`` / ``cache_type_v``: KV cache element types as llama.cpp names them
         (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; default f16); ``n_ctx`` defaults to what fits a
         quarter of RAM in bytes of these types."""
@@ -204,7 +205,8 @@ class Model:
             self.metadata = self.file.metadata
             self.tokenizer = Tokenizer.from_gguf(self.file)
             self.chat_template = ChatTemplate.from_gguf(self.file, self.tokenizer, override=chat_template)
-            self.cache_types = (kv_types.get(cache_type_k).name, kv_types.get(cache_type_v).name)
+            dflt = kv_types.DEFAULT_CACHE_TYPE
+            self.cache_types = (kv_types.get(cache_type_k or dflt).name, kv_types.get(cache_type_v or dflt).name)
             self.device, self.backend = self._pick_backend(device, backend, threads)
             cfg = read_config(self.file)
             kv_types.get(self.cache_types[0]).check_dim(cfg.head_dim_k)
