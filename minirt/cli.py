@@ -82,6 +82,11 @@ def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: physical cores)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device (default auto)")
     p.add_argument("--backend", choices=["auto", "native", "numba", "reference"], help="CPU kernels (default auto)")
+    from .kv_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
+
+    for half in ("k", "v"):
+        p.add_argument(f"-ct{half}", f"--cache-type-{half}", choices=CACHE_TYPES, type=str.lower,
+                       help=f"KV cache type for {'keys' if half == 'k' else 'values'} (default {DEFAULT_CACHE_TYPE})")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temp: float) -> None:

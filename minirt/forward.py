@@ -157,18 +157,16 @@ class Transformer:
         out = np.empty((T, a.n_head * a.head_dim_v), dtype=np.float32)
         for seg, s0, p0 in ctx.spans:
             n = seg.n_tokens
-            kc, vc = seg.cache.layer(i)
-            kc[:, p0:p0 + n] = k[s0:s0 + n].transpose(1, 0, 2)
-            vc[:, p0:p0 + n] = v[s0:s0 + n].transpose(1, 0, 2)
+            cache = seg.cache
+            cache.store(i, p0, k[s0:s0 + n].transpose(1, 0, 2), v[s0:s0 + n].transpose(1, 0, 2))
+            kc, vc = cache.layer(i)
             if a.sinks is not None:
                 out[s0:s0 + n] = self.backend.attention_sinks(q[s0:s0 + n], kc, vc, p0, a.scale, a.window,
-                                                              a.softcap, a.sinks)
+                                                              a.softcap, a.sinks, kv_types=cache.types)
                 continue
-            if a.causal:
-                out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap)
-            else:  # the whole sequence is in this call (checked by encode)
-                out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap,
-                                                        causal=False)
+            # causal False: the whole sequence is in this call (checked by encode)
+            out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap,
+                                                    causal=a.causal, kv_types=cache.types)
         return self.mm(a.wo, out)
 
     # -- the whole pass ----------------------------------------------------------------------------
@@ -243,7 +241,7 @@ class Transformer:
             k, v = getattr(seg.cache, "k", None), getattr(seg.cache, "v", None)
             if seg.n_tokens != 1 or not isinstance(k, np.ndarray) or not isinstance(v, np.ndarray):
                 return False
-            caches.append((k, v, p0))
+            caches.append((k, v, p0, seg.cache.types))
         tables = [ctx.rope_tables(r) for r in self.ropes]
         return bool(self.backend.decode_layers(self, x, caches, tables))
 
@@ -262,13 +260,15 @@ class Transformer:
         tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         for i, b in enumerate(self.desc.blocks):
             kc, vc = cache.layer(i)
-            k = kc[:, src0:n_past].transpose(1, 0, 2).copy()  # (n_move, Hkv, Dk)
             r = b.attn.rope
-            if r is not None:
+            if r is not None:  # quantized keys: dequantize, rotate, quantize again (as llama.cpp does)
+                k = cache.read(i, src0, n_past)[0].transpose(1, 0, 2).copy()  # (n_move, Hkv, Dk) float32
                 if r.key() not in tables:
                     tables[r.key()] = r.cos_sin(delta, magnitude=False)
                 apply_rope(k, *tables[r.key()], r.neox, r.dim)
-            kc[:, n_keep:n_keep + n_move] = k.transpose(1, 0, 2)
+                cache.store(i, n_keep, k.transpose(1, 0, 2), None)
+            else:  # stored rows move as they are
+                kc[:, n_keep:n_keep + n_move] = kc[:, src0:n_past].copy()
             vc[:, n_keep:n_keep + n_move] = vc[:, src0:n_past].copy()
         cache.tokens[n_keep:n_keep + n_move] = cache.tokens[src0:n_past].copy()
         cache.n_past = n_keep + n_move

@@ -5,9 +5,13 @@ arrays preallocated for ``n_ctx`` positions. They are allocated zero-filled, whi
 provides lazily: memory becomes resident only as positions are written, so a large ``n_ctx``
 costs address space, not RAM, until it is used.
 
-Layout: ``k[layer]`` is ``(n_head_kv, n_ctx, head_dim_k)``, ``v[layer]`` is
-``(n_head_kv, n_ctx, head_dim_v)``, so one head's keys for positions ``0..n`` are contiguous
-for the attention matmul.
+Layout: ``k[layer]`` is ``(n_head_kv, n_ctx, width_k)``, ``v[layer]`` is
+``(n_head_kv, n_ctx, width_v)``, so one head's keys for positions ``0..n`` are contiguous
+for the attention kernels. Rows are stored in the cache's element types (``type_k``, ``type_v``,
+see :mod:`minirt.kv_types`: f32, f16, bf16 or ggml blocks such as q8_0); ``width`` is head_dim for
+the float types and the row's bytes for block types. New rows are quantized as they are written
+(:meth:`KVCache.store`); :meth:`KVCache.read` gives float32 rows back (state files, context shift,
+reference paths), while the native attention reads the stored rows directly.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
+
+from . import kv_types
 
 _SMALL = 4 << 20  # below this numpy's own zeroed allocation is fine
 
@@ -41,17 +47,42 @@ class KVCache:
     """Keys and values of one sequence for every layer, plus the token ids they came from."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int, n_ctx: int,
-                 dtype: np.dtype | type = np.float32) -> None:
+                 dtype: np.dtype | type | None = None, type_k: str | None = None, type_v: str | None = None) -> None:
+        """``type_k`` / ``type_v``: KV element type names (default f32); ``dtype`` (float32 or float16)
+        is the older way to ask for f32 / f16 of both."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        if dtype is not None:
+            base = kv_types.of_array(np.empty(0, dtype)).name
+            type_k, type_v = type_k or base, type_v or base
+        self.kt = kv_types.get(type_k or "f32")
+        self.vt = kv_types.get(type_v or "f32")
         self.n_ctx = n_ctx
         self.n_layer = n_layer
-        self.k = lazy_zeros((n_layer, n_head_kv, n_ctx, head_dim_k), dtype)
-        self.v = lazy_zeros((n_layer, n_head_kv, n_ctx, head_dim_v), dtype)
+        self.head_dim_k, self.head_dim_v = head_dim_k, head_dim_v
+        self.k = lazy_zeros((n_layer, n_head_kv, n_ctx, self.kt.width(head_dim_k)), self.kt.dtype)
+        self.v = lazy_zeros((n_layer, n_head_kv, n_ctx, self.vt.width(head_dim_v)), self.vt.dtype)
         self.n_past = 0
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
         # repetition penalties see the history
         self.tokens = np.zeros(n_ctx, dtype=np.int32)
+
+    @property
+    def types(self) -> tuple[str, str]:
+        """(type_k, type_v) names, as llama.cpp calls them."""
+        return self.kt.name, self.vt.name
+
+    def store(self, i: int, p0: int, k: np.ndarray | None, v: np.ndarray | None) -> None:
+        """Write float32 keys k (Hkv, n, Dk) and values v (Hkv, n, Dv) of layer ``i`` at positions
+        p0..p0+n-1, quantized to the cache types (None: leave that half alone)."""
+        if k is not None:
+            self.k[i, :, p0:p0 + k.shape[1]] = quantize_rows(k, self.kt)
+        if v is not None:
+            self.v[i, :, p0:p0 + v.shape[1]] = quantize_rows(v, self.vt)
+
+    def read(self, i: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 keys (Hkv, p1-p0, Dk) and values (Hkv, p1-p0, Dv) of layer ``i``, positions p0..p1-1."""
+        return dequantize_rows(self.k[i, :, p0:p1], self.kt), dequantize_rows(self.v[i, :, p0:p1], self.vt)
 
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) arrays of layer ``i``."""
@@ -82,6 +113,8 @@ class KVCache:
 
     def copy_prefix_from(self, other: KVCache, n: int) -> None:
         """Copy the first ``n`` positions of ``other`` (same model) into this cache."""
+        if other.types != self.types:
+            raise ValueError(f"cannot copy a {other.types} cache into a {self.types} one")
         if n > self.n_ctx or n > other.n_past:
             raise ValueError(f"cannot copy {n} positions (source has {other.n_past}, room {self.n_ctx})")
         self.k[:, :, :n] = other.k[:, :, :n]
@@ -95,3 +128,27 @@ class KVCache:
         self.k = self.v = empty
         self.n_ctx = 0
         self.n_past = 0
+
+
+def quantize_rows(x: np.ndarray, t: kv_types.KVType) -> np.ndarray:
+    """float32 rows → stored rows: the native quantizer when the kernels are loaded (the same bytes
+    the decode step writes), else the numpy reference (bit-identical)."""
+    if t.name == "f32":
+        return x
+    if t.name == "f16":
+        return x.astype(np.float16)
+    from .kernels import native
+
+    if native.loaded():
+        return native.kv_quantize(x, t.name)
+    return t.quantize(x)
+
+
+def dequantize_rows(s: np.ndarray, t: kv_types.KVType) -> np.ndarray:
+    if t.name in ("f32", "f16"):
+        return s.astype(np.float32)
+    from .kernels import native
+
+    if native.loaded():
+        return native.kv_dequantize(s, t.name)
+    return t.dequantize(s)

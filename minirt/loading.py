@@ -12,7 +12,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Model
 
 # option name on the namespace -> keyword of minirt.load
-_OPTIONS = {"ctx": "n_ctx", "threads": "threads", "device": "device", "backend": "backend"}
+_OPTIONS = {"ctx": "n_ctx", "threads": "threads", "device": "device", "backend": "backend",
+            "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v"}
 
 
 def load_options(args: Any, progress: Callable[[int, int], None] | None = None, **overrides: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import gguf as gguf_mod
-from . import registry
+from . import kv_types, registry
 from .archs import build, read_config
 from .errors import ContextOverflowError, InvalidRequestError, ModelClosedError, TokenizerError
 from .forward import Segment
@@ -190,7 +190,12 @@ class Model:
                  threads: int | None = None, backend: str | None = None, n_batch: int = 512,
                  chat_template: str | None = None, pull: bool = True,
                  progress: Callable[[int, int], Any] | None = None, embedding: bool = False,
-                 pooling: str | None = None) -> None:
+                 pooling: str | None = None,
+                 cache_type_k: str | None = kv_types.DEFAULT_CACHE_TYPE,
+                 cache_type_v: str | None = kv_types.DEFAULT_CACHE_TYPE) -> None:
+        """``cache_type_k`` / ``cache_type_v``: KV cache element types as llama.cpp names them
+        (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; default f16); ``n_ctx`` defaults to what fits a
+        quarter of RAM in bytes of these types."""
         from .chat import ChatTemplate
         from .tokenizer import Tokenizer
 
@@ -205,8 +210,13 @@ class Model:
             self.metadata = self.file.metadata
             self.tokenizer = Tokenizer.from_gguf(self.file)
             self.chat_template = ChatTemplate.from_gguf(self.file, self.tokenizer, override=chat_template)
+            dflt = kv_types.DEFAULT_CACHE_TYPE
+            self.cache_types = (kv_types.get(cache_type_k or dflt).name, kv_types.get(cache_type_v or dflt).name)
             self.device, self.backend = self._pick_backend(device, backend, threads)
-            cfg = read_config(self.file)  # sizes the context before the weights are prepared
+            cfg = read_config(self.file)
+            kv_types.get(self.cache_types[0]).check_dim(cfg.head_dim_k)
+            kv_types.get(self.cache_types[1]).check_dim(cfg.head_dim_v)
+            self._check_cache_types_device()  # sizes the context before the weights are prepared
             if self.tokenizer.n_vocab > cfg.n_vocab:
                 raise TokenizerError(f"the vocabulary has {self.tokenizer.n_vocab} tokens but the model only "
                                      f"{cfg.n_vocab} embeddings")
@@ -241,8 +251,18 @@ class Model:
 
         return select_backend(device, backend, threads, self.file)
 
+    def _check_cache_types_device(self) -> None:
+        """The CUDA backend keeps its caches in f16 on the device: other types are refused there."""
+        if self.device == "cuda" and any(t not in ("f16", "f32") for t in self.cache_types):
+            raise InvalidRequestError(f"cache types {self.cache_types[0]}/{self.cache_types[1]} are not supported on "
+                                      "the CUDA device (its cache is f16); use f16 or device='cpu'")
+
+    def _kv_bytes_per_token(self, cfg: Any) -> int:
+        tk, tv = kv_types.get(self.cache_types[0]), kv_types.get(self.cache_types[1])
+        return cfg.n_layer * cfg.n_head_kv * (tk.row_bytes(cfg.head_dim_k) + tv.row_bytes(cfg.head_dim_v))
+
     def _pick_n_ctx(self, n_ctx: int | None, cfg: Any) -> int:
-        per_tok = cfg.n_layer * cfg.n_head_kv * (cfg.head_dim_k + cfg.head_dim_v) * 4
+        per_tok = self._kv_bytes_per_token(cfg)
         if n_ctx is None and self.embedding:
             return cfg.n_ctx_train
         if n_ctx is None:
@@ -264,7 +284,8 @@ class Model:
     def _new_cache(self, n_ctx: int | None = None) -> KVCache:
         self._check_open()
         c = self._cfg
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, n_ctx or self.n_ctx)
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, n_ctx or self.n_ctx,
+                       type_k=self.cache_types[0], type_v=self.cache_types[1])
 
     def _check_open(self) -> None:
         if self._closed:
@@ -478,8 +499,8 @@ class Model:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        c = self.model.cfg
-        return c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v) * 4
+        """Bytes one position of the KV cache takes, in the cache types (all layers, keys and values)."""
+        return self._kv_bytes_per_token(self.model.cfg)
 
     def attach_cache(self, seq: Sequence) -> None:
         """Give a sequence a KV cache, reusing the longest cached prefix of its prompt."""
@@ -874,7 +895,8 @@ class Model:
             raise StateError("nothing to save: no finished request has left a KV cache")
         n = cache.n_past
         header = {"format": STATE_FORMAT, "minirt": __version__, "model": self.fingerprint(),
-                  "arch": self.arch, "n_tokens": n, "kv_dtype": str(cache.k.dtype)}
+                  "arch": self.arch, "n_tokens": n, "kv_dtype": str(cache.k.dtype),
+                  "cache_type_k": cache.types[0], "cache_type_v": cache.types[1]}
         path = os.fspath(path)
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
@@ -908,17 +930,37 @@ class Model:
                              f"this model {self.fingerprint()[:12]}…)")
         if header.get("minirt") != __version__:
             raise StateError(f"{path}: saved by minirt {header.get('minirt')}, this is {__version__}")
+        try:  # the types the file holds; files without them hold float32 caches
+            legacy = "f16" if header.get("kv_dtype") == "float16" else "f32"
+            tk = kv_types.get(header.get("cache_type_k", legacy))
+            tv = kv_types.get(header.get("cache_type_v", legacy))
+        except InvalidRequestError as e:
+            raise StateError(f"{path}: {e}") from None
         cache = self._new_cache()
         n = int(header.get("n_tokens", -1))
-        want = (cache.k.shape[0], cache.k.shape[1], n, cache.k.shape[3])
-        if not 0 < n <= cache.n_ctx or k.shape != want or v.shape[:3] != want[:3] or tokens.shape != (n,):
+        c = self.model.cfg
+        try:
+            want_k = (c.n_layer, c.n_head_kv, n, tk.width(c.head_dim_k))
+            want_v = (c.n_layer, c.n_head_kv, n, tv.width(c.head_dim_v))
+        except InvalidRequestError as e:
+            cache.release()
+            raise StateError(f"{path}: {e}") from None
+        if (not 0 < n <= cache.n_ctx or k.shape != want_k or v.shape != want_v or k.dtype != tk.dtype
+                or v.dtype != tv.dtype or tokens.shape != (n,)):
             cache.release()
             raise StateError(f"{path}: state of {n} tokens does not fit this model's cache (n_ctx {self.n_ctx})")
         if tokens.min() < 0 or tokens.max() >= self.n_vocab:
             cache.release()
             raise StateError(f"{path}: token ids out of range")
-        cache.k[:, :, :n] = k
-        cache.v[:, :, :n] = v
+        if (tk.name, tv.name) == cache.types:
+            cache.k[:, :, :n] = k
+            cache.v[:, :, :n] = v
+        else:  # saved with other cache types: converted (through float32) to this model's
+            log.info("%s: converting a %s/%s KV state to %s/%s", path, tk.name, tv.name, *cache.types)
+            from .kv_cache import dequantize_rows
+
+            for i in range(c.n_layer):
+                cache.store(i, 0, dequantize_rows(k[i], tk), dequantize_rows(v[i], tv))
         cache.tokens[:n] = tokens
         cache.n_past = n
         self.cache_pool.release(cache)

@@ -76,19 +76,20 @@ typedef struct {
 } mr_layer;
 
 typedef struct {
-    void *k, *v;                /* layer 0's (n_head_kv, n_ctx, head_dim) cache of this sequence */
-    long long n_ctx, pos, layer_stride; /* position of the new token; elements from one layer to the next */
+    void *k, *v;                /* layer 0's (n_head_kv, n_ctx, row) cache of this sequence, rows in the KV type */
+    long long n_ctx, pos;       /* slots; position of the new token */
+    long long layer_stride_k, layer_stride_v; /* bytes from one layer's keys (values) to the next */
 } mr_kvseq;
 
 /* 0 when mr_decode_layers can run this layer on `isa`, else an MR_E_* code. */
 int mr_layer_check(const mr_layer *L, int isa);
 
 /* Runs n_layer layers over x (n_seq, n_embd), in place: token b belongs to sequence seqs[b], its key
- * and value are written at seqs[b].pos of each layer's cache (float32, or f16 bits when kv_f16).
+ * and value are written at seqs[b].pos of each layer's cache, stored as type_k / type_v (KV types below).
  * cos_t[i] / sin_t[i]: (n_seq, rope_dim / 2) tables of table pair i (n_tables of them; a layer reads
  * pair rope_table). Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed, see mr_pool_quiescent). */
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs,
-                     int kv_f16, const float *const *cos_t, const float *const *sin_t, int n_tables,
+                     int type_k, int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables,
                      int threads, int isa);
 
 
@@ -130,11 +131,21 @@ int mr_softmax(float *x, long long rows, long long n, int isa);
 int mr_logit_stats(const float *x, long long n, int k, float *out_max, double *out_lse, long long *top_idx,
                    float *top_val, int isa);
 
+/* KV cache element types: ggml type ids 0 F32, 1 F16, 30 BF16, 8 Q8_0, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1.
+ * A cache row holds head_dim values: mr_kv_row_bytes(type, head_dim) bytes (< 0: type not a KV type,
+ * or head_dim not a multiple of its block). mr_kv_quantize stores n floats as ggml's reference
+ * quantizer does; mr_kv_dequantize reads them back. Attention reads the stored rows directly,
+ * converting a tile of at most a few hundred rows at a time. */
+int mr_kv_type_ok(int type);
+long long mr_kv_row_bytes(int type, long long n);
+int mr_kv_quantize(int type, const float *x, long long n, unsigned char *dst);
+int mr_kv_dequantize(int type, const unsigned char *src, long long n, float *dst);
+
 /* Grouped-query attention for one query position over a KV cache.
- * q (n_head, head_dim); k, v: (n_kv, n_ctx, head_dim) float32 (kv_f16 = 0) or float16 bits (kv_f16 = 1);
+ * q (n_head, head_dim); k, v: (n_kv, n_ctx, row) rows of head_dim values stored as type_k / type_v;
  * positions [start, n_past) attended, start = max(0, n_past - window) when window > 0;
  * softcap > 0: scores = softcap * tanh(scores / softcap). out (n_head, head_dim). */
-int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16,
+int mr_attention_decode(const float *q, const void *k, const void *v, int type_k, int type_v,
                         long long n_head, long long n_kv, long long n_ctx, long long head_dim,
                         long long n_past, float scale, long long window, float softcap,
                         float *out, int threads, int isa);
@@ -143,11 +154,11 @@ int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16
 int mr_act_mul(const float *g, const float *u, float *out, long long n, int act, int isa);
 
 /* Causal grouped-query attention of n new queries at positions p0 .. p0+n-1 over a KV cache that
- * already holds their keys and values: q (n, n_head, head_dim); k, v (n_kv, n_ctx, head_dim) float32
- * or f16 bits (kv_f16); query i sees positions max(0, p0+i-window+1) .. p0+i (window 0: all).
+ * already holds their keys and values: q (n, n_head, head_dim); k, v (n_kv, n_ctx, row) stored as
+ * type_k / type_v; keys are read in tiles with an online softmax (memory bounded by the tile); query i sees positions max(0, p0+i-window+1) .. p0+i (window 0: all).
  * out (n, n_head * head_dim). */
 int mr_attention_prefill(const float *q, long long n, long long n_head, long long head_dim, const void *k,
-                         const void *v, int kv_f16, long long n_kv, long long n_ctx, long long p0, float scale,
+                         const void *v, int type_k, int type_v, long long n_kv, long long n_ctx, long long p0, float scale,
                          long long window, float softcap, float *out, int threads, int isa);
 
 /* 1 when `isa` has the vectorized attention kernels (else mr_attention_prefill is correct but may be

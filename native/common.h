@@ -81,7 +81,7 @@ MR_INLINE float mr_f16_to_f32(uint16_t h) {
     return f;
 }
 
-MR_INLINE uint16_t mr_f32_to_f16(float f) { /* round to nearest even; used by tests of the f16 KV path only */
+MR_INLINE uint16_t mr_f32_to_f16(float f) { /* round to nearest even (the f16 KV cache) */
     uint32_t x;
     memcpy(&x, &f, 4);
     uint32_t sign = (x >> 16) & 0x8000;
@@ -250,7 +250,15 @@ int64_t mr_pick_chunk(int64_t rows, int threads, int64_t lo, int64_t hi);
 /* ops.c helpers shared with layer.c */
 int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, int64_t B, const void *const *k,
                               const void *const *v, const int64_t *n_ctx, const int64_t *start, const int64_t *end,
-                              int64_t H, int64_t Hkv, int64_t D, int kv_f16, float scale, float softcap, int threads);
+                              int64_t H, int64_t Hkv, int64_t D, int type_k, int type_v, float scale, float softcap,
+                              int threads);
+
+/* KV cache element types (kvcache.c): ggml ids F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1.
+ * mr_kv_store writes n values (a multiple of the block) as ggml's reference quantizer does;
+ * mr_kv_rows returns nrows rows of D values from row0 of `base` as float32 (into scratch unless f32). */
+void mr_kv_store(int type, const float *x, int64_t n, void *dst);
+const float *mr_kv_rows(const mr_kernels *K, int type, const void *base, int64_t row0, int64_t nrows, int64_t D,
+                        float *scratch);
 void mr_rope_row(float *v, long long n_rot, const float *cs, const float *sn, int neox);
 
 

@@ -236,8 +236,8 @@ MR_INLINE void residual(const mr_kernels *K, const mr_layer *L, float *x, float 
     for (int64_t i = 0; i < B * d; i++) x[i] += s == 1.0f ? o[i] : s * o[i];
 }
 
-int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int kv_f16,
-                     const float *const *cos_t, const float *const *sin_t, int n_tables, int threads, int isa) {
+int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int type_k,
+                     int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables, int threads, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (n_layer <= 0 || n_seq <= 0 || n_seq > MR_PACKED_INT_MAX) return MR_E_SHAPE;
@@ -245,6 +245,8 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         const int rc = mr_layer_check(&layers[l], isa);
         if (rc != MR_OK) return rc;
         if (layers[l].rope_table >= n_tables || (layers[l].rope_table >= 0 && (!cos_t || !sin_t))) return MR_E_SHAPE;
+        if (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0)
+            return MR_E_QTYPE;
     }
     if (threads <= 0) threads = mr_pool_threads_default();
     const mr_layer *L0 = &layers[0];
@@ -297,34 +299,26 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                 for (int64_t i = 0; i < Hkv; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
             }
             if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, Hkv, D);
-            for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos of the cache */
-                const int64_t off = l * s->layer_stride + (i * s->n_ctx + s->pos) * D;
-                if (kv_f16) {
-                    uint16_t *kc = (uint16_t *)s->k + off, *vc = (uint16_t *)s->v + off;
-                    for (int64_t e = 0; e < D; e++) {
-                        kc[e] = mr_f32_to_f16(kb[i * D + e]);
-                        vc[e] = mr_f32_to_f16(vb[i * D + e]);
-                    }
-                } else {
-                    memcpy((float *)s->k + off, kb + i * D, (size_t)D * 4);
-                    memcpy((float *)s->v + off, vb + i * D, (size_t)D * 4);
-                }
+            const int64_t rbk = mr_kv_row_bytes(type_k, D), rbv = mr_kv_row_bytes(type_v, D);
+            for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos, quantized in place */
+                const int64_t row = i * s->n_ctx + s->pos;
+                mr_kv_store(type_k, kb + i * D, D, (uint8_t *)s->k + l * s->layer_stride_k + row * rbk);
+                mr_kv_store(type_v, vb + i * D, D, (uint8_t *)s->v + l * s->layer_stride_v + row * rbv);
             }
         }
         PROF(1);
         {
             const void *kp[MR_PACKED_INT_MAX], *vp[MR_PACKED_INT_MAX];
             int64_t nc[MR_PACKED_INT_MAX], st[MR_PACKED_INT_MAX], en[MR_PACKED_INT_MAX];
-            const int64_t es = kv_f16 ? 2 : 4;
             for (int64_t b = 0; b < B; b++) {
-                kp[b] = (const uint8_t *)seqs[b].k + l * seqs[b].layer_stride * es;
-                vp[b] = (const uint8_t *)seqs[b].v + l * seqs[b].layer_stride * es;
+                kp[b] = (const uint8_t *)seqs[b].k + l * seqs[b].layer_stride_k;
+                vp[b] = (const uint8_t *)seqs[b].v + l * seqs[b].layer_stride_v;
                 nc[b] = seqs[b].n_ctx;
                 en[b] = seqs[b].pos + 1;
                 st[b] = L->window > 0 && en[b] > L->window ? en[b] - L->window : 0;
             }
-            rc = mr_attention_decode_batch(K, q, att, B, kp, vp, nc, st, en, H, Hkv, D, kv_f16, L->attn_scale, L->softcap,
-                                           threads);
+            rc = mr_attention_decode_batch(K, q, att, B, kp, vp, nc, st, en, H, Hkv, D, type_k, type_v, L->attn_scale,
+                                           L->softcap, threads);
         }
         if (rc != MR_OK) break;
         PROF(2);

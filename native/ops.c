@@ -3,6 +3,8 @@
  * kernels. */
 #include "common.h"
 
+#include <stdlib.h>
+
 void mr_call_lock(void);
 void mr_call_unlock(void);
 
@@ -61,17 +63,18 @@ int mr_logit_stats(const float *x, long long n, int k, float *out_max, double *o
     return cnt;
 }
 
-int mr_attention_decode(const float *q, const void *k, const void *v, int kv_f16, long long n_head, long long n_kv,
+int mr_attention_decode(const float *q, const void *k, const void *v, int type_k, int type_v, long long n_head, long long n_kv,
                         long long n_ctx, long long head_dim, long long n_past, float scale, long long window,
                         float softcap, float *out, int threads, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (n_head <= 0 || n_kv <= 0 || n_head % n_kv || head_dim <= 0 || n_past <= 0 || n_past > n_ctx || window < 0)
         return MR_E_SHAPE;
+    if (mr_kv_row_bytes(type_k, head_dim) < 0 || mr_kv_row_bytes(type_v, head_dim) < 0) return MR_E_QTYPE;
     const int64_t start = window > 0 && n_past > window ? n_past - window : 0, end = n_past, nc = n_ctx;
     mr_call_lock();
-    const int rc = mr_attention_decode_batch(K, q, out, 1, &k, &v, &nc, &start, &end, n_head, n_kv, head_dim, kv_f16,
-                                             scale, softcap, threads);
+    const int rc = mr_attention_decode_batch(K, q, out, 1, &k, &v, &nc, &start, &end, n_head, n_kv, head_dim, type_k,
+                                             type_v, scale, softcap, threads);
     mr_call_unlock();
     return rc;
 }
@@ -86,17 +89,21 @@ int mr_act_mul(const float *g, const float *u, float *out, long long n, int act,
 
 /* ---------------------------------------------------------------- causal attention of many queries (prefill) */
 
+#define AP_TILE 256 /* keys per tile: scores, converted keys and values of one tile stay in L2 */
+
 typedef struct {
     const mr_kernels *K;
     const float *q;
     const void *k, *v;
     float *out;
     int64_t n, H, D, Hkv, n_ctx, p0, window, nqb;
-    int kv_f16;
+    int tk, tv;
     float scale, softcap;
 } ap_ctx;
 
-/* item = (head, block of 16 queries): queries as SIMD lanes over the keys the block can see */
+/* item = (head, block of 16 queries): queries as SIMD lanes over the keys the block can see, in
+ * tiles of AP_TILE keys merged with an online softmax (flash-attention style): memory per item
+ * is bounded by the tile, not by the context, and a stored type is converted one tile at a time */
 static void ap_task(const void *c_, int64_t item, int worker, float *buf) {
     (void)buf;
     const ap_ctx *c = (const ap_ctx *)c_;
@@ -111,38 +118,64 @@ static void ap_task(const void *c_, int64_t item, int worker, float *buf) {
         first[i] = i < nq ? (c->window > 0 && p - c->window + 1 > lo ? p - c->window + 1 : lo) - lo : 1;
         last[i] = i < nq ? p - lo : 0;
     }
-    const size_t kvf = c->kv_f16 ? (size_t)(2 * nk * D) : 0;
-    float *Qt = (float *)mr_scratch(worker, 2, (size_t)(2 * 16 * D + 16 * nk) * 4 + kvf * 4);
-    float *Ot = Qt + 16 * D, *S = Ot + 16 * D, *Kf = S + 16 * nk, *Vf = Kf + nk * D;
+    const int64_t tile = nk < AP_TILE ? nk : AP_TILE;
+    float *Qt = (float *)mr_scratch(worker, 2, (size_t)(3 * 16 * D + 16 * tile + 2 * tile * D + 32) * 4);
+    float *Ot = Qt + 16 * D, *Oc = Ot + 16 * D, *S = Oc + 16 * D, *Kf = S + 16 * tile, *Vf = Kf + tile * D,
+          *ml = Vf + tile * D;
     for (int64_t d = 0; d < D; d++)
         for (int i = 0; i < 16; i++) Qt[d * 16 + i] = i < nq ? c->q[((i0 + i) * c->H + h) * D + d] * c->scale : 0.0f;
-    const int64_t off = (kvh * c->n_ctx + lo) * D;
-    const float *Kr, *Vr;
-    if (c->kv_f16) {
-        c->K->f16_to_f32((const uint16_t *)c->k + off, Kf, nk * D);
-        c->K->f16_to_f32((const uint16_t *)c->v + off, Vf, nk * D);
-        Kr = Kf;
-        Vr = Vf;
-    } else {
-        Kr = (const float *)c->k + off;
-        Vr = (const float *)c->v + off;
+    const int64_t rbk = mr_kv_row_bytes(c->tk, D), rbv = mr_kv_row_bytes(c->tv, D);
+    const uint8_t *kh = (const uint8_t *)c->k + kvh * c->n_ctx * rbk, *vh = (const uint8_t *)c->v + kvh * c->n_ctx * rbv;
+    float M[16], L[16];
+    for (int i = 0; i < 16; i++) {
+        M[i] = -INFINITY;
+        L[i] = 0.0f;
     }
-    c->K->attn_block(Qt, Kr, Vr, D, nk, first, last, c->softcap, S, Ot, NULL, c->K->vexp);
+    memset(Ot, 0, (size_t)(16 * D) * 4);
+    for (int64_t c0 = 0; c0 < nk; c0 += AP_TILE) {
+        const int64_t n = nk - c0 < AP_TILE ? nk - c0 : AP_TILE;
+        int64_t f[16], l[16];
+        int any = 0, in[16];
+        for (int i = 0; i < 16; i++) {
+            f[i] = first[i] - c0 > 0 ? first[i] - c0 : 0;
+            l[i] = last[i] - c0 < n - 1 ? last[i] - c0 : n - 1;
+            in[i] = i < nq && f[i] <= l[i];
+            any |= in[i];
+            if (!in[i]) {
+                f[i] = 1;
+                l[i] = 0;
+            }
+        }
+        if (!any) continue;
+        const float *Kr = mr_kv_rows(c->K, c->tk, kh, lo + c0, n, D, Kf);
+        const float *Vr = mr_kv_rows(c->K, c->tv, vh, lo + c0, n, D, Vf);
+        c->K->attn_block(Qt, Kr, Vr, D, n, f, l, c->softcap, S, Oc, ml, c->K->vexp);
+        for (int i = 0; i < 16; i++) {
+            if (!in[i]) continue;
+            const float m = ml[i], nm = m > M[i] ? m : M[i];
+            const float a = M[i] == -INFINITY ? 0.0f : expf(M[i] - nm), w = expf(m - nm);
+            for (int64_t d = 0; d < D; d++) Ot[d * 16 + i] = Ot[d * 16 + i] * a + Oc[d * 16 + i] * w;
+            L[i] = L[i] * a + ml[16 + i] * w;
+            M[i] = nm;
+        }
+    }
     for (int i = 0; i < nq; i++) {
         float *o = c->out + (i0 + i) * c->H * D + h * D;
-        for (int64_t d = 0; d < D; d++) o[d] = Ot[d * 16 + i];
+        const float inv = L[i] > 0.0f ? 1.0f / L[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = Ot[d * 16 + i] * inv;
     }
 }
 
 int mr_attention_prefill(const float *q, long long n, long long n_head, long long head_dim, const void *k, const void *v,
-                         int kv_f16, long long n_kv, long long n_ctx, long long p0, float scale, long long window,
-                         float softcap, float *out, int threads, int isa) {
+                         int type_k, int type_v, long long n_kv, long long n_ctx, long long p0, float scale,
+                         long long window, float softcap, float *out, int threads, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (n <= 0 || n_head <= 0 || n_kv <= 0 || n_head % n_kv || head_dim <= 0 || p0 < 0 || p0 + n > n_ctx || window < 0)
         return MR_E_SHAPE;
-    const ap_ctx c = {K, q, k, v, out, n, n_head, head_dim, n_kv, n_ctx, p0, window, (n + 15) / 16, kv_f16, scale,
-                      softcap};
+    if (mr_kv_row_bytes(type_k, head_dim) < 0 || mr_kv_row_bytes(type_v, head_dim) < 0) return MR_E_QTYPE;
+    const ap_ctx c = {K, q, k, v, out, n, n_head, head_dim, n_kv, n_ctx, p0, window, (n + 15) / 16, type_k, type_v,
+                      scale, softcap};
     mr_call_lock();
     const int rc = mr_parallel_for(ap_task, NULL, &c, sizeof c, n_head * c.nqb, 0, threads);
     mr_call_unlock();
@@ -159,7 +192,7 @@ typedef struct {
     const float *q; /* (B, H, D) */
     float *part;    /* per item: Ot (D x 16) unnormalized, then max (16) and sum (16) */
     int64_t B, H, Hkv, D, groups_per_kv, gsize;
-    int kv_f16;
+    int tk, tv;
     float scale, softcap;
     const void *k[AD_MAX_SEQ], *v[AD_MAX_SEQ];
     int64_t n_ctx[AD_MAX_SEQ], start[AD_MAX_SEQ], end[AD_MAX_SEQ], item0[AD_MAX_SEQ + 1];
@@ -177,21 +210,13 @@ static void ad_task(const void *c_, int64_t item, int worker, float *buf) {
     const int64_t kvh = grp / c->groups_per_kv, lane0 = (grp % c->groups_per_kv) * 16;
     const int64_t D = c->D, g = c->H / c->Hkv, nl = g - lane0 < 16 ? g - lane0 : 16;
     const int64_t k0 = c->start[b] + ch * AD_CHUNK, nk = c->end[b] - k0 < AD_CHUNK ? c->end[b] - k0 : AD_CHUNK;
-    const size_t kvf = c->kv_f16 ? (size_t)(2 * nk * D) : 0;
-    float *Qt = (float *)mr_scratch(worker, 2, ((size_t)(32 * D + 16 * (nk + 16))) * 4 + kvf * 4);
+    float *Qt = (float *)mr_scratch(worker, 2, ((size_t)(32 * D + 16 * (nk + 16) + 2 * nk * D)) * 4);
     float *S = Qt + 16 * D, *Ob = S + 16 * (nk + 16), *Kf = Ob + 16 * D, *Vf = Kf + nk * D;
     const float *qb = c->q + (b * c->H + kvh * g + lane0) * D;
-    const int64_t off = (kvh * c->n_ctx[b] + k0) * D;
-    const float *Kr, *Vr;
-    if (c->kv_f16) {
-        c->K->f16_to_f32((const uint16_t *)c->k[b] + off, Kf, nk * D);
-        c->K->f16_to_f32((const uint16_t *)c->v[b] + off, Vf, nk * D);
-        Kr = Kf;
-        Vr = Vf;
-    } else {
-        Kr = (const float *)c->k[b] + off;
-        Vr = (const float *)c->v[b] + off;
-    }
+    /* the chunk's rows of this KV head, converted from the stored type (a pointer into the cache for f32) */
+    const int64_t row0 = kvh * c->n_ctx[b] + k0;
+    const float *Kr = mr_kv_rows(c->K, c->tk, c->k[b], row0, nk, D, Kf);
+    const float *Vr = mr_kv_rows(c->K, c->tv, c->v[b], row0, nk, D, Vf);
     float *P = c->part + item * (16 * D + 32);
     if (c->K->attn_dec && D % 64 == 0) { /* head dimension in the lanes */
         for (int64_t i = 0; i < nl; i++)
@@ -240,8 +265,10 @@ static size_t ad_cap;
  * Caller holds the call lock. */
 int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, int64_t B, const void *const *k,
                               const void *const *v, const int64_t *n_ctx, const int64_t *start, const int64_t *end,
-                              int64_t H, int64_t Hkv, int64_t D, int kv_f16, float scale, float softcap, int threads) {
+                              int64_t H, int64_t Hkv, int64_t D, int type_k, int type_v, float scale, float softcap,
+                              int threads) {
     if (B <= 0 || B > AD_MAX_SEQ || H % Hkv) return MR_E_SHAPE;
+    if (mr_kv_row_bytes(type_k, D) < 0 || mr_kv_row_bytes(type_v, D) < 0) return MR_E_QTYPE;
     ad_ctx c;
     memset(&c, 0, sizeof c);
     c.K = K;
@@ -252,7 +279,8 @@ int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, i
     c.D = D;
     c.gsize = H / Hkv;
     c.groups_per_kv = (c.gsize + 15) / 16;
-    c.kv_f16 = kv_f16;
+    c.tk = type_k;
+    c.tv = type_v;
     c.scale = scale;
     c.softcap = softcap;
     int64_t items = 0, work = 0;

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 import minirt
 from minirt.archs.base import Segment
+from minirt.kv_cache import KVCache
 from tests.tiny_models import TinySpec, reference_llama, write_tiny
 
 CASES = {
@@ -95,14 +96,16 @@ def test_context_shift_rotates_keys_exactly(tiny):
     """After a shift, layer-0 keys/values equal those computed fresh at the new positions."""
     _, spec, llm = tiny
     ids = _ids(20, seed=9)
-    cache = llm._new_cache(32)
+    c = llm.model.cfg
+    new_cache = lambda: KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, 32)  # noqa: E731 f32: exact
+    cache = new_cache()
     llm.model.forward(np.array(ids), [Segment(cache, len(ids), "none")])
     cache.tokens[:20] = ids
     llm.model.shift_cache(cache, n_keep=2, n_discard=5)
     assert cache.n_past == 15
     kept = ids[:2] + ids[7:]
     assert cache.token_ids().tolist() == kept
-    fresh = llm._new_cache(32)
+    fresh = new_cache()
     llm.model.forward(np.array(kept), [Segment(fresh, len(kept), "none")])
     k0, v0 = cache.layer(0)
     fk, fv = fresh.layer(0)

@@ -193,22 +193,24 @@ class NativeBackend(Backend):
         self._mod.rope(x, neox=neox, n_rot=rope_dim, cos=cos, sin=sin)
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-                  softcap: float, causal: bool = True) -> np.ndarray:
-        """Causal attention of q (n, H, D) at positions p0.. over one layer's cache (Hkv, n_ctx, D)
-        that holds their keys: the native single-query kernel for decode, the native prefill kernel
-        where it beats numpy's BLAS, else the numpy version (also for non-causal attention, which
-        the native kernels do not mask)."""
+                  softcap: float, causal: bool = True, kv_types: tuple[str, str] | None = None) -> np.ndarray:
+        """Attention of q (n, H, D) at positions p0.. over one layer's cache (Hkv, n_ctx, width)
+        that holds their keys, in its stored types: the native single-query kernel for decode, the
+        native tiled prefill kernel where it beats numpy's BLAS (or the cache is quantized), else
+        the numpy version (also for non-causal attention, which the native kernels do not mask)."""
         n = q.shape[0]
         if not causal:
-            return super().attention(q, kc, vc, p0, scale, window, softcap, causal=False)
-        if kc.shape == vc.shape and q.shape[-1] == kc.shape[-1]:
+            return super().attention(q, kc, vc, p0, scale, window, softcap, causal=False, kv_types=kv_types)
+        quantized = kv_types is not None and (kv_types[0] not in ("f32", "f16") or kv_types[1] not in ("f32", "f16"))
+        if kc.shape[:2] == vc.shape[:2] and kc.flags.c_contiguous and vc.flags.c_contiguous and (
+                kv_types is None or self._mod.kv_types_fit(kc, vc, kv_types, q.shape[-1])):
             if n == 1:
                 return self._mod.attention_decode(q[0], kc, vc, p0 + 1, scale, window=window, softcap=softcap,
-                                                  threads=self.threads).reshape(1, -1)
-            if kc.flags.c_contiguous and self._mod.attention_fast():
+                                                  threads=self.threads, kv_types=kv_types).reshape(1, -1)
+            if quantized or self._mod.attention_fast():
                 return self._mod.attention_prefill(np.ascontiguousarray(q), kc, vc, p0, scale, window=window,
-                                                   softcap=softcap, threads=self.threads)
-        return super().attention(q, kc, vc, p0, scale, window, softcap)
+                                                   softcap=softcap, threads=self.threads, kv_types=kv_types)
+        return super().attention(q, kc, vc, p0, scale, window, softcap, kv_types)
 
     def moe_experts(self, x: np.ndarray, m: Any, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The routed experts in one native call (``mr_moe_experts``: tokens grouped by expert, each

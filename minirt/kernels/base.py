@@ -65,30 +65,26 @@ class Backend:
         return blocks.activation(act, g) * u
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-                  softcap: float, causal: bool = True) -> np.ndarray:
+                  softcap: float, causal: bool = True, kv_types: tuple[str, str] | None = None) -> np.ndarray:
         """Causal attention of n queries q (n, H, Dk) at positions p0.. over one layer's cache
-        kc (Hkv, n_ctx, Dk), vc (Hkv, n_ctx, Dv) that already holds their keys → (n, H·Dv).
-        ``causal`` False: the n queries are a whole sequence (p0 = 0) and see each other both ways."""
+        kc (Hkv, n_ctx, width_k), vc (Hkv, n_ctx, width_v) that already holds their keys → (n, H·Dv).
+        ``causal`` False: the n queries are a whole sequence (p0 = 0) and see each other both ways.
+        ``kv_types``: the stored element types (None: float32 / float16 arrays). This reference
+        version converts the visible rows to float32 first."""
         n = q.shape[0]
         if not causal:
-            k, v = kc[:, :p0 + n], vc[:, :p0 + n]
-            if k.dtype != np.float32:
-                k, v = k.astype(np.float32), v.astype(np.float32)
+            k, v = _visible(kc, vc, 0, p0 + n, kv_types)
             return blocks.attention(q, k, v, p0, scale, window, softcap, causal=False)
         lo = max(0, p0 - window + 1) if window else 0  # keys older than the window are never read
-        k, v = kc[:, lo:p0 + n], vc[:, lo:p0 + n]
-        if k.dtype != np.float32:
-            k, v = k.astype(np.float32), v.astype(np.float32)
+        k, v = _visible(kc, vc, lo, p0 + n, kv_types)
         return blocks.attention(q, k, v, p0 - lo, scale, window, softcap)
 
     def attention_sinks(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
-                        softcap: float, sinks: np.ndarray) -> np.ndarray:
+                        softcap: float, sinks: np.ndarray, kv_types: tuple[str, str] | None = None) -> np.ndarray:
         """:meth:`attention` with per-head sink logits ``sinks`` (H,) in each softmax's denominator."""
         n = q.shape[0]
         lo = max(0, p0 - window + 1) if window else 0
-        k, v = kc[:, lo:p0 + n], vc[:, lo:p0 + n]
-        if k.dtype != np.float32:
-            k, v = k.astype(np.float32), v.astype(np.float32)
+        k, v = _visible(kc, vc, lo, p0 + n, kv_types)
         return blocks.attention(q, k, v, p0 - lo, scale, window, softcap, sinks)
 
     def moe(self, x: np.ndarray, m: Any) -> np.ndarray:
@@ -148,3 +144,18 @@ class Backend:
     def forward(self, model: Any, tokens: np.ndarray, segments: Sequence[Any]) -> list[np.ndarray | None] | None:
         """The whole forward pass where the activations live (a device); None: run it on the host."""
         return None
+
+
+def _visible(kc: np.ndarray, vc: np.ndarray, lo: int, hi: int,
+             kv_types: tuple[str, str] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows lo..hi-1 of one layer's cache (Hkv, n_ctx, width) as float32 (Hkv, hi - lo, D)
+    arrays, dequantized from the stored types where they are block types."""
+    k, v = kc[:, lo:hi], vc[:, lo:hi]
+    if kv_types is not None and (kv_types[0] not in ("f32", "f16") or kv_types[1] not in ("f32", "f16")):
+        from .. import kv_types as kvt
+        from ..kv_cache import dequantize_rows
+
+        k, v = dequantize_rows(k, kvt.get(kv_types[0])), dequantize_rows(v, kvt.get(kv_types[1]))
+    if k.dtype != np.float32 or v.dtype != np.float32:
+        k, v = k.astype(np.float32), v.astype(np.float32)
+    return k, v

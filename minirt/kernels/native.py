@@ -77,7 +77,6 @@ QTYPES: dict[str, tuple[int, int, int]] = {
 }
 
 _F32 = np.dtype(np.float32)
-_F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
 
 _load_lock = threading.Lock()
@@ -954,8 +953,9 @@ class LayerStack:
     def run(self, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
             tables: list[tuple[np.ndarray, np.ndarray]], threads: int | None = None) -> None:
         """Every layer over x (n_seq, n_embd) float32, in place; token b is the next one of the
-        sequence whose caches are ``caches[b] = (k, v, pos)`` (k, v: (n_layer, n_head_kv, n_ctx,
-        head_dim), float32 or float16; the new key/value go to position pos). tables: (cos, sin)
+        sequence whose caches are ``caches[b] = (k, v, pos[, (type_k, type_v)])`` (k, v: (n_layer,
+        n_head_kv, n_ctx, width) in their KV types, see :mod:`minirt.kv_types`; float32 / float16 arrays
+        need no types; the new key/value go to position pos, quantized in place). tables: (cos, sin)
         pairs (n_seq, rope_dim / 2), one per RoPE variant the layers index."""
         ffi, lib = _lib()
         n = len(caches)
@@ -964,28 +964,32 @@ class LayerStack:
             raise InvalidRequestError(f"x has shape {x.shape}, expected ({n}, {self._n_embd})")
         seqs = ffi.new("mr_kvseq[]", n)
         keep = []
-        f16 = None
-        for b, (k, v, pos) in enumerate(caches):
-            if k.dtype != v.dtype or k.dtype not in (_F32, _F16) or not (k.flags.c_contiguous and v.flags.c_contiguous):
-                raise InvalidRequestError("caches must be C-contiguous float32 or float16 arrays of one dtype")
+        kinds: tuple[Any, Any] | None = None
+        for b, item in enumerate(caches):
+            k, v, pos = item[:3]
+            tk, tv = _kv_types(k, v, item[3] if len(item) > 3 else None)
+            if kinds is None:
+                kinds = (tk, tv)
+            elif kinds != (tk, tv):
+                raise InvalidRequestError("all caches of a decode step must have the same KV types")
+            if not (k.flags.c_contiguous and v.flags.c_contiguous):
+                raise InvalidRequestError("caches must be C-contiguous arrays")
             if (k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or k.shape[0] < self.n_layer
                     or len(self._kv_heads) != 1 or k.shape[1] not in self._kv_heads
-                    or len(self._dk) != 1 or k.shape[3] not in self._dk
-                    or len(self._dv) != 1 or v.shape[3] not in self._dv):
+                    or len(self._dk) != 1 or tk.head_dim(k.shape[3]) not in self._dk
+                    or k.shape[3] != tk.width(tk.head_dim(k.shape[3]))
+                    or len(self._dv) != 1 or tv.head_dim(v.shape[3]) not in self._dv
+                    or v.shape[3] != tv.width(tv.head_dim(v.shape[3]))):
                 raise InvalidRequestError(f"cache of sequence {b}: k {k.shape} / v {v.shape} do not fit the layers")
             if not 0 <= int(pos) < k.shape[2]:
                 raise InvalidRequestError(f"cache of sequence {b}: position {pos} outside its {k.shape[2]} slots")
-            if f16 is None:
-                f16 = k.dtype == _F16
-            elif f16 != (k.dtype == _F16):
-                raise InvalidRequestError("all caches of a decode step must have the same dtype")
-            ctype = "uint16_t[]" if f16 else "float[]"
-            kp = ffi.from_buffer(ctype, k.view(np.uint16) if f16 else k, require_writable=True)
-            vp = ffi.from_buffer(ctype, v.view(np.uint16) if f16 else v, require_writable=True)
+            kp = ffi.from_buffer("char[]", k.reshape(-1).view(np.uint8), require_writable=True)
+            vp = ffi.from_buffer("char[]", v.reshape(-1).view(np.uint8), require_writable=True)
             keep += [kp, vp]
             s = seqs[b]
             s.k, s.v = kp, vp
-            s.n_ctx, s.pos, s.layer_stride = k.shape[2], int(pos), k.shape[1] * k.shape[2] * k.shape[3]
+            s.n_ctx, s.pos = k.shape[2], int(pos)
+            s.layer_stride_k, s.layer_stride_v = k[0].nbytes, v[0].nbytes
         if len(tables) < self.n_tables:
             raise InvalidRequestError(f"{len(tables)} RoPE table pairs given, the layers read {self.n_tables}")
         nt = max(1, len(tables))
@@ -1000,7 +1004,8 @@ class LayerStack:
             keep += [c, sn, cb, sb]
             cos_p[i], sin_p[i] = cb, sb
         rc = lib.mr_decode_layers(self._layers, self.n_layer, ffi.from_buffer("float[]", x, require_writable=True), n,
-                                  seqs, int(bool(f16)), cos_p, sin_p, len(tables), _threads_arg(threads), self._isa)
+                                  seqs, kinds[0].ggml_id, kinds[1].ggml_id, cos_p, sin_p, len(tables),
+                                  _threads_arg(threads), self._isa)
         _after_call(lib, rc, "decode layers", self, (x, caches))
 
 
@@ -1303,27 +1308,28 @@ def logit_stats(x: np.ndarray, k: int, isa: str | None = None) -> tuple[float, f
 
 def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, scale: float,
                      out: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
-                     threads: int | None = None, isa: str | None = None) -> np.ndarray:
+                     threads: int | None = None, isa: str | None = None,
+                     kv_types: tuple[str, str] | None = None) -> np.ndarray:
     """One query position against a KV cache, grouped-query.
 
-    q: (n_head, head_dim) float32; k_cache, v_cache: (n_kv, n_ctx, head_dim) float32 or float16, the
-    first ``n_past`` positions valid; ``window`` > 0 keeps only the last ``window`` positions; softcap
-    > 0 applies ``softcap * tanh(s / softcap)`` to the scaled scores. Returns out (n_head, head_dim).
+    q: (n_head, head_dim) float32; k_cache, v_cache: (n_kv, n_ctx, width) rows stored in the KV types
+    ``kv_types`` (names of :mod:`minirt.kv_types`; None: float32 / float16 arrays), the first ``n_past``
+    positions valid; ``window`` > 0 keeps only the last ``window`` positions; softcap > 0 applies
+    ``softcap * tanh(s / softcap)`` to the scaled scores. Returns out (n_head, head_dim).
     """
     ffi, lib = _lib()
     q = _f32_array(q, "q", (2,))
     n_head, hd = q.shape
+    tk, tv = _kv_types(k_cache, v_cache, kv_types)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(c, np.ndarray) or c.dtype not in (_F32, _F16) or c.ndim != 3:
-            raise InvalidRequestError(f"{name} must be a float32 or float16 array (n_kv, n_ctx, head_dim)")
-        if not c.flags.c_contiguous:
-            raise InvalidRequestError(f"{name} must be C-contiguous")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise InvalidRequestError(f"k_cache {k_cache.dtype}{k_cache.shape} and v_cache "
-                                  f"{v_cache.dtype}{v_cache.shape} must match")
-    n_kv, n_ctx, hd2 = k_cache.shape
-    if hd2 != hd:
-        raise InvalidRequestError(f"cache head_dim {hd2} != q head_dim {hd}")
+        if c.ndim != 3 or not c.flags.c_contiguous:
+            raise InvalidRequestError(f"{name} must be a C-contiguous array (n_kv, n_ctx, width)")
+    if k_cache.shape[:2] != v_cache.shape[:2]:
+        raise InvalidRequestError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must match")
+    n_kv, n_ctx, _ = k_cache.shape
+    if tk.head_dim(k_cache.shape[2]) != hd or k_cache.shape[2] != tk.width(hd) or v_cache.shape[2] != tv.width(hd):
+        raise InvalidRequestError(f"cache head_dim does not match q head_dim {hd} ({tk.name} k {k_cache.shape}, "
+                                  f"{tv.name} v {v_cache.shape})")
     if n_kv == 0 or n_head % n_kv:
         raise InvalidRequestError(f"n_head={n_head} must be a multiple of n_kv={n_kv}")
     if isinstance(n_past, bool) or not isinstance(n_past, (int, np.integer)) or not 1 <= n_past <= n_ctx:
@@ -1336,15 +1342,77 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
         out = np.empty((n_head, hd), dtype=_F32)
     else:
         _out_array(out, (n_head, hd))
-    f16 = k_cache.dtype == _F16
-    ctype = "uint16_t[]" if f16 else "float[]"
-    kb = k_cache.view(np.uint16) if f16 else k_cache
-    vb = v_cache.view(np.uint16) if f16 else v_cache
-    _check_rc(lib.mr_attention_decode(ffi.from_buffer("float[]", q), ffi.from_buffer(ctype, kb),
-                                      ffi.from_buffer(ctype, vb), int(f16), n_head, n_kv, n_ctx, hd, int(n_past),
+    _check_rc(lib.mr_attention_decode(ffi.from_buffer("float[]", q), _bytes_of(ffi, k_cache), _bytes_of(ffi, v_cache),
+                                      tk.ggml_id, tv.ggml_id, n_head, n_kv, n_ctx, hd, int(n_past),
                                       float(scale), int(window), float(softcap),
                                       ffi.from_buffer("float[]", out, require_writable=True), _threads_arg(threads),
                                       _isa_id(isa)), "attention_decode")
+    return out
+
+
+def _kv_types(k: Any, v: Any, names: tuple[str, str] | None) -> tuple[Any, Any]:
+    """The KV types of a cache pair: named, or read from float32 / float16 arrays; checks the dtypes."""
+    from .. import kv_types
+
+    for name, c in (("k_cache", k), ("v_cache", v)):
+        if not isinstance(c, np.ndarray):
+            raise InvalidRequestError(f"{name} must be a numpy array")
+    if names is None:
+        t = (kv_types.of_array(k), kv_types.of_array(v))
+    else:
+        t = (kv_types.get(names[0]), kv_types.get(names[1]))
+    for name, c, kt in (("k_cache", k, t[0]), ("v_cache", v, t[1])):
+        if c.dtype != kt.dtype:
+            raise InvalidRequestError(f"{name}: a {kt.name} cache is stored as {kt.dtype}, got {c.dtype}")
+    return t
+
+
+def kv_types_fit(k: np.ndarray, v: np.ndarray, names: tuple[str, str], head_dim: int) -> bool:
+    """True when the attention kernels take this cache pair: both halves stored in ``names`` types
+    with rows of ``head_dim`` values (the kernels need head_dim_k == head_dim_v)."""
+    from .. import kv_types
+
+    tk, tv = kv_types.get(names[0]), kv_types.get(names[1])
+    if k.dtype != tk.dtype or v.dtype != tv.dtype or head_dim % tk.block or head_dim % tv.block:
+        return False
+    return k.shape[-1] == tk.width(head_dim) and v.shape[-1] == tv.width(head_dim)
+
+
+def _bytes_of(ffi: Any, a: np.ndarray) -> Any:
+    return ffi.from_buffer("char[]", a.reshape(-1).view(np.uint8))
+
+
+def kv_quantize(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """float32 rows x (..., head_dim) → the stored rows (..., width) of KV type ``kv_type``, as the
+    decode step writes them (ggml's reference quantizers)."""
+    from .. import kv_types
+
+    ffi, lib = _lib()
+    t = kv_types.get(kv_type)
+    x = np.ascontiguousarray(x, dtype=_F32)
+    if x.ndim < 1:
+        raise InvalidRequestError("x must have at least one dimension")
+    out = np.empty((*x.shape[:-1], t.width(x.shape[-1])), dtype=t.dtype)
+    if x.size:
+        _check_rc(lib.mr_kv_quantize(t.ggml_id, ffi.from_buffer("float[]", x), x.size,
+                                     ffi.from_buffer("char[]", out.reshape(-1).view(np.uint8), require_writable=True)),
+                  "kv_quantize")
+    return out
+
+
+def kv_dequantize(s: np.ndarray, kv_type: str) -> np.ndarray:
+    """Stored rows (..., width) of KV type ``kv_type`` → float32 (..., head_dim)."""
+    from .. import kv_types
+
+    ffi, lib = _lib()
+    t = kv_types.get(kv_type)
+    s = np.ascontiguousarray(s)
+    if s.dtype != t.dtype or s.ndim < 1:
+        raise InvalidRequestError(f"a {t.name} cache is stored as {t.dtype} rows, got {s.dtype}{s.shape}")
+    out = np.empty((*s.shape[:-1], t.head_dim(s.shape[-1])), dtype=_F32)
+    if out.size:
+        _check_rc(lib.mr_kv_dequantize(t.ggml_id, _bytes_of(ffi, s), out.size,
+                                       ffi.from_buffer("float[]", out, require_writable=True)), "kv_dequantize")
     return out
 
 
@@ -1395,22 +1463,26 @@ def attention_fast(isa: str | None = None) -> bool:
 
 def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p0: int, scale: float,
                       out: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
-                      threads: int | None = None, isa: str | None = None) -> np.ndarray:
+                      threads: int | None = None, isa: str | None = None,
+                      kv_types: tuple[str, str] | None = None) -> np.ndarray:
     """Causal attention of n new queries at positions p0..p0+n-1, grouped-query.
 
-    q: (n, n_head, head_dim) float32; k_cache, v_cache: (n_kv, n_ctx, head_dim) float32 or float16
-    holding positions 0..p0+n-1 (the new keys included); query i sees the positions
-    max(0, p0+i-window+1)..p0+i (window 0: all); softcap > 0 caps the scaled scores with tanh.
-    Returns out (n, n_head * head_dim).
+    q: (n, n_head, head_dim) float32; k_cache, v_cache: (n_kv, n_ctx, width) rows in the KV types
+    ``kv_types`` (None: float32 / float16 arrays) holding positions 0..p0+n-1 (the new keys
+    included); query i sees the positions max(0, p0+i-window+1)..p0+i (window 0: all); softcap > 0
+    caps the scaled scores with tanh. Keys are read in tiles (online softmax), so memory does not
+    grow with the context. Returns out (n, n_head * head_dim).
     """
     ffi, lib = _lib()
     q = _f32_array(q, "q", (3,))
     n, n_head, hd = q.shape
+    tk, tv = _kv_types(k_cache, v_cache, kv_types)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(c, np.ndarray) or c.dtype not in (_F32, _F16) or c.ndim != 3 or not c.flags.c_contiguous:
-            raise InvalidRequestError(f"{name} must be a C-contiguous float32 or float16 array (n_kv, n_ctx, head_dim)")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.shape[2] != hd:
-        raise InvalidRequestError(f"k_cache {k_cache.dtype}{k_cache.shape} and v_cache {v_cache.dtype}{v_cache.shape} "
+        if c.ndim != 3 or not c.flags.c_contiguous:
+            raise InvalidRequestError(f"{name} must be a C-contiguous array (n_kv, n_ctx, width)")
+    if (k_cache.shape[:2] != v_cache.shape[:2] or tk.head_dim(k_cache.shape[2]) != hd
+            or k_cache.shape[2] != tk.width(hd) or v_cache.shape[2] != tv.width(hd)):
+        raise InvalidRequestError(f"k_cache {tk.name}{k_cache.shape} and v_cache {tv.name}{v_cache.shape} "
                                   f"must match each other and q's head_dim {hd}")
     n_kv, n_ctx, _ = k_cache.shape
     if n_kv == 0 or n_head % n_kv:
@@ -1427,17 +1499,12 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p
         _out_array(out, (n, n_head * hd))
     if n == 0:
         return out
-    f16 = k_cache.dtype == _F16
-    ctype = "uint16_t[]" if f16 else "float[]"
-    kb = k_cache.view(np.uint16) if f16 else k_cache
-    vb = v_cache.view(np.uint16) if f16 else v_cache
-    _check_rc(lib.mr_attention_prefill(ffi.from_buffer("float[]", q), n, n_head, hd, ffi.from_buffer(ctype, kb),
-                                       ffi.from_buffer(ctype, vb), int(f16), n_kv, n_ctx, int(p0), float(scale),
-                                       int(window), float(softcap), ffi.from_buffer("float[]", out,
-                                                                                    require_writable=True),
+    _check_rc(lib.mr_attention_prefill(ffi.from_buffer("float[]", q), n, n_head, hd, _bytes_of(ffi, k_cache),
+                                       _bytes_of(ffi, v_cache), tk.ggml_id, tv.ggml_id, n_kv, n_ctx, int(p0),
+                                       float(scale), int(window), float(softcap),
+                                       ffi.from_buffer("float[]", out, require_writable=True),
                                        _threads_arg(threads), _isa_id(isa)), "attention_prefill")
     return out
-
 
 
 def read_bandwidth(buf: np.ndarray, threads: int | None = None, reps: int = 5,

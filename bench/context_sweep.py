@@ -1,0 +1,328 @@
+#!/usr/bin/env python
+"""Cost of context depth: minirt vs llama.cpp, same GGUF, same KV cache type, 2 threads.
+
+For each depth d (tokens already in the cache) it measures prefill of ``--n-prompt`` new tokens
+and decode of ``--n-gen`` tokens on top of d, and the peak resident memory of the process that did
+it; llama.cpp through ``llama-bench -d d -p P -n G -ctk T -ctv T -t 2 -fa 1 -o jsonl`` (one process
+per depth, like minirt's side: one child process per depth and type, so each RSS stands alone).
+
+    python bench/context_sweep.py -m qwen2.5-coder-0.5b-instruct --types f16 q8_0 \\
+        --out bench/context_sweep      # writes context_sweep.md, context_sweep.json, context_sweep.png
+    python bench/context_sweep.py --smoke   # tiny: depths 0 and 64, one repetition, no plot needed
+
+Quality helpers (no timing):
+
+    python bench/context_sweep.py --quality -m gemma3-270m       # q8_0 vs f16 teacher-forced argmax
+    python bench/context_sweep.py --perplexity TEXT.txt --types f16 q8_0   # vs llama-perplexity
+
+The llama.cpp binaries are found through ``$MINIRT_LLAMA_BIN`` (a build/bin folder) or PATH. The
+plot needs matplotlib (the ``bench`` extra); without it the table is still written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEPTHS = [0, 1024, 4096, 16384, 32768]
+
+
+def _llama_tool(name: str) -> str | None:
+    d = os.environ.get("MINIRT_LLAMA_BIN")
+    if d and (Path(d) / name).is_file():
+        return str(Path(d) / name)
+    return shutil.which(name)
+
+
+# ------------------------------------------------------------------------------------------- minirt worker
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One (depth, type) measurement in this process: fill the cache to the depth, then time the
+    prefill of n_prompt tokens and the decode of n_gen tokens over it, ``reps`` times."""
+    import numpy as np
+
+    import minirt
+    from minirt.archs.base import Segment
+
+    depth, P, G = args.depth, args.n_prompt, args.n_gen
+    llm = minirt.load(args.model, n_ctx=depth + P + G + 8, threads=args.threads,
+                      cache_type_k=args.ctk, cache_type_v=args.ctv)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, llm.n_vocab - 100, depth + P + G).astype(np.int64)
+    m, chunk = llm.model, 512
+    cache = llm._new_cache()
+
+    def feed(tokens: np.ndarray, want: str) -> None:
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s:s + chunk]
+            m.forward(part, [Segment(cache, len(part), want if s + chunk >= len(tokens) else "none")])
+
+    t0 = time.perf_counter()
+    feed(ids[:depth], "none")
+    fill_s = time.perf_counter() - t0
+    pp, tg = [], []
+    for _ in range(args.reps):
+        cache.truncate(depth)
+        t0 = time.perf_counter()
+        feed(ids[depth:depth + P], "last")
+        pp.append(P / (time.perf_counter() - t0))
+        cache.truncate(depth)
+        t0 = time.perf_counter()
+        for t in ids[depth + P:depth + P + G]:
+            m.forward(np.array([t]), [Segment(cache, 1, "last")])
+        tg.append(G / (time.perf_counter() - t0))
+    out = {"runtime": "minirt", "depth": depth, "ctk": args.ctk, "ctv": args.ctv, "pp_tok_s": float(np.median(pp)),
+           "tg_tok_s": float(np.median(tg)), "fill_s": fill_s, "kv_bytes": int(cache.nbytes),
+           "kv_bytes_per_token": llm.kv_bytes_per_token,
+           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    llm.close()
+    return out
+
+
+def run_minirt(model: str, depth: int, t: str, a: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--worker", "-m", model, "--depth", str(depth), "--ctk", t, "--ctv", t,
+           "--n-prompt", str(a.n_prompt), "--n-gen", str(a.n_gen), "--reps", str(a.reps), "-t", str(a.threads)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    if res.returncode != 0:
+        return {"runtime": "minirt", "depth": depth, "ctk": t, "error": res.stderr.strip()[-500:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_llama(path: str, depth: int, t: str, a: argparse.Namespace) -> dict[str, Any]:
+    exe = _llama_tool("llama-bench")
+    if exe is None:
+        return {"runtime": "llama.cpp", "depth": depth, "ctk": t, "error": "llama-bench not found"}
+    cmd = [exe, "-m", path, "-d", str(depth), "-p", str(a.n_prompt), "-n", str(a.n_gen), "-ctk", t, "-ctv", t,
+           "-t", str(a.threads), "-fa", "1", "-r", str(a.reps), "-o", "jsonl"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if res.returncode != 0:
+        return {"runtime": "llama.cpp", "depth": depth, "ctk": t, "error": res.stderr.strip()[-500:]}
+    out: dict[str, Any] = {"runtime": "llama.cpp", "depth": depth, "ctk": t, "ctv": t, "cmd": " ".join(cmd),
+                           # ru_maxrss of children is the largest so far: exact when it grew, else a bound
+                           "peak_rss_mib": after / 1024 if after > before else None}
+    for line in res.stdout.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("n_prompt") == a.n_prompt and row.get("n_gen") == 0:
+            out["pp_tok_s"] = float(row["avg_ts"])
+        elif row.get("n_gen") == a.n_gen and row.get("n_prompt") == 0:
+            out["tg_tok_s"] = float(row["avg_ts"])
+    return out
+
+
+def sweep(a: argparse.Namespace) -> list[dict[str, Any]]:
+    from minirt import registry
+    from minirt.archs import read_config
+    from minirt.gguf import open as gguf_open
+
+    path = str(registry.model_path(a.model))
+    with gguf_open(path) as f:
+        n_ctx_train = read_config(f).n_ctx_train
+    depths = [d for d in a.depths if d + a.n_prompt + a.n_gen <= n_ctx_train]
+    rows = []
+    for t in a.types:
+        for d in depths:
+            for side in a.sides:
+                r = run_minirt(a.model, d, t, a) if side == "minirt" else run_llama(path, d, t, a)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+                rows.append(r)
+    return rows
+
+
+def _cell(r: dict[str, Any] | None, key: str, fmt: str = "{:.1f}") -> str:
+    if r is None:
+        return "–"
+    if "error" in r:
+        return "error"
+    v = r.get(key)
+    return fmt.format(v) if v is not None else "–"
+
+
+def markdown(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    lines = [f"Context sweep: {a.model}, {a.threads} threads, pp{a.n_prompt} and tg{a.n_gen} at each depth "
+             "(tok/s, median), peak RSS of the measuring process (MiB).", "",
+             "| cache | depth | minirt pp | llama.cpp pp | ratio | minirt tg | llama.cpp tg | ratio "
+             "| minirt RSS | llama.cpp RSS |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keyed = {(r["runtime"], r["ctk"], r["depth"]): r for r in rows}
+    for t in a.types:
+        for d in sorted({r["depth"] for r in rows if r["ctk"] == t}):
+            mr, lc = keyed.get(("minirt", t, d)), keyed.get(("llama.cpp", t, d))
+
+            def ratio(k: str, mr: Any = mr, lc: Any = lc) -> str:
+                try:
+                    return f"{mr[k] / lc[k]:.2f}×"
+                except (TypeError, KeyError, ZeroDivisionError):
+                    return "–"
+            lines.append(f"| {t} | {d} | {_cell(mr, 'pp_tok_s')} | {_cell(lc, 'pp_tok_s')} | {ratio('pp_tok_s')} "
+                         f"| {_cell(mr, 'tg_tok_s')} | {_cell(lc, 'tg_tok_s')} | {ratio('tg_tok_s')} "
+                         f"| {_cell(mr, 'peak_rss_mib', '{:.0f}')} | {_cell(lc, 'peak_rss_mib', '{:.0f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], a: argparse.Namespace, png: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install 'minirt[bench]'): no plot", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, title in zip(axes, ("pp_tok_s", "tg_tok_s", "peak_rss_mib"),
+                              (f"prefill pp{a.n_prompt} (tok/s)", f"decode tg{a.n_gen} (tok/s)", "peak RSS (MiB)")):
+        for runtime, style in (("minirt", "-o"), ("llama.cpp", "--s")):
+            for t in a.types:
+                pts = sorted((r["depth"], r[key]) for r in rows
+                             if r["runtime"] == runtime and r["ctk"] == t and r.get(key) is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{runtime} {t}")
+        ax.set_xscale("symlog", linthresh=1024)
+        ax.set_xlabel("depth (tokens in the cache)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{a.model}, {a.threads} threads")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- quality
+
+def quality(a: argparse.Namespace) -> dict[str, Any]:
+    """Teacher-forced argmax agreement with the float32 reference on the reference prompts
+    (tests/data/reference), per cache type; llama.cpp's greedy continuation is fed back."""
+    import numpy as np
+
+    import minirt
+
+    ref_dir = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference"
+    names = {"qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b", "gemma3-270m": "gemma3-270m"}
+    key = names.get(a.model)
+    if key is None:
+        raise SystemExit(f"--quality knows the reference models only: {', '.join(names)}")
+    recs = [json.loads(x) for x in (ref_dir / f"{key}.greedy.jsonl").read_text().splitlines() if x.strip()]
+    tf = json.loads(str(np.load(ref_dir / f"{key}.float_ref.npz")["tf_argmax"]))
+    out: dict[str, Any] = {"model": a.model}
+    for t in a.types:
+        with minirt.load(a.model, n_ctx=512, cache_type_k=t, cache_type_v=t, threads=a.threads) as llm:
+            hits = []
+            for r, want in zip(recs, tf):
+                p, g = r["prompt_ids"], r["greedy_ids"]
+                am = llm.logits(p + g).argmax(-1)[len(p) - 1:len(p) - 1 + len(g)]
+                hits.append(am == np.array(want[:len(g)]))
+            out[t] = float(np.mean(np.concatenate(hits)))
+    return out
+
+
+def perplexity(a: argparse.Namespace) -> dict[str, Any]:
+    """Perplexity of a text in chunks of --ppl-ctx tokens, scored on the second half of each chunk
+    (llama-perplexity's method), minirt per cache type next to llama-perplexity's."""
+    import numpy as np
+
+    import minirt
+    from minirt import registry
+
+    text = Path(a.perplexity).read_text(encoding="utf-8")
+    n = a.ppl_ctx
+    out: dict[str, Any] = {"model": a.model, "text": a.perplexity, "ctx": n}
+    for t in a.types:
+        with minirt.load(a.model, n_ctx=n, cache_type_k=t, cache_type_v=t, threads=a.threads) as llm:
+            toks = llm.tokenize(text, add_special=False)
+            bos = llm.tokenizer.bos_id if getattr(llm.tokenizer, "add_bos", False) else None
+            nll, cnt = 0.0, 0
+            for s in range(0, len(toks) - n + 1, n):
+                ids = list(toks[s:s + n])
+                if bos is not None:
+                    ids[0] = bos
+                lg = llm.logits(ids).astype(np.float64)
+                for j in range(n // 2, n - 1):
+                    row = lg[j]
+                    mx = row.max()
+                    nll += mx + np.log(np.exp(row - mx).sum()) - row[ids[j + 1]]
+                    cnt += 1
+            out[f"minirt_{t}"] = float(np.exp(nll / max(cnt, 1)))
+            out["n_tokens"] = len(toks)
+        exe = _llama_tool("llama-perplexity")
+        if exe:
+            path = str(registry.model_path(a.model))
+            res = subprocess.run([exe, "-m", path, "-f", a.perplexity, "-c", str(n), "-t", str(a.threads), "-ctk", t,
+                                  "-ctv", t, "-fa", "1"], capture_output=True, text=True, timeout=a.timeout)
+            m = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
+            out[f"llama_{t}"] = float(m.group(1)) if m else None
+    return out
+
+
+# ------------------------------------------------------------------------------------------- cli
+
+def build_parser() -> argparse.ArgumentParser:
+    from minirt.kv_types import CACHE_TYPES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--types", nargs="+", default=["f16", "q8_0"], choices=CACHE_TYPES)
+    p.add_argument("--depths", nargs="+", type=int, default=DEPTHS)
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=32)
+    p.add_argument("-r", "--reps", type=int, default=3)
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--sides", nargs="+", default=["minirt", "llama.cpp"], choices=["minirt", "llama.cpp"])
+    p.add_argument("--out", default="bench/context_sweep", help="output prefix (.md, .json, .png)")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--smoke", action="store_true", help="tiny run that only proves the script works")
+    p.add_argument("--quality", action="store_true", help="teacher-forced argmax agreement per cache type")
+    p.add_argument("--perplexity", metavar="TEXT", help="perplexity of this text per cache type vs llama-perplexity")
+    p.add_argument("--ppl-ctx", type=int, default=512)
+    # internal: one measurement in a child process
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--depth", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--ctk", default="f16", help=argparse.SUPPRESS)
+    p.add_argument("--ctv", default="f16", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a)))
+        return 0
+    if a.quality:
+        print(json.dumps(quality(a), indent=1))
+        return 0
+    if a.perplexity:
+        print(json.dumps(perplexity(a), indent=1))
+        return 0
+    if a.smoke:
+        a.depths, a.n_prompt, a.n_gen, a.reps = [0, 64], 16, 4, 1
+    rows = sweep(a)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md = markdown(rows, a)
+    out.with_suffix(".md").write_text(md, encoding="utf-8")
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    plotted = plot(rows, a, out.with_suffix(".png"))
+    print(md)
+    print(f"wrote {out.with_suffix('.md')}, {out.with_suffix('.json')}" + (f", {out.with_suffix('.png')}"
+                                                                             if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
