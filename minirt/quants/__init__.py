@@ -46,6 +46,8 @@ class QuantSpec:
     dequantize_blocks: Callable[[np.ndarray], np.ndarray]
     row_kernel: LazyJit
     dot_kernel: LazyJit
+    dot_scratch: bool = False
+    """True when ``dot_kernel`` writes the row into ``scratch`` (else a 0-length scratch may be passed)."""
 
     @property
     def name(self) -> str:
@@ -77,6 +79,7 @@ def _spec(name: str, module: object) -> QuantSpec:
         dequantize_blocks=getattr(module, f"dequantize_blocks_{key}"),
         row_kernel=getattr(module, f"deq_row_{key}"),
         dot_kernel=getattr(module, f"dot_{key}"),
+        dot_scratch=name in getattr(module, "DOT_SCRATCH", ()),
     )
 
 

@@ -63,6 +63,8 @@ _GF = {k: v.astype(np.float32) for k, v in
        (("iq2xxs", G_IQ2XXS), ("iq2xs", G_IQ2XS), ("iq2s", G_IQ2S), ("iq3xxs", G_IQ3XXS), ("iq3s", G_IQ3S),
         ("iq1s", G_IQ1S))}
 KSIGNS = iqgrids.KSIGNS
+# dot kernels that dequantize the row into the per-thread scratch first
+DOT_SCRATCH = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 _BITS8 = np.arange(8, dtype=np.uint8)
 IQ1_DELTA = np.float32(0.125)
 

@@ -21,6 +21,7 @@ import numpy as np
 from ._common import f16_field, nb_f16
 from ._jit import jit
 
+DOT_SCRATCH = ("TQ1_0",)  # its dot kernel dequantizes the row into the scratch first
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
 _SHIFT2 = np.array([0, 2, 4, 6], dtype=np.uint8)
 
