@@ -24,7 +24,8 @@
 enum {
     GT_F32 = 0, GT_F16 = 1, GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q5_0 = 6, GT_Q5_1 = 7, GT_Q8_0 = 8,
     GT_Q2_K = 10, GT_Q3_K = 11, GT_Q4_K = 12, GT_Q5_K = 13, GT_Q6_K = 14,
-    GT_IQ4_NL = 20, GT_IQ4_XS = 23, GT_BF16 = 30, GT_COUNT = 31
+    GT_IQ2_XXS = 16, GT_IQ2_XS = 17, GT_IQ3_XXS = 18, GT_IQ1_S = 19, GT_IQ4_NL = 20, GT_IQ3_S = 21, GT_IQ2_S = 22,
+    GT_IQ4_XS = 23, GT_IQ1_M = 29, GT_BF16 = 30, GT_TQ1_0 = 34, GT_TQ2_0 = 35, GT_MXFP4 = 39, GT_COUNT = 40
 };
 
 #define QK 32      /* elements per small block and per activation-quantization block */
@@ -128,6 +129,9 @@ MR_INLINE void mr_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) 
 }
 
 extern const int8_t mr_kvalues_iq4nl[16];
+/* i-quant grids (iq_grids.c, from ggml-common.h): 8 (uint64) or 4 (uint32) grid bytes per entry */
+extern const uint64_t mr_iq2xxs_grid[256], mr_iq2xs_grid[512], mr_iq2s_grid[1024], mr_iq1s_grid[2048];
+extern const uint32_t mr_iq3xxs_grid[256], mr_iq3s_grid[512];
 
 /* ---- per-ISA kernel table ---- */
 

@@ -403,7 +403,7 @@ static int steals_rc(void) {
 
 static int choose_path(const mr_kernels *K, int qtype, int64_t nt) {
     if (!mr_type_ok(qtype) || !K->dq[qtype]) return PATH_NONE;
-    if (K->vint[qtype] && nt <= MR_INT_MAX_TOKENS) return PATH_INT;
+    if ((K->vint[qtype] || K->gemv[qtype]) && nt <= MR_INT_MAX_TOKENS) return PATH_INT;
     return PATH_FLOAT;
 }
 

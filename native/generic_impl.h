@@ -494,6 +494,8 @@ static void MR_SFX(f16_to_f32)(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = mr_f16_to_f32(src[i]);
 }
 
+#include "lowbit_impl.h"
+
 void MR_SFX(mr_fill_generic)(mr_kernels *k) {
     memset(k, 0, sizeof(*k));
     k->dq[GT_F32] = MR_SFX(dq_f32);
@@ -523,4 +525,6 @@ void MR_SFX(mr_fill_generic)(mr_kernels *k) {
     k->vexp = MR_SFX(vexp);
     k->logit_stats = MR_SFX(logit_stats);
     k->attn_block = MR_SFX(attn_block);
+    /* integer kernels where the unit targets a SIMD ISA (the scalar build dots in float) */
+    MR_SFX(lb_register)(k, MR_VLEN >= 8);
 }

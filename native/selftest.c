@@ -22,6 +22,10 @@ static const tinfo TYPES[] = {
     {GT_Q5_1, "Q5_1", {0, 2}, 2},  {GT_Q8_0, "Q8_0", {0}, 1},     {GT_Q2_K, "Q2_K", {80, 82}, 2},
     {GT_Q3_K, "Q3_K", {108}, 1},   {GT_Q4_K, "Q4_K", {0, 2}, 2},  {GT_Q5_K, "Q5_K", {0, 2}, 2},
     {GT_Q6_K, "Q6_K", {208}, 1},   {GT_IQ4_NL, "IQ4_NL", {0}, 1}, {GT_IQ4_XS, "IQ4_XS", {0}, 1},
+    {GT_IQ2_XXS, "IQ2_XXS", {0}, 1}, {GT_IQ2_XS, "IQ2_XS", {0}, 1}, {GT_IQ2_S, "IQ2_S", {0}, 1},
+    {GT_IQ3_XXS, "IQ3_XXS", {0}, 1}, {GT_IQ3_S, "IQ3_S", {0}, 1},   {GT_IQ1_S, "IQ1_S", {0}, 1},
+    {GT_IQ1_M, "IQ1_M", {0}, 0},     {GT_TQ1_0, "TQ1_0", {52}, 1},  {GT_TQ2_0, "TQ2_0", {64}, 1},
+    {GT_MXFP4, "MXFP4", {0}, 0},
 };
 
 static int passed, failed;
@@ -59,6 +63,14 @@ static void fill_weights(const tinfo *t, uint8_t *w, int64_t rows, int64_t cols)
                 const uint16_t h = mr_f32_to_f16(s);
                 memcpy(blk + t->f16_off[k], &h, 2);
             }
+            if (t->id == GT_IQ1_M) { /* the f16 scale sits in the top nibbles of the u16 at 48, 50, 52, 54 */
+                const uint16_t h = mr_f32_to_f16((float)(0.002 + 0.048 * urand()));
+                for (int k = 0; k < 4; k++) {
+                    uint16_t v = (uint16_t)((mr_rd16(blk + 48 + 2 * k) & 0x0fff) | (((h >> (4 * k)) & 15) << 12));
+                    memcpy(blk + 48 + 2 * k, &v, 2);
+                }
+            }
+            if (t->id == GT_MXFP4) blk[0] = (uint8_t)(118 + rnd() % 8); /* scales 2^-10 .. 2^-3 */
         }
     }
 }

@@ -54,7 +54,8 @@ from minirt.kernels import ReferenceBackend  # noqa: E402
 from minirt.kv_cache import KVCache  # noqa: E402
 from tests.tiny_models import TinySpec, spm_vocab, write_tiny  # noqa: E402
 
-ALL_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ALL_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+             "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -131,8 +132,10 @@ def test_dequant_and_matmuls_match_gguf_reference(qtype):
 
     rng = np.random.default_rng(hash(qtype) % 2**32)
     be = _backend()
-    qk = 256 if qtype.endswith("_K") else 32
-    cols = 256 if qk == 256 else 96
+    from minirt.quants import get_spec
+
+    qk = get_spec(qtype).block_size
+    cols = 256 if qk == 256 else (128 if qtype == "MXFP4" else 96)
     runs = [lambda: selfcheck.check_dequant(be, qtype, 7, cols, rng),
             lambda: selfcheck.check_matmul(be, qtype, 5, cols, 2, rng, "matvec"),  # 5 rows: a partial row tile
             lambda: selfcheck.check_matmul(be, qtype, 7, cols, 5, rng, "gemm")]   # 5 tokens: partial token tile

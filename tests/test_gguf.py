@@ -418,7 +418,7 @@ def test_many_types_odd_shapes_match_reader(tmp_path):
         compare_with_reader(p, f)
 
 
-def test_types_minirt_cannot_compute_still_open(tmp_path):
+def test_low_bit_types_open(tmp_path):
     tensors = [T("iq", [256, 2], GGML_TYPES_BY_NAME["IQ2_XXS"].id), T("tq", [256], GGML_TYPES_BY_NAME["TQ1_0"].id),
                T("mx", [64], GGML_TYPES_BY_NAME["MXFP4"].id)]
     c = small_model(tensors=tensors)

@@ -146,8 +146,8 @@ def test_validation_errors():
         out = np.empty((2, 4), np.float32)
         out.flags.writeable = False
         nb.matmul(x, w, "Q4_0", out=out)
-    with pytest.raises(minirt.UnsupportedQuantError, match="IQ2_XXS"):
-        nb.matmul(x, w, "IQ2_XXS")
+    with pytest.raises(minirt.UnsupportedQuantError, match="NVFP4"):
+        nb.matmul(x, w, "NVFP4")
     with pytest.raises(minirt.UnsupportedQuantError, match="unknown"):
         nb.matmul(x, w, "Q4_9")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,10 +24,14 @@ except ImportError:  # pragma: no cover
     gq = None
 needs_gguf = pytest.mark.skipif(gq is None, reason="gguf-py (pip install gguf) is needed as the reference")
 
+# checked against committed fixtures of gguf-py's and ggml's C output (tools/quant_fixtures), so these
+# tests run without gguf-py
+FIXTURE_TYPES = ("MXFP4", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
 EXPECTED = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-            "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS")
+            "Q5_K", "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS") + FIXTURE_TYPES
 # gguf-py has no Q8_K dequantizer (it is an activation-only type in ggml)
-GGUF_TYPES = tuple(t for t in EXPECTED if t != "Q8_K")
+GGUF_TYPES = tuple(t for t in EXPECTED if t != "Q8_K" and t not in FIXTURE_TYPES)
+FIXTURES = Path(__file__).resolve().parent / "data" / "quants"
 
 
 def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -66,7 +71,7 @@ def test_get_spec_accepts_name_lowercase_id_and_type():
     assert get_spec(spec.ggml) is spec
 
 
-@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ1_S", "TQ1_0", "TQ2_0", "MXFP4", "Q8_1", "I8"])
+@pytest.mark.parametrize("name", ["NVFP4", "Q1_0", "Q8_1", "I8"])
 def test_known_but_unsupported_types_raise_naming_the_type(name):
     with pytest.raises(minirt.UnsupportedQuantError, match=name):
         get_spec(name)
@@ -104,6 +109,40 @@ def test_spec_matches_gguf_on_random_blocks(qtype):
     mine = spec.dequantize_blocks(blocks)
     assert mine.dtype == np.float32 and mine.shape == (n, spec.block_size)
     assert bits_equal(mine, gguf_dequantize(blocks, qtype))
+
+
+def _nan_aware_equal(got: np.ndarray, want: np.ndarray) -> bool:
+    """Same bits where want is not NaN, NaN where it is (NaN sign and payload are not part of a format)."""
+    nan = np.isnan(want)
+    return (got.shape == want.shape and np.array_equal(np.isnan(got), nan)
+            and bits_equal(got[~nan], want[~nan]))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("qtype", FIXTURE_TYPES)
+def test_spec_and_numba_match_committed_reference_fixtures(qtype):
+    """Random blocks (last two: raw bytes, scale fields included) against gguf-py's / ggml's output."""
+    fx = np.load(FIXTURES / f"{qtype}.npz")
+    blocks, want = fx["blocks"], fx["values"]
+    spec = get_spec(qtype)
+    assert blocks.shape[1] == spec.type_size and want.shape == (blocks.shape[0], spec.block_size)
+    assert np.isfinite(want[:-2]).all()
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert _nan_aware_equal(spec.dequantize_blocks(blocks), want)
+        assert _nan_aware_equal(dequantize(blocks, qtype, want.shape), want)
+    got = numba_rows(blocks.reshape(1, -1), qtype, want.size).reshape(want.shape)
+    assert _nan_aware_equal(got, want)
+
+
+def test_iq_grids_have_the_documented_shape_and_values():
+    from minirt.quants import iqgrids
+
+    g = iqgrids.grid("iq2xxs")
+    assert g.shape == (256, 8) and set(np.unique(g)) <= {0x08, 0x19, 0x2B}
+    assert iqgrids.grid("iq3s").shape == (512, 4) and set(np.unique(iqgrids.grid("iq3s"))) <= set(range(1, 16, 2))
+    assert set(np.unique(iqgrids.grid("iq1s").view(np.int8))) == {-1, 0, 1}
+    # ggml's ksigns_iq2xs starts 0, 129, 130, 3, 132: bit 7 = parity of the low 7 bits
+    assert list(iqgrids.KSIGNS[:5]) == [0, 129, 130, 3, 132] and iqgrids.KSIGNS[127] == 255
 
 
 def test_q8_k_spec_is_d_times_q():
@@ -213,8 +252,8 @@ def test_dequantize_errors():
         dequantize(blocks, "Q4_0", (2, 36))
     with pytest.raises(minirt.InvalidRequestError, match="uint8"):
         dequantize(blocks.astype(np.int8), "Q4_0", (4, 32))
-    with pytest.raises(minirt.UnsupportedQuantError, match="IQ2_XXS"):
-        dequantize(blocks, "IQ2_XXS", (4, 32))
+    with pytest.raises(minirt.UnsupportedQuantError, match="NVFP4"):
+        dequantize(blocks, "NVFP4", (4, 64))
 
 
 # ---------------------------------------------------------------------------------------------

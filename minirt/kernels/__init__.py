@@ -47,12 +47,6 @@ class ReferenceBackend(Backend):
         return x @ w.T
 
 
-# Types whose native decode path dequantizes rows to float and dots them (no integer kernel yet):
-# numba's fused per-block loop reads them ~2x faster (bench/kernels.py: Q2_K 1.5 vs 0.4-0.6 GB/s,
-# Q3_K 1.9 vs 0.6-0.8), so a few-token matmul of these goes there and the native layer stack is not used.
-NUMBA_DECODE_TYPES = frozenset({"Q2_K", "Q3_K"})
-
-
 class NumbaBackend(Backend):
     """numba kernels over the raw blocks (``minirt.kernels.numba_backend``)."""
 
@@ -149,10 +143,6 @@ class NativeBackend(Backend):
         if os.environ.get("MINIRT_NATIVE_LAYERS", "1") == "0":
             return
         desc = model.desc
-        if any(lin.qtype in NUMBA_DECODE_TYPES for lin in desc.linears()[1:]):
-            log.info("native decode layers not used: the model has %s weights (numba decodes them faster)",
-                     "/".join(sorted(NUMBA_DECODE_TYPES)))
-            return
         keys = [r.key() for r in model.ropes]
         index = [keys.index(b.attn.rope.key()) if b.attn.rope is not None else -1 for b in desc.blocks]
         try:
@@ -173,10 +163,6 @@ class NativeBackend(Backend):
         pw = lin.backend_data
         if pw is not None and isinstance(pw, self._mod.PackedMatrix):
             return self._mod.matmul(x, pw, threads=self.threads)
-        if lin.qtype in NUMBA_DECODE_TYPES and x.ndim == 2 and x.shape[0] <= 4:
-            from . import numba_backend
-
-            return numba_backend.matmul(x, lin.w, lin.qtype)
         return self._mod.matmul(x, lin.w, lin.qtype, threads=self.threads)
 
     # the small per-layer ops: native versions avoid numpy temporaries on the decode hot path

@@ -105,7 +105,7 @@ def _decode(x, w, out, n_chunks, scratch_len):  # pragma: no cover - compiled
     """out[0, r] = dot(W[r], x[0]). x float32 (1, cols), w uint8 (rows, row_bytes), out float32 (1, rows).
 
     Rows are split into ``n_chunks`` contiguous ranges (numba hands them to its threads), each
-    with its own float32 (scratch_len,) scratch (only the F16/BF16 kernels use it; 0 otherwise).
+    with its own float32 (scratch_len,) scratch (cols for the types whose ``QuantSpec.dot_scratch``; 0 otherwise).
     """
     x0 = x[0]
     y = out[0]
@@ -209,7 +209,7 @@ class _Drivers:
     def __init__(self, spec: QuantSpec) -> None:
         name = spec.name
         self.spec = spec
-        self.scratch_per_col = 1 if name in ("F16", "BF16") else 0
+        self.scratch_per_col = 1 if spec.dot_scratch else 0
         self.decode = _decode.specialize(name, _DOT=spec.dot_kernel)
         self.prefill = _prefill.specialize(name, _DEQ=spec.row_kernel)
         self.dequantize_rows = _dequantize_rows.specialize(name, _DEQ=spec.row_kernel)

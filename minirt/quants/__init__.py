@@ -5,7 +5,10 @@ Each supported ggml type is described once, in its family module:
 * ``floats.py``  — F32, F16, BF16
 * ``legacy.py``  — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 * ``kquants.py`` — Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K
-* ``iquants.py`` — IQ4_NL, IQ4_XS
+* ``iquants.py`` — IQ4_NL, IQ4_XS, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
+  (grids in ``iqgrids.py``)
+* ``ternary.py`` — TQ1_0, TQ2_0
+* ``mxfp4.py``   — MXFP4
 
 with its byte layout, a vectorized numpy dequantizer (the executable spec, bit-identical to
 ``gguf.quants``), a numba kernel dequantizing one row (bit-identical to the spec) and a numba
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidRequestError, UnsupportedQuantError
-from . import floats, iquants, kquants, legacy
+from . import floats, iquants, kquants, legacy, mxfp4, ternary
 from ._jit import LazyJit
 from .types import GGML_TYPES, GGML_TYPES_BY_NAME, QK_K, GGMLType, ggml_type
 
@@ -43,6 +46,8 @@ class QuantSpec:
     dequantize_blocks: Callable[[np.ndarray], np.ndarray]
     row_kernel: LazyJit
     dot_kernel: LazyJit
+    dot_scratch: bool = False
+    """True when ``dot_kernel`` writes the row into ``scratch`` (else a 0-length scratch may be passed)."""
 
     @property
     def name(self) -> str:
@@ -74,6 +79,7 @@ def _spec(name: str, module: object) -> QuantSpec:
         dequantize_blocks=getattr(module, f"dequantize_blocks_{key}"),
         row_kernel=getattr(module, f"deq_row_{key}"),
         dot_kernel=getattr(module, f"dot_{key}"),
+        dot_scratch=name in getattr(module, "DOT_SCRATCH", ()),
     )
 
 
@@ -83,7 +89,9 @@ _SPECS: dict[str, QuantSpec] = {
         (floats, ("F32", "F16", "BF16")),
         (legacy, ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")),
         (kquants, ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")),
-        (iquants, ("IQ4_NL", "IQ4_XS")),
+        (iquants, ("IQ4_NL", "IQ4_XS", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")),
+        (ternary, ("TQ1_0", "TQ2_0")),
+        (mxfp4, ("MXFP4",)),
     )
     for name in names
 }
@@ -96,7 +104,7 @@ def get_spec(qtype: str | int | GGMLType) -> QuantSpec:
     """The :class:`QuantSpec` of a ggml type given by name (``"Q4_K"``), id or :class:`GGMLType`.
 
     Raises :class:`minirt.UnsupportedQuantError` naming the type when ggml knows it but minirt
-    cannot compute with it (IQ2_XXS, TQ1_0 ...) or when no ggml type has that name or id.
+    cannot compute with it (NVFP4, Q8_1 ...) or when no ggml type has that name or id.
     """
     if isinstance(qtype, GGMLType):
         t: GGMLType | None = qtype

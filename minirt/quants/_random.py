@@ -16,6 +16,8 @@ F16_FIELDS: dict[str, tuple[int, ...]] = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
     "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,),
+    "TQ1_0": (52,), "TQ2_0": (64,),
 }
 # byte offsets of float32 scale fields
 F32_FIELDS: dict[str, tuple[int, ...]] = {"Q8_K": (0,)}
@@ -39,6 +41,15 @@ def random_blocks(qtype: str, n_blocks: int, rng: np.random.Generator, scale: fl
     for off in F16_FIELDS.get(name, ()):
         v = (rng.standard_normal(n_blocks) * scale).astype("<f2")
         blocks[:, off:off + 2] = v.view(np.uint8).reshape(n_blocks, 2)
+    if name == "IQ1_M":  # the f16 scale lives in the top nibbles of the four u16 at byte 48
+        v = (rng.standard_normal(n_blocks) * scale).astype("<f2").view("<u2").astype(np.uint16)
+        sc = np.ascontiguousarray(blocks[:, 48:56]).view("<u2") & np.uint16(0x0FFF)
+        for k in range(4):
+            sc[:, k] |= ((v >> np.uint16(4 * k)) & np.uint16(15)) << np.uint16(12)
+        blocks[:, 48:56] = sc.view(np.uint8)
+    if name == "MXFP4":  # E8M0 exponents near 2**(e-128) ~ scale / 4 (|codebook| <= 12)
+        e = np.round(np.log2(scale / 4)) + 128 + rng.integers(-2, 3, size=n_blocks)
+        blocks[:, 0] = np.clip(e, 1, 254).astype(np.uint8)
     for off in F32_FIELDS.get(name, ()):
         v = (rng.standard_normal(n_blocks) * scale).astype("<f4")
         blocks[:, off:off + 4] = v.view(np.uint8).reshape(n_blocks, 4)

@@ -18,6 +18,8 @@ import numpy as np
 
 from ._jit import jit
 
+DOT_SCRATCH = ("F16", "BF16")  # their dot kernels convert the row into the scratch first
+
 
 def dequantize_blocks_f32(blocks: np.ndarray) -> np.ndarray:
     """F32 spec: ``(n, 4)`` bytes → ``(n, 1)`` float32."""

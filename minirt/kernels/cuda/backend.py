@@ -258,6 +258,8 @@ class CudaBackend(Backend):
             return f"type {qtype} has no CUDA kernel"
         if cols % 32:
             return f"{cols} columns is not a multiple of 32"
+        if qtype == "MXFP4" and cols % 64:  # 17-byte blocks: an odd count leaves rows unaligned for the f16 view
+            return f"an odd number of MXFP4 blocks per row ({cols} columns)"
         return ""
 
     def add_weight(self, name: str, qtype: str, raw: np.ndarray) -> DeviceWeight:

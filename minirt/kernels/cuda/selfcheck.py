@@ -59,6 +59,9 @@ _TYPICAL = {"Q4_0": 4, "Q4_1": 8, "Q5_0": 8, "Q5_1": 16, "Q8_0": 64, "Q2_K": 16,
             "Q5_K": 512, "Q6_K": 2048}
 
 
+_LOWBIT = frozenset({"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"})
+
+
 def random_raw(qtype: str, rows: int, cols: int, rng: np.random.Generator, target: float = 0.05) -> np.ndarray:
     """Random raw blocks uint8 (rows, row_bytes) of ``qtype`` whose weights are ~``target`` in size."""
     tsize, qk = TYPE_SIZES[qtype]
@@ -78,6 +81,12 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     """Random raw blocks uint8 (rows, row_bytes) of ``qtype`` and their float32 values (gguf.quants)."""
     import gguf
 
+    if qtype in _LOWBIT:  # reference: minirt's numpy spec (checked against gguf-py / ggml fixtures)
+        from ...quants import dequantize
+        from ...quants._random import random_matrix
+
+        raw = np.ascontiguousarray(random_matrix(qtype, rows, cols, rng, scale=0.02))
+        return raw, dequantize(raw, qtype, (rows, cols))
     raw = random_raw(qtype, rows, cols, rng, target=1.0)
     if qtype == "F32":
         return raw, raw.view(np.float32).reshape(rows, cols)

@@ -1,0 +1,36 @@
+"""GGUF-level check of the low-bit types on files llama.cpp's llama-quantize wrote (the llama architecture
+fixture in each type, see tools/quant_fixtures/quant_models.py). The files are not committed: the test
+runs when ``$MINIRT_HOME/quant_models`` holds them (``quant_models.py make``) and skips otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("quant_models", REPO / "tools" / "quant_fixtures" / "quant_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_low_bit_gguf_files_match_llama_cpp():
+    qm = _tool()
+    out = qm.default_out()
+    if not (out / "llamacpp.npz").is_file():
+        pytest.skip(f"no llama-quantize outputs in {out} (run tools/quant_fixtures/quant_models.py make)")
+    rows = qm.check(out, "native")
+    assert rows
+    for r in rows:
+        assert math.isfinite(r["minirt_vs_hf"]), r
+        if math.isnan(r["llamacpp_vs_hf"]):
+            continue  # llama.cpp's forward failed on this file: nothing to compare with
+        # same file, same weights: minirt's error is llama.cpp's (it quantizes activations more finely)
+        assert r["minirt_vs_hf"] <= 1.01 * r["llamacpp_vs_hf"], r
+        assert r["minirt_vs_llamacpp"] < 0.05 and r["argmax_vs_llamacpp"] >= 0.9, r
