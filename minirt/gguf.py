@@ -16,6 +16,15 @@ Layout (all little-endian)::
 
 where ``string`` is ``u64 length`` + UTF-8 bytes and ``ne[0]`` is the fastest-moving dimension
 (numpy order is the reverse: ``shape = ne[::-1]``).
+
+Cost bound: every count is checked against the bytes left before its loop runs, and against the
+limits below, so parsing time and memory are linear in the file size and capped in absolute terms
+whatever the file holds. Arrays of numbers are one numpy array each (a single copy out of the
+mapping: as many bytes as the file holds); the Python objects are one per key, per tensor, per string
+and per nested array, and those are what the limits cap (each costs ~50-200 bytes of Python memory
+against 8-32 bytes of file). Real models stay far below them (about 50 keys, 300-3000 tensors,
+150k-300k vocabulary strings plus as many merges, no nested arrays); a file over a limit raises
+:class:`GGUFError` naming it before the work.
 """
 
 from __future__ import annotations
@@ -41,6 +50,13 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 4  # arrays of arrays are legal; a bound keeps recursion finite
+MAX_KV = 1 << 16  # metadata keys per file
+MAX_TENSORS = 1 << 16  # tensors per file (a large MoE model has a few thousand)
+MAX_KEY_BYTES = 1 << 16  # one metadata key
+MAX_TENSOR_NAME_BYTES = 1 << 10  # one tensor name (ggml itself allows 63)
+MAX_STRING_BYTES = 64 << 20  # one string value (chat templates are 1-100 KB)
+MAX_STRINGS = 1 << 22  # strings in all string arrays together (vocabulary + merges)
+MAX_NESTED_ARRAYS = 1 << 16  # arrays inside arrays, all of them together
 
 # GGUF value types: id -> (name, numpy dtype or None for string/array)
 _VT_UINT8, _VT_INT8, _VT_UINT16, _VT_INT16, _VT_UINT32, _VT_INT32 = 0, 1, 2, 3, 4, 5
@@ -212,6 +228,8 @@ class _Parser:
         self.buf = buf
         self.size = len(buf)
         self.pos = 0
+        self.n_strings = 0  # strings of string arrays so far (MAX_STRINGS)
+        self.n_nested = 0  # arrays inside arrays so far (MAX_NESTED_ARRAYS)
 
     # -- primitives --------------------------------------------------------------------------
     def fail(self, what: str, at: int, msg: str) -> GGUFError:
@@ -233,15 +251,24 @@ class _Parser:
         self.pos += 8
         return v
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
         start = self.pos
         n = self.u64(what + " length")
         if n > self.size - self.pos:
             raise self.fail(what, start, f"string length {n} exceeds the {self.size - self.pos} bytes left")
+        if n > limit:
+            raise self.fail(what, start, f"string length {n} exceeds the limit of {limit} bytes")
         b = self.buf[self.pos:self.pos + n]
         self.pos += n
-        # surrogateescape keeps invalid UTF-8 (some vocabularies hold raw bytes) round-trippable.
-        return b.decode("utf-8", "surrogateescape")
+        return self.decode(b, what, start)
+
+    def decode(self, b: bytes, what: str, at: int) -> str:
+        """Strict UTF-8, as the format requires (and gguf-py reads): invalid bytes would surface
+        much later as encode errors in the tokenizer or the server, so they are refused here."""
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(what, at, f"string is not valid UTF-8 ({e.reason} at byte {e.start} of the string)") from None
 
     # -- structure ---------------------------------------------------------------------------
     def parse(self) -> None:
@@ -269,18 +296,23 @@ class _Parser:
         if n_kv * 13 > left:
             raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values need at least {n_kv * 13} bytes, "
                             f"only {left} follow the header (corrupt count or truncated file)")
+        if n_tensors > MAX_TENSORS:
+            raise self.fail("tensor_count", 8, f"{n_tensors} tensors exceed the limit of {MAX_TENSORS}")
+        if n_kv > MAX_KV:
+            raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values exceed the limit of {MAX_KV}")
 
         md, mtypes = f.metadata, f.metadata_types
-        value_at: dict[str, int] = {}  # key -> byte offset of its value, for later error messages
+        value_at: dict[str, int] = {}  # key -> byte offset of its value, for later error messages (alignment)
         for i in range(n_kv):
             kat = self.pos
-            key = self.string(f"metadata[{i}].key")
+            key = self.string(f"metadata[{i}].key", MAX_KEY_BYTES)
             if key in md:
                 raise self.fail(f"metadata key {_q(key)}", kat, "duplicate key")
             label = f"metadata[{_q(key)}]"
             tat = self.pos
             vt = self.u32(label + ".type")
-            value_at[key] = self.pos
+            if key == "general.alignment":
+                value_at[key] = self.pos
             md[key], mtypes[key] = self.value(vt, label, tat, 0)
 
         align = md.get("general.alignment", DEFAULT_ALIGNMENT)
@@ -296,7 +328,7 @@ class _Parser:
         names: set[str] = set()
         for i in range(n_tensors):
             nat = self.pos
-            name = self.string(f"tensor[{i}].name")
+            name = self.string(f"tensor[{i}].name", MAX_TENSOR_NAME_BYTES)
             if name in names:
                 raise self.fail(f"tensor name {_q(name)}", nat, "duplicate tensor name")
             names.add(name)
@@ -306,7 +338,7 @@ class _Parser:
             if not 1 <= n_dims <= MAX_DIMS:
                 raise self.fail(tn + " n_dims", dat, f"{n_dims} dimensions (1..{MAX_DIMS} allowed)")
             self.need(8 * n_dims, tn + " dims")
-            ne = [int(v) for v in np.frombuffer(self.buf, "<u8", n_dims, self.pos)]
+            ne = list(struct.unpack_from(f"<{n_dims}Q", self.buf, self.pos))
             self.pos += 8 * n_dims
             n_el = 1
             for d in ne:
@@ -390,10 +422,18 @@ class _Parser:
             if et == _VT_STRING:
                 if n > left // 8:
                     raise self.fail(what + " count", cat, f"{n} strings exceed the {left} bytes left")
+                self.n_strings += n
+                if self.n_strings > MAX_STRINGS:
+                    raise self.fail(what + " count", cat, f"{n} strings bring the file's string arrays to "
+                                    f"{self.n_strings} strings, over the limit of {MAX_STRINGS}")
                 return self.string_array(n, what), "ARRAY[STRING]"
             if et == _VT_ARRAY:
                 if n > left // 12:
                     raise self.fail(what + " count", cat, f"{n} arrays exceed the {left} bytes left")
+                self.n_nested += n
+                if self.n_nested > MAX_NESTED_ARRAYS:
+                    raise self.fail(what + " count", cat, f"{n} arrays bring the file's nested arrays to "
+                                    f"{self.n_nested}, over the limit of {MAX_NESTED_ARRAYS}")
                 items, sub = [], "ARRAY[?]"
                 for i in range(n):
                     # each element is itself an array value: (u32 element type, u64 count, elements)
@@ -409,8 +449,8 @@ class _Parser:
         The fast path trusts each length and checks the end position once after the loop:
         positions only grow, so an overrun anywhere either leaves the end past the file or makes
         a later length read fail; mmap slices past the end are merely short, and each overrun
-        slice is bounded by the file. Any doubt (an overrun, invalid UTF-8) re-reads the array
-        with :meth:`_string_array_checked`, which names the offending element and its offset.
+        slice is bounded by the file. Any doubt (an overrun, invalid UTF-8, an over-long string) re-reads
+        the array with :meth:`_string_array_checked`, which names the offending element and its offset.
         """
         buf, pos = self.buf, self.pos
         unpack = _U64.unpack_from
@@ -418,6 +458,8 @@ class _Parser:
         try:
             for i in range(n):
                 (ln,) = unpack(buf, pos)
+                if ln > MAX_STRING_BYTES:
+                    raise OverflowError
                 pos += 8
                 end = pos + ln
                 out[i] = buf[pos:end].decode()  # strict UTF-8, the fastest decode call
@@ -431,7 +473,7 @@ class _Parser:
         return self._string_array_checked(n, what)
 
     def _string_array_checked(self, n: int, what: str) -> list[str]:
-        """Slow path of :meth:`string_array`: bound check per element, invalid UTF-8 kept."""
+        """Slow path of :meth:`string_array`: bound, limit and UTF-8 check per element."""
         buf, pos, size = self.buf, self.pos, self.size
         unpack = _U64.unpack_from
         out: list[str] = [""] * n
@@ -444,8 +486,9 @@ class _Parser:
             if end > size:
                 raise self.fail(f"{what}[{i}]", pos - 8,
                                 f"string length {ln} exceeds the {size - pos} bytes left")
-            # surrogateescape keeps invalid UTF-8 (raw-byte tokens) round-trippable.
-            out[i] = buf[pos:end].decode("utf-8", "surrogateescape")
+            if ln > MAX_STRING_BYTES:
+                raise self.fail(f"{what}[{i}]", pos - 8, f"string length {ln} exceeds the limit of {MAX_STRING_BYTES} bytes")
+            out[i] = self.decode(buf[pos:end], f"{what}[{i}]", pos - 8)
             pos = end
         self.pos = pos
         return out
