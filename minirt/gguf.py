@@ -93,7 +93,7 @@ def _q(s: str, limit: int = 64) -> str:
     return repr(s) if len(s) <= limit else f"{s[:limit]!r}...({len(s)} chars)"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one tensor costs ~4x its table entry, not ~8x
 class GGUFTensor:
     """One tensor of a GGUF file: its type, its shape in numpy order and its raw mapped bytes."""
 
@@ -148,6 +148,9 @@ class GGUFFile:
         self.alignment = DEFAULT_ALIGNMENT
         self.data_offset = 0
         self._mm: mmap.mmap | None = None
+        self._fd = -1
+        # (fd, bytes needed, what, error type) of each mapped file whose truncation check_intact() detects
+        self._watched: list[tuple[int, int, str, type[Exception]]] = []
         try:
             # A FIFO or device would block or never end: only regular files are mapped.
             if not stat.S_ISREG(os.stat(self.path).st_mode):
@@ -161,14 +164,35 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: header at byte 0: file is empty")
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise GGUFError(f"cannot map GGUF file {self.path!r}: {e}") from e
-        finally:
             os.close(fd)
+            raise GGUFError(f"cannot map GGUF file {self.path!r}: {e}") from e
+        self._fd = fd  # kept open for check_intact(): one fstat per step
         try:
             _Parser(self, self._mm).parse()
         except BaseException:
             self.close()
             raise
+        self._watched.append((fd, self.file_size, f"GGUF file {self.path}", GGUFError))
+
+    def watch(self, fd: int, need: int, what: str, error: type[Exception]) -> None:
+        """Also check, in :meth:`check_intact`, that another mapped file (open as ``fd``, which this
+        file now owns and closes) still holds ``need`` bytes; ``error`` is raised when it does not."""
+        self._watched.append((fd, need, what, error))
+
+    def check_intact(self) -> None:
+        """Raise (:class:`GGUFError` for this file) when a mapped file was truncated since it was
+        opened: reading its pages past the new end would kill the process with SIGBUS.
+
+        One ``fstat`` per file, called before each forward pass. It narrows the window, it cannot
+        close it: a truncation during a pass still ends the process (a guard inside the kernels would
+        need a SIGBUS handler in C). Keep model files read-only while they are loaded."""
+        for fd, need, what, error in self._watched:
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as e:
+                raise error(f"{what}: cannot check it ({e.strerror}); reload the model") from None
+            if size < need:
+                raise error(f"{what} was truncated while in use ({size} bytes, {need} mapped); reload the model")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _require_open(self) -> mmap.mmap:
@@ -184,12 +208,24 @@ class GGUFFile:
     def close(self) -> None:
         """Release the mapping. Arrays still viewing it keep it alive until they are dropped."""
         mm, self._mm = self._mm, None
+        watched, self._watched = self._watched, []
+        fds = {w[0] for w in watched} | ({self._fd} if self._fd >= 0 else set())
+        self._fd = -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         if mm is not None:
             try:
                 mm.close()
             except BufferError:
                 # numpy views of tensor data are still alive; the mapping is freed with them.
                 log.debug("%s: mapping still referenced by tensor views; freed when they are", self.path)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0 or getattr(self, "_watched", None):
+            self.close()
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -251,13 +287,14 @@ class _Parser:
         self.pos += 8
         return v
 
-    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
+    def string(self, what: str, limit_name: str = "MAX_STRING_BYTES") -> str:
+        limit = globals()[limit_name]  # looked up per call: the limits are module settings
         start = self.pos
         n = self.u64(what + " length")
         if n > self.size - self.pos:
             raise self.fail(what, start, f"string length {n} exceeds the {self.size - self.pos} bytes left")
         if n > limit:
-            raise self.fail(what, start, f"string length {n} exceeds the limit of {limit} bytes")
+            raise self.fail(what, start, f"string length {n} exceeds the limit of {limit} bytes (gguf.{limit_name})")
         b = self.buf[self.pos:self.pos + n]
         self.pos += n
         return self.decode(b, what, start)
@@ -268,7 +305,8 @@ class _Parser:
         try:
             return b.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise self.fail(what, at, f"string is not valid UTF-8 ({e.reason} at byte {e.start} of the string)") from None
+            raise self.fail(what, at, f"string is not valid UTF-8 ({e.reason} at byte {e.start} "
+                            "of the string)") from None
 
     # -- structure ---------------------------------------------------------------------------
     def parse(self) -> None:
@@ -297,15 +335,16 @@ class _Parser:
             raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values need at least {n_kv * 13} bytes, "
                             f"only {left} follow the header (corrupt count or truncated file)")
         if n_tensors > MAX_TENSORS:
-            raise self.fail("tensor_count", 8, f"{n_tensors} tensors exceed the limit of {MAX_TENSORS}")
+            raise self.fail("tensor_count", 8,
+                            f"{n_tensors} tensors exceed the limit of {MAX_TENSORS} (gguf.MAX_TENSORS)")
         if n_kv > MAX_KV:
-            raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values exceed the limit of {MAX_KV}")
+            raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values exceed the limit of {MAX_KV} (gguf.MAX_KV)")
 
         md, mtypes = f.metadata, f.metadata_types
         value_at: dict[str, int] = {}  # key -> byte offset of its value, for later error messages (alignment)
         for i in range(n_kv):
             kat = self.pos
-            key = self.string(f"metadata[{i}].key", MAX_KEY_BYTES)
+            key = self.string(f"metadata[{i}].key", "MAX_KEY_BYTES")
             if key in md:
                 raise self.fail(f"metadata key {_q(key)}", kat, "duplicate key")
             label = f"metadata[{_q(key)}]"
@@ -324,14 +363,13 @@ class _Parser:
                                 "(a non-zero power of two UINT32 is required)")
         f.alignment = int(align)
 
-        infos = []
-        names: set[str] = set()
+        infos = []  # (tensor, byte offset of its offset field); offsets made absolute below
+        tensors = f.tensors
         for i in range(n_tensors):
             nat = self.pos
-            name = self.string(f"tensor[{i}].name", MAX_TENSOR_NAME_BYTES)
-            if name in names:
+            name = self.string(f"tensor[{i}].name", "MAX_TENSOR_NAME_BYTES")
+            if name in tensors:
                 raise self.fail(f"tensor name {_q(name)}", nat, "duplicate tensor name")
-            names.add(name)
             tn = f"tensor {_q(name)}"
             dat = self.pos
             n_dims = self.u32(tn + " n_dims")
@@ -357,20 +395,23 @@ class _Parser:
             off = self.u64(tn + " offset")
             if off % f.alignment:
                 raise self.fail(tn + " offset", oat, f"offset {off} not aligned to {f.alignment}")
-            nbytes = n_el // gt.block_size * gt.type_size
-            infos.append((name, nat, gt, tuple(reversed(ne)), off, oat, nbytes))
+            t = GGUFTensor(name, gt, tuple(reversed(ne)), off, n_el // gt.block_size * gt.type_size, f)
+            tensors[name] = t
+            infos.append((t, oat))
 
         data_start = -(-self.pos // f.alignment) * f.alignment
         if n_tensors and data_start > self.size:
             raise self.fail("tensor data", self.pos, "file ends before the aligned start of tensor data")
         f.data_offset = data_start
         avail = self.size - data_start
-        for name, _nat, gt, shape, off, oat, nbytes in infos:
+        for t, oat in infos:
+            off, nbytes = t.offset, t.nbytes
             if off > avail or nbytes > avail - off:
-                raise self.fail(f"tensor {_q(name)} data", oat,
-                                f"{nbytes} bytes ({gt.name} {list(shape)}) at file offset {data_start + off} "
+                raise self.fail(f"tensor {_q(t.name)} data", oat,
+                                f"{nbytes} bytes ({t.type.name} {list(t.shape)}) at file offset {data_start + off} "
                                 f"run past the end of the {self.size}-byte file")
-            f.tensors[name] = GGUFTensor(name, gt, shape, data_start + off, nbytes, f)
+            t.offset = data_start + off
+        del infos
         # The format allows any aligned, non-overlapping layout, so dims that claim more bytes
         # than a tensor's slot show up as it running into the next tensor.
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in f.tensors.values() if t.nbytes)
@@ -425,7 +466,7 @@ class _Parser:
                 self.n_strings += n
                 if self.n_strings > MAX_STRINGS:
                     raise self.fail(what + " count", cat, f"{n} strings bring the file's string arrays to "
-                                    f"{self.n_strings} strings, over the limit of {MAX_STRINGS}")
+                                    f"{self.n_strings} strings, over the limit of {MAX_STRINGS} (gguf.MAX_STRINGS)")
                 return self.string_array(n, what), "ARRAY[STRING]"
             if et == _VT_ARRAY:
                 if n > left // 12:
@@ -433,7 +474,7 @@ class _Parser:
                 self.n_nested += n
                 if self.n_nested > MAX_NESTED_ARRAYS:
                     raise self.fail(what + " count", cat, f"{n} arrays bring the file's nested arrays to "
-                                    f"{self.n_nested}, over the limit of {MAX_NESTED_ARRAYS}")
+                                    f"{self.n_nested}, over the limit of {MAX_NESTED_ARRAYS} (gguf.MAX_NESTED_ARRAYS)")
                 items, sub = [], "ARRAY[?]"
                 for i in range(n):
                     # each element is itself an array value: (u32 element type, u64 count, elements)
@@ -487,7 +528,8 @@ class _Parser:
                 raise self.fail(f"{what}[{i}]", pos - 8,
                                 f"string length {ln} exceeds the {size - pos} bytes left")
             if ln > MAX_STRING_BYTES:
-                raise self.fail(f"{what}[{i}]", pos - 8, f"string length {ln} exceeds the limit of {MAX_STRING_BYTES} bytes")
+                raise self.fail(f"{what}[{i}]", pos - 8, f"string length {ln} exceeds the limit of "
+                                f"{MAX_STRING_BYTES} bytes (gguf.MAX_STRING_BYTES)")
             out[i] = self.decode(buf[pos:end], f"{what}[{i}]", pos - 8)
             pos = end
         self.pos = pos

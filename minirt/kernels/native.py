@@ -38,8 +38,8 @@ import importlib.util
 import logging
 import mmap
 import os
-import stat
 import platform
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -695,6 +695,7 @@ class PackCache:
 
     def __init__(self, path: Path, key: str, size: int) -> None:
         self.path, self.key, self.size = path, key, size
+        self.fd = -1  # after open_mapped: an fd of the mapped file, for truncation checks (caller closes)
 
     @classmethod
     def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> PackCache | None:
@@ -724,7 +725,9 @@ class PackCache:
 
     def open_mapped(self) -> np.ndarray | None:
         """The cached packed bytes as a read-only array over the file (``size`` bytes, page cache
-        pages shared with every process using this model), or None when absent or not this key.
+        pages shared with every process using this model), or None when absent, not this key, not
+        trusted (see the class doc) or not matching its digest. ``self.fd`` then stays open on the
+        file (for truncation checks; the caller owns it).
 
         Mapped, not read into fresh memory: on a warm page cache this costs page-table updates only
         (~20 ms for 400 MB), where new anonymous memory costs 0.05-0.7 s to fault in on the machines
@@ -740,20 +743,27 @@ class PackCache:
             log.warning("cannot open pack cache %s (%s: a symlink?); repacking", self.path, e.strerror)
             return None
         try:
-            with os.fdopen(fd, "rb") as f:
-                why = _untrusted_file(os.fstat(fd))
-                if why:
-                    log.warning("pack cache %s is %s; repacking", self.path, why)
-                    return None
-                head = f.read(self.HEADER)
-                if (len(head) != self.HEADER or head[:8] != self.MAGIC or head[8:40] != self.key.encode()
-                        or int.from_bytes(head[40:48], "little") != self.size):
-                    log.info("pack cache %s does not match this model; repacking", self.path)
-                    return None
-                if os.fstat(fd).st_size < self.HEADER + self.size:
-                    log.warning("pack cache %s is truncated; repacking", self.path)
-                    return None
-                mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ, offset=self.HEADER)
+            return self._map_verified(fd)
+        finally:
+            if self.fd != fd:
+                os.close(fd)
+
+    def _map_verified(self, fd: int) -> np.ndarray | None:
+        """open_mapped over an open ``fd``; sets ``self.fd = fd`` when it returns the mapping."""
+        try:
+            why = _untrusted_file(os.fstat(fd))
+            if why:
+                log.warning("pack cache %s is %s; repacking", self.path, why)
+                return None
+            head = os.pread(fd, self.HEADER, 0)
+            if (len(head) != self.HEADER or head[:8] != self.MAGIC or head[8:40] != self.key.encode()
+                    or int.from_bytes(head[40:48], "little") != self.size):
+                log.info("pack cache %s does not match this model; repacking", self.path)
+                return None
+            if os.fstat(fd).st_size < self.HEADER + self.size:
+                log.warning("pack cache %s is truncated; repacking", self.path)
+                return None
+            mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ, offset=self.HEADER)
         except (OSError, ValueError) as e:
             log.warning("cannot map pack cache %s (%s); repacking", self.path, e)
             return None
@@ -762,13 +772,11 @@ class PackCache:
         if _payload_digest(buf) != head[48:80]:
             log.warning("pack cache %s does not match the model's weights (payload checksum); repacking", self.path)
             del buf
-            try:
-                mm.close()
-            except BufferError:  # pragma: no cover - no view escaped
-                pass
+            mm.close()
             return None
+        self.fd = fd
         try:
-            os.utime(self.path)  # least recently used goes first
+            os.utime(fd if os.utime in os.supports_fd else self.path)  # least recently used goes first
         except OSError:
             pass
         return buf
@@ -1029,7 +1037,8 @@ class LayerStack:
         class _Dims:  # what _width reads
             n_embd = d
         for k, n in (("attn_norm", b.attn_norm), ("q_norm", a.q_norm), ("k_norm", a.k_norm),
-                     ("post_attn_norm", b.post_attn_norm), ("ffn_norm", b.ffn_norm), ("post_ffn_norm", b.post_ffn_norm)):
+                     ("post_attn_norm", b.post_attn_norm), ("ffn_norm", b.ffn_norm),
+                     ("post_ffn_norm", b.post_ffn_norm)):
             if n is not None:
                 width = self._width(k, a, _Dims)
                 vec(n.weight, width, f"{k} weight")
