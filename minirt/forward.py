@@ -176,6 +176,9 @@ class Transformer:
         Each segment's cache grows by its token count. Returns per segment the logits it asked for:
         (n_vocab,) for "last", (n_tokens, n_vocab) for "all", None for "none".
         """
+        check = getattr(self.file, "check_intact", None)
+        if check is not None:  # a mapped file truncated since load: a typed error, not SIGBUS in a kernel
+            check()
         out = self.backend.forward(self, tokens, segments)  # a device backend runs the whole pass
         if out is not None:
             return out

@@ -16,6 +16,15 @@ Layout (all little-endian)::
 
 where ``string`` is ``u64 length`` + UTF-8 bytes and ``ne[0]`` is the fastest-moving dimension
 (numpy order is the reverse: ``shape = ne[::-1]``).
+
+Cost bound: every count is checked against the bytes left before its loop runs, and against the
+limits below, so parsing time and memory are linear in the file size and capped in absolute terms
+whatever the file holds. Arrays of numbers are one numpy array each (a single copy out of the
+mapping: as many bytes as the file holds); the Python objects are one per key, per tensor, per string
+and per nested array, and those are what the limits cap (each costs ~50-200 bytes of Python memory
+against 8-32 bytes of file). Real models stay far below them (about 50 keys, 300-3000 tensors,
+150k-300k vocabulary strings plus as many merges, no nested arrays); a file over a limit raises
+:class:`GGUFError` naming it before the work.
 """
 
 from __future__ import annotations
@@ -41,6 +50,13 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 4  # arrays of arrays are legal; a bound keeps recursion finite
+MAX_KV = 1 << 16  # metadata keys per file
+MAX_TENSORS = 1 << 16  # tensors per file (a large MoE model has a few thousand)
+MAX_KEY_BYTES = 1 << 16  # one metadata key
+MAX_TENSOR_NAME_BYTES = 1 << 10  # one tensor name (ggml itself allows 63)
+MAX_STRING_BYTES = 64 << 20  # one string value (chat templates are 1-100 KB)
+MAX_STRINGS = 1 << 22  # strings in all string arrays together (vocabulary + merges)
+MAX_NESTED_ARRAYS = 1 << 16  # arrays inside arrays, all of them together
 
 # GGUF value types: id -> (name, numpy dtype or None for string/array)
 _VT_UINT8, _VT_INT8, _VT_UINT16, _VT_INT16, _VT_UINT32, _VT_INT32 = 0, 1, 2, 3, 4, 5
@@ -77,7 +93,7 @@ def _q(s: str, limit: int = 64) -> str:
     return repr(s) if len(s) <= limit else f"{s[:limit]!r}...({len(s)} chars)"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one tensor costs ~4x its table entry, not ~8x
 class GGUFTensor:
     """One tensor of a GGUF file: its type, its shape in numpy order and its raw mapped bytes."""
 
@@ -132,6 +148,9 @@ class GGUFFile:
         self.alignment = DEFAULT_ALIGNMENT
         self.data_offset = 0
         self._mm: mmap.mmap | None = None
+        self._fd = -1
+        # (fd, bytes needed, what, error type) of each mapped file whose truncation check_intact() detects
+        self._watched: list[tuple[int, int, str, type[Exception]]] = []
         try:
             # A FIFO or device would block or never end: only regular files are mapped.
             if not stat.S_ISREG(os.stat(self.path).st_mode):
@@ -145,14 +164,35 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: header at byte 0: file is empty")
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise GGUFError(f"cannot map GGUF file {self.path!r}: {e}") from e
-        finally:
             os.close(fd)
+            raise GGUFError(f"cannot map GGUF file {self.path!r}: {e}") from e
+        self._fd = fd  # kept open for check_intact(): one fstat per step
         try:
             _Parser(self, self._mm).parse()
         except BaseException:
             self.close()
             raise
+        self._watched.append((fd, self.file_size, f"GGUF file {self.path}", GGUFError))
+
+    def watch(self, fd: int, need: int, what: str, error: type[Exception]) -> None:
+        """Also check, in :meth:`check_intact`, that another mapped file (open as ``fd``, which this
+        file now owns and closes) still holds ``need`` bytes; ``error`` is raised when it does not."""
+        self._watched.append((fd, need, what, error))
+
+    def check_intact(self) -> None:
+        """Raise (:class:`GGUFError` for this file) when a mapped file was truncated since it was
+        opened: reading its pages past the new end would kill the process with SIGBUS.
+
+        One ``fstat`` per file, called before each forward pass. It narrows the window, it cannot
+        close it: a truncation during a pass still ends the process (a guard inside the kernels would
+        need a SIGBUS handler in C). Keep model files read-only while they are loaded."""
+        for fd, need, what, error in self._watched:
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as e:
+                raise error(f"{what}: cannot check it ({e.strerror}); reload the model") from None
+            if size < need:
+                raise error(f"{what} was truncated while in use ({size} bytes, {need} mapped); reload the model")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _require_open(self) -> mmap.mmap:
@@ -168,12 +208,24 @@ class GGUFFile:
     def close(self) -> None:
         """Release the mapping. Arrays still viewing it keep it alive until they are dropped."""
         mm, self._mm = self._mm, None
+        watched, self._watched = self._watched, []
+        fds = {w[0] for w in watched} | ({self._fd} if self._fd >= 0 else set())
+        self._fd = -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         if mm is not None:
             try:
                 mm.close()
             except BufferError:
                 # numpy views of tensor data are still alive; the mapping is freed with them.
                 log.debug("%s: mapping still referenced by tensor views; freed when they are", self.path)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0 or getattr(self, "_watched", None):
+            self.close()
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -212,6 +264,8 @@ class _Parser:
         self.buf = buf
         self.size = len(buf)
         self.pos = 0
+        self.n_strings = 0  # strings of string arrays so far (MAX_STRINGS)
+        self.n_nested = 0  # arrays inside arrays so far (MAX_NESTED_ARRAYS)
 
     # -- primitives --------------------------------------------------------------------------
     def fail(self, what: str, at: int, msg: str) -> GGUFError:
@@ -233,15 +287,26 @@ class _Parser:
         self.pos += 8
         return v
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit_name: str = "MAX_STRING_BYTES") -> str:
+        limit = globals()[limit_name]  # looked up per call: the limits are module settings
         start = self.pos
         n = self.u64(what + " length")
         if n > self.size - self.pos:
             raise self.fail(what, start, f"string length {n} exceeds the {self.size - self.pos} bytes left")
+        if n > limit:
+            raise self.fail(what, start, f"string length {n} exceeds the limit of {limit} bytes (gguf.{limit_name})")
         b = self.buf[self.pos:self.pos + n]
         self.pos += n
-        # surrogateescape keeps invalid UTF-8 (some vocabularies hold raw bytes) round-trippable.
-        return b.decode("utf-8", "surrogateescape")
+        return self.decode(b, what, start)
+
+    def decode(self, b: bytes, what: str, at: int) -> str:
+        """Strict UTF-8, as the format requires (and gguf-py reads): invalid bytes would surface
+        much later as encode errors in the tokenizer or the server, so they are refused here."""
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(what, at, f"string is not valid UTF-8 ({e.reason} at byte {e.start} "
+                            "of the string)") from None
 
     # -- structure ---------------------------------------------------------------------------
     def parse(self) -> None:
@@ -269,18 +334,24 @@ class _Parser:
         if n_kv * 13 > left:
             raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values need at least {n_kv * 13} bytes, "
                             f"only {left} follow the header (corrupt count or truncated file)")
+        if n_tensors > MAX_TENSORS:
+            raise self.fail("tensor_count", 8,
+                            f"{n_tensors} tensors exceed the limit of {MAX_TENSORS} (gguf.MAX_TENSORS)")
+        if n_kv > MAX_KV:
+            raise self.fail("metadata_kv_count", 16, f"{n_kv} key/values exceed the limit of {MAX_KV} (gguf.MAX_KV)")
 
         md, mtypes = f.metadata, f.metadata_types
-        value_at: dict[str, int] = {}  # key -> byte offset of its value, for later error messages
+        value_at: dict[str, int] = {}  # key -> byte offset of its value, for later error messages (alignment)
         for i in range(n_kv):
             kat = self.pos
-            key = self.string(f"metadata[{i}].key")
+            key = self.string(f"metadata[{i}].key", "MAX_KEY_BYTES")
             if key in md:
                 raise self.fail(f"metadata key {_q(key)}", kat, "duplicate key")
             label = f"metadata[{_q(key)}]"
             tat = self.pos
             vt = self.u32(label + ".type")
-            value_at[key] = self.pos
+            if key == "general.alignment":
+                value_at[key] = self.pos
             md[key], mtypes[key] = self.value(vt, label, tat, 0)
 
         align = md.get("general.alignment", DEFAULT_ALIGNMENT)
@@ -292,21 +363,20 @@ class _Parser:
                                 "(a non-zero power of two UINT32 is required)")
         f.alignment = int(align)
 
-        infos = []
-        names: set[str] = set()
+        infos = []  # (tensor, byte offset of its offset field); offsets made absolute below
+        tensors = f.tensors
         for i in range(n_tensors):
             nat = self.pos
-            name = self.string(f"tensor[{i}].name")
-            if name in names:
+            name = self.string(f"tensor[{i}].name", "MAX_TENSOR_NAME_BYTES")
+            if name in tensors:
                 raise self.fail(f"tensor name {_q(name)}", nat, "duplicate tensor name")
-            names.add(name)
             tn = f"tensor {_q(name)}"
             dat = self.pos
             n_dims = self.u32(tn + " n_dims")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise self.fail(tn + " n_dims", dat, f"{n_dims} dimensions (1..{MAX_DIMS} allowed)")
             self.need(8 * n_dims, tn + " dims")
-            ne = [int(v) for v in np.frombuffer(self.buf, "<u8", n_dims, self.pos)]
+            ne = list(struct.unpack_from(f"<{n_dims}Q", self.buf, self.pos))
             self.pos += 8 * n_dims
             n_el = 1
             for d in ne:
@@ -325,20 +395,23 @@ class _Parser:
             off = self.u64(tn + " offset")
             if off % f.alignment:
                 raise self.fail(tn + " offset", oat, f"offset {off} not aligned to {f.alignment}")
-            nbytes = n_el // gt.block_size * gt.type_size
-            infos.append((name, nat, gt, tuple(reversed(ne)), off, oat, nbytes))
+            t = GGUFTensor(name, gt, tuple(reversed(ne)), off, n_el // gt.block_size * gt.type_size, f)
+            tensors[name] = t
+            infos.append((t, oat))
 
         data_start = -(-self.pos // f.alignment) * f.alignment
         if n_tensors and data_start > self.size:
             raise self.fail("tensor data", self.pos, "file ends before the aligned start of tensor data")
         f.data_offset = data_start
         avail = self.size - data_start
-        for name, _nat, gt, shape, off, oat, nbytes in infos:
+        for t, oat in infos:
+            off, nbytes = t.offset, t.nbytes
             if off > avail or nbytes > avail - off:
-                raise self.fail(f"tensor {_q(name)} data", oat,
-                                f"{nbytes} bytes ({gt.name} {list(shape)}) at file offset {data_start + off} "
+                raise self.fail(f"tensor {_q(t.name)} data", oat,
+                                f"{nbytes} bytes ({t.type.name} {list(t.shape)}) at file offset {data_start + off} "
                                 f"run past the end of the {self.size}-byte file")
-            f.tensors[name] = GGUFTensor(name, gt, shape, data_start + off, nbytes, f)
+            t.offset = data_start + off
+        del infos
         # The format allows any aligned, non-overlapping layout, so dims that claim more bytes
         # than a tensor's slot show up as it running into the next tensor.
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in f.tensors.values() if t.nbytes)
@@ -390,10 +463,18 @@ class _Parser:
             if et == _VT_STRING:
                 if n > left // 8:
                     raise self.fail(what + " count", cat, f"{n} strings exceed the {left} bytes left")
+                self.n_strings += n
+                if self.n_strings > MAX_STRINGS:
+                    raise self.fail(what + " count", cat, f"{n} strings bring the file's string arrays to "
+                                    f"{self.n_strings} strings, over the limit of {MAX_STRINGS} (gguf.MAX_STRINGS)")
                 return self.string_array(n, what), "ARRAY[STRING]"
             if et == _VT_ARRAY:
                 if n > left // 12:
                     raise self.fail(what + " count", cat, f"{n} arrays exceed the {left} bytes left")
+                self.n_nested += n
+                if self.n_nested > MAX_NESTED_ARRAYS:
+                    raise self.fail(what + " count", cat, f"{n} arrays bring the file's nested arrays to "
+                                    f"{self.n_nested}, over the limit of {MAX_NESTED_ARRAYS} (gguf.MAX_NESTED_ARRAYS)")
                 items, sub = [], "ARRAY[?]"
                 for i in range(n):
                     # each element is itself an array value: (u32 element type, u64 count, elements)
@@ -409,8 +490,8 @@ class _Parser:
         The fast path trusts each length and checks the end position once after the loop:
         positions only grow, so an overrun anywhere either leaves the end past the file or makes
         a later length read fail; mmap slices past the end are merely short, and each overrun
-        slice is bounded by the file. Any doubt (an overrun, invalid UTF-8) re-reads the array
-        with :meth:`_string_array_checked`, which names the offending element and its offset.
+        slice is bounded by the file. Any doubt (an overrun, invalid UTF-8, an over-long string) re-reads
+        the array with :meth:`_string_array_checked`, which names the offending element and its offset.
         """
         buf, pos = self.buf, self.pos
         unpack = _U64.unpack_from
@@ -418,6 +499,8 @@ class _Parser:
         try:
             for i in range(n):
                 (ln,) = unpack(buf, pos)
+                if ln > MAX_STRING_BYTES:
+                    raise OverflowError
                 pos += 8
                 end = pos + ln
                 out[i] = buf[pos:end].decode()  # strict UTF-8, the fastest decode call
@@ -431,7 +514,7 @@ class _Parser:
         return self._string_array_checked(n, what)
 
     def _string_array_checked(self, n: int, what: str) -> list[str]:
-        """Slow path of :meth:`string_array`: bound check per element, invalid UTF-8 kept."""
+        """Slow path of :meth:`string_array`: bound, limit and UTF-8 check per element."""
         buf, pos, size = self.buf, self.pos, self.size
         unpack = _U64.unpack_from
         out: list[str] = [""] * n
@@ -444,8 +527,10 @@ class _Parser:
             if end > size:
                 raise self.fail(f"{what}[{i}]", pos - 8,
                                 f"string length {ln} exceeds the {size - pos} bytes left")
-            # surrogateescape keeps invalid UTF-8 (raw-byte tokens) round-trippable.
-            out[i] = buf[pos:end].decode("utf-8", "surrogateescape")
+            if ln > MAX_STRING_BYTES:
+                raise self.fail(f"{what}[{i}]", pos - 8, f"string length {ln} exceeds the limit of "
+                                f"{MAX_STRING_BYTES} bytes (gguf.MAX_STRING_BYTES)")
+            out[i] = self.decode(buf[pos:end], f"{what}[{i}]", pos - 8)
             pos = end
         self.pos = pos
         return out

@@ -3,7 +3,9 @@
 One cache holds, for every layer, the keys and values of every position processed so far, in
 arrays preallocated for ``n_ctx`` positions. They are allocated zero-filled, which the OS
 provides lazily: memory becomes resident only as positions are written, so a large ``n_ctx``
-costs address space, not RAM, until it is used.
+costs address space, not RAM, until it is used. Positions a cache forgets (``clear``,
+``truncate``: a recycled or prefix-reused cache) give their pages back, so the resident memory
+of idle caches is what the scheduler's KV budget counts for them.
 
 Layout: ``k[layer]`` is ``(n_head_kv, n_ctx, width_k)``, ``v[layer]`` is
 ``(n_head_kv, n_ctx, width_v)``, so one head's keys for positions ``0..n`` are contiguous
@@ -23,6 +25,41 @@ import numpy as np
 from . import kv_types
 
 _SMALL = 4 << 20  # below this numpy's own zeroed allocation is fine
+
+
+def _anon_map(a: np.ndarray) -> mmap.mmap | None:
+    """The anonymous mapping under an array made by :func:`lazy_zeros`, or None (numpy memory)."""
+    b = a
+    while b is not None and not isinstance(b, mmap.mmap):
+        b = getattr(b, "base", None)
+        if isinstance(b, memoryview):
+            b = b.obj
+    return b if isinstance(b, mmap.mmap) else None
+
+
+def drop_positions(a: np.ndarray, n: int) -> int:
+    """Give the pages of positions ``n..`` of a (layers, heads, n_ctx, dim) :func:`lazy_zeros` cache
+    array back to the OS (MADV_DONTNEED: they read as zeros again and are resident no more).
+    Returns the bytes released; 0 for numpy memory (small caches, which stay below 4 MiB)."""
+    m = _anon_map(a)
+    if m is None or not hasattr(mmap, "MADV_DONTNEED") or a.ndim != 4:
+        return 0
+    L, H, n_ctx, d = a.shape
+    row, keep = n_ctx * d * a.itemsize, n * d * a.itemsize
+    page, freed = mmap.PAGESIZE, 0
+    if keep == 0:
+        spans = [(0, L * H * row)]  # the whole array at once
+    else:
+        spans = [(r * row + keep, (r + 1) * row) for r in range(L * H)]
+    for lo, hi in spans:
+        lo, hi = -(-lo // page) * page, hi // page * page  # whole pages inside the span only
+        if hi > lo:
+            try:
+                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):
+                return freed
+            freed += hi - lo
+    return freed
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
@@ -102,14 +139,24 @@ class KVCache:
         return self.tokens[: self.n_past]
 
     def clear(self) -> None:
-        """Forget every position (memory stays reserved)."""
+        """Forget every position; their pages go back to the OS (address space stays reserved)."""
         self.n_past = 0
+        self._drop(0)
 
     def truncate(self, n: int) -> None:
-        """Keep only the first ``n`` positions (e.g. to reuse a shared prompt prefix)."""
+        """Keep only the first ``n`` positions (e.g. to reuse a shared prompt prefix). The pages of
+        the others are released, so a recycled cache holds only what the KV budget counts for it
+        (its ``n_past`` positions) rather than every page it ever touched."""
         if not 0 <= n <= self.n_past:
             raise ValueError(f"cannot truncate a cache of {self.n_past} positions to {n}")
         self.n_past = n
+        self._drop(n)
+
+    def _drop(self, n: int) -> None:
+        # every position from n on, not just up to n_past: a step that failed after writing its
+        # keys leaves pages beyond n_past; untouched ranges cost the kernel a page-table walk only
+        drop_positions(self.k, n)
+        drop_positions(self.v, n)
 
     def copy_prefix_from(self, other: KVCache, n: int) -> None:
         """Copy the first ``n`` positions of ``other`` (same model) into this cache."""

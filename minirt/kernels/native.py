@@ -39,6 +39,7 @@ import logging
 import mmap
 import os
 import platform
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -525,6 +526,35 @@ class PackedMatrix:
         return f"PackedMatrix({self.qtype}, {self.rows}x{self.cols}, {self.nbytes} bytes)"
 
 
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
+
+
+def _check_packed(pm: Any, what: str = "w", rows: int | None = None, cols: int | None = None) -> tuple[str, int]:
+    """Validate a :class:`PackedMatrix` before C reads it: a known packable type, positive shape
+    (``rows``/``cols`` when given), and a C-contiguous uint8 buffer of at least the packed size
+    (C sees only a pointer, so a short buffer would be read past its end). Returns (type name, id)."""
+    if not isinstance(pm, PackedMatrix):
+        raise InvalidRequestError(f"{what} must be a PackedMatrix, got {type(pm).__name__}")
+    name, tid, bs, _ = _qtype(pm.qtype)
+    if not _positive_int(pm.rows) or not _positive_int(pm.cols) or pm.cols % bs:
+        raise InvalidRequestError(f"{what}: packed {name} shape {pm.rows}x{pm.cols} is not positive with "
+                                  f"whole {bs}-column blocks")
+    if (rows is not None and pm.rows != rows) or (cols is not None and pm.cols != cols):
+        raise InvalidRequestError(f"{what}: packed matrix is {pm.rows}x{pm.cols}, expected {rows}x{cols}")
+    d = pm.data
+    if not isinstance(d, np.ndarray) or d.dtype != _U8 or d.ndim != 1 or not d.flags.c_contiguous:
+        raise InvalidRequestError(f"{what}: packed data must be a C-contiguous 1-D uint8 array")
+    _, lib = _lib()
+    need = int(lib.mr_pack_size(tid, int(pm.rows), int(pm.cols)))
+    if need <= 0:
+        raise InvalidRequestError(f"{what}: {name} {pm.rows}x{pm.cols} has no packed layout")
+    if d.nbytes < need:
+        raise InvalidRequestError(f"{what}: packed {name} {pm.rows}x{pm.cols} needs {need} bytes, its data has "
+                                  f"{d.nbytes}")
+    return name, tid
+
+
 def pack_size(qtype: str, rows: int, cols: int) -> int:
     """Bytes of the packed form of a (rows, cols) matrix; 0 when it cannot be packed."""
     _, lib = _lib()
@@ -674,6 +704,7 @@ def pack(w: np.ndarray, qtype: str, arena: PackArena | None = None, threads: int
 def unpack(pm: PackedMatrix) -> np.ndarray:
     """The ggml rows (rows, row_bytes) uint8 of a packed matrix (the inverse of :func:`pack`)."""
     ffi, lib = _lib()
+    _check_packed(pm, "pm")
     name, tid, bs, ts = _qtype(pm.qtype)
     out = np.empty((pm.rows, pm.cols // bs * ts), dtype=_U8)
     _check_rc(lib.mr_unpack(tid, ffi.from_buffer("unsigned char[]", pm.data), pm.rows, pm.cols,
@@ -687,18 +718,22 @@ class PackCache:
 
     The key covers the GGUF file's identity (real path, size, modification time, inode), each
     packed tensor's offset, type and shape, and the packing code, so a changed file or layout never
-    matches. A file is also spot-checked after reading: the first and last 4-row group of every
-    matrix are unpacked and compared with the GGUF bytes. The cache holds at most ``KEEP`` models
-    (least recently used go first); ``MINIRT_PACK_CACHE=0`` disables it. Failures to read or write
-    it are logged and cost only the repacking.
+    matches. What is mapped is verified before use: the header holds a digest of the whole payload
+    (:func:`_payload_digest`, written at creation) that is recomputed over the mapping at load, so
+    a byte changed anywhere in the file is caught; and a file is only opened when it is a regular
+    file owned by this user and writable by nobody else, never through a symlink or a FIFO. The
+    first and last 4-row group of every matrix are also unpacked and compared with the GGUF bytes.
+    The cache holds at most ``KEEP`` models (least recently used go first); ``MINIRT_PACK_CACHE=0``
+    disables it. Failures to read, verify or write it are logged and cost only the repacking.
     """
 
-    MAGIC = b"MRPACK01"
+    MAGIC = b"MRPACK02"  # 02: payload digest in the header
     HEADER = 4096  # payload starts page-aligned
     KEEP = 4
 
     def __init__(self, path: Path, key: str, size: int) -> None:
         self.path, self.key, self.size = path, key, size
+        self.fd = -1  # after open_mapped: an fd of the mapped file, for truncation checks (caller closes)
 
     @classmethod
     def for_model(cls, gguf_path: str, entries: list[tuple[np.ndarray, str, int]], size: int) -> PackCache | None:
@@ -728,33 +763,61 @@ class PackCache:
 
     def open_mapped(self) -> np.ndarray | None:
         """The cached packed bytes as a read-only array over the file (``size`` bytes, page cache
-        pages shared with every process using this model), or None when absent or not this key.
+        pages shared with every process using this model), or None when absent, not this key, not
+        trusted (see the class doc) or not matching its digest. ``self.fd`` then stays open on the
+        file (for truncation checks; the caller owns it).
 
         Mapped, not read into fresh memory: on a warm page cache this costs page-table updates only
         (~20 ms for 400 MB), where new anonymous memory costs 0.05-0.7 s to fault in on the machines
         measured."""
         try:
-            with open(self.path, "rb") as f:
-                head = f.read(self.HEADER)
-                if (len(head) != self.HEADER or head[:8] != self.MAGIC or head[8:40] != self.key.encode()
-                        or int.from_bytes(head[40:48], "little") != self.size):
-                    log.info("pack cache %s does not match this model; repacking", self.path)
-                    return None
-                if os.fstat(f.fileno()).st_size < self.HEADER + self.size:
-                    log.warning("pack cache %s is truncated; repacking", self.path)
-                    return None
-                mm = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ, offset=self.HEADER)
+            # O_NOFOLLOW: a symlink planted in the cache folder is refused (ELOOP), not followed;
+            # O_NONBLOCK: a FIFO opens without waiting for a writer, and fstat then refuses it
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return None
+        except OSError as e:
+            log.warning("cannot open pack cache %s (%s: a symlink?); repacking", self.path, e.strerror)
+            return None
+        try:
+            return self._map_verified(fd)
+        finally:
+            if self.fd != fd:
+                os.close(fd)
+
+    def _map_verified(self, fd: int) -> np.ndarray | None:
+        """open_mapped over an open ``fd``; sets ``self.fd = fd`` when it returns the mapping."""
+        try:
+            why = _untrusted_file(os.fstat(fd))
+            if why:
+                log.warning("pack cache %s is %s; repacking", self.path, why)
+                return None
+            head = os.pread(fd, self.HEADER, 0)
+            if (len(head) != self.HEADER or head[:8] != self.MAGIC or head[8:40] != self.key.encode()
+                    or int.from_bytes(head[40:48], "little") != self.size):
+                log.info("pack cache %s does not match this model; repacking", self.path)
+                return None
+            if os.fstat(fd).st_size < self.HEADER + self.size:
+                log.warning("pack cache %s is truncated; repacking", self.path)
+                return None
+            mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ, offset=self.HEADER)
         except (OSError, ValueError) as e:
             log.warning("cannot map pack cache %s (%s); repacking", self.path, e)
             return None
         _advise_read(mm, 0, len(mm))
+        buf = np.frombuffer(mm, dtype=_U8)  # the array keeps the mapping alive
+        if _payload_digest(buf) != head[48:80]:
+            log.warning("pack cache %s does not match the model's weights (payload checksum); repacking", self.path)
+            del buf
+            mm.close()
+            return None
+        self.fd = fd
         try:
-            os.utime(self.path)  # least recently used goes first
+            os.utime(fd if os.utime in os.supports_fd else self.path)  # least recently used goes first
         except OSError:
             pass
-        return np.frombuffer(mm, dtype=_U8)  # the array keeps the mapping alive
+        return buf
 
     def store(self, buf: np.ndarray) -> None:
         """Write ``buf[:size]`` as this key's cache file (atomically), then trim the cache."""
@@ -764,7 +827,8 @@ class PackCache:
             d.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pack", dir=d)
             with os.fdopen(fd, "wb", buffering=0) as f:
-                head = self.MAGIC + self.key.encode() + self.size.to_bytes(8, "little")
+                head = (self.MAGIC + self.key.encode() + self.size.to_bytes(8, "little")
+                        + _payload_digest(buf[:self.size]))
                 f.write(head.ljust(self.HEADER, b"\0"))
                 view = memoryview(buf)[:self.size]
                 done = 0
@@ -787,6 +851,48 @@ class PackCache:
                 old.unlink()
         except OSError:
             pass
+
+
+def _untrusted_file(st: os.stat_result) -> str | None:
+    """Why a cache file must not be used (not a regular file, someone else's, writable by others), or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not this user"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+_DIGEST_CHUNK = 16 << 20
+
+
+def _payload_digest(buf: np.ndarray) -> bytes:
+    """32-byte digest of ``buf``: sha256 of the sha256 of each 16 MiB chunk (and the length).
+
+    Chunked so that the chunks hash in parallel (hashlib releases the GIL on large buffers); sha256
+    because OpenSSL runs it at 1.5-2 GB/s per core with the SHA extensions (about 0.5 GB/s
+    without), faster than hashlib's blake2b, and xxhash would be one more dependency. Cost at load:
+    one read of the mapping, whose pages the decode needs anyway (measured: 0.4 s for 128 MiB on one
+    core of a busy shared machine with the SHA extensions, blake2b 0.9 s; so a 400 MB cache costs
+    about 0.1-0.3 s on 4 idle cores, against 1-3 s of repacking)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = int(buf.nbytes)
+    mv = memoryview(buf).cast("B") if n else memoryview(b"")
+    spans = [(i, min(n, i + _DIGEST_CHUNK)) for i in range(0, n, _DIGEST_CHUNK)]
+
+    def one(span: tuple[int, int]) -> bytes:
+        return hashlib.sha256(mv[span[0]:span[1]]).digest()
+
+    workers = min(len(spans), os.cpu_count() or 1, 8)
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="minirt-digest") as ex:
+            parts = list(ex.map(one, spans))
+    else:
+        parts = [one(sp) for sp in spans]
+    return hashlib.sha256(n.to_bytes(8, "little") + b"".join(parts)).digest()
 
 
 @functools.cache
@@ -886,10 +992,13 @@ class LayerStack:
             if why is not None:
                 raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
+        if len(rope_index) != self.n_layer:
+            raise InvalidRequestError(f"{len(rope_index)} RoPE table indices for {self.n_layer} layers")
         for i, (b, ri) in enumerate(zip(blocks, rope_index)):
             why = layer_unsupported(b)
             if why is not None:
                 raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
+            self._check_block(i, b)
             a, m = b.attn, b.mlp
             L = self._layers[i]
             L.n_embd, L.n_ff = m.down.out_features, m.down.in_features
@@ -943,6 +1052,61 @@ class LayerStack:
             if rc != 0:
                 raise BackendError(f"layer {i} cannot run in the native decode step (code {rc})")
         self.n_tables = max(rope_index, default=-1) + 1
+
+    def _check_block(self, i: int, b: Any) -> None:
+        """Every size C will trust, checked against the block's dimensions before any pointer is
+        taken: C sees bare pointers, so a short norm, bias or weight would be read past its end and
+        a zero head count would divide by zero (raises InvalidRequestError naming the tensor)."""
+        a, m = b.attn, b.mlp
+        dims = {"n_head": a.n_head, "n_head_kv": a.n_head_kv, "head_dim_k": a.head_dim_k,
+                "head_dim_v": a.head_dim_v, "n_embd": m.down.out_features, "n_ff": m.down.in_features}
+        for k, v in dims.items():
+            if not _positive_int(v):
+                raise InvalidRequestError(f"layer {i}: {k} must be a positive integer, got {v!r}")
+        if a.n_head % a.n_head_kv:
+            raise InvalidRequestError(f"layer {i}: n_head {a.n_head} is not a multiple of n_head_kv {a.n_head_kv}")
+        if int(dims["n_embd"]) != self._n_embd:
+            raise InvalidRequestError(f"layer {i}: n_embd {dims['n_embd']} differs from layer 0 ({self._n_embd})")
+        if a.rope is not None and (not _positive_int(a.rope.dim) or a.rope.dim % 2 or a.rope.dim > a.head_dim_k):
+            raise InvalidRequestError(f"layer {i}: rope dim {a.rope.dim!r} must be even and in 1..{a.head_dim_k}")
+        d, ff, hk, hv = int(m.down.out_features), int(m.down.in_features), int(a.head_dim_k), int(a.head_dim_v)
+        shapes = {"wq": (a.n_head * hk, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
+                  "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+
+        def vec(arr: Any, n: int, what: str) -> None:
+            if arr is None:
+                return
+            if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.shape[0] != n:
+                raise InvalidRequestError(f"layer {i}: {what} has shape {getattr(arr, 'shape', type(arr).__name__)}, "
+                                          f"expected ({n},)")
+            if not np.issubdtype(arr.dtype, np.floating):
+                raise InvalidRequestError(f"layer {i}: {what} must be floating point, got {arr.dtype}")
+
+        class _Dims:  # what _width reads
+            n_embd = d
+        for k, n in (("attn_norm", b.attn_norm), ("q_norm", a.q_norm), ("k_norm", a.k_norm),
+                     ("post_attn_norm", b.post_attn_norm), ("ffn_norm", b.ffn_norm),
+                     ("post_ffn_norm", b.post_ffn_norm)):
+            if n is not None:
+                width = self._width(k, a, _Dims)
+                vec(n.weight, width, f"{k} weight")
+                vec(n.bias, width, f"{k} bias")
+        for k, lin in _block_weights(b).items():
+            if lin is None:
+                continue
+            rows, cols = shapes[k]
+            name, _, bs, ts = _qtype(lin.qtype)
+            pw = lin.backend_data
+            if isinstance(pw, PackedMatrix):
+                _check_packed(pw, f"layer {i} {k}", rows, cols)
+            else:
+                w = lin.w
+                if not isinstance(w, np.ndarray) or w.dtype != _U8 or w.ndim != 2:
+                    raise InvalidRequestError(f"layer {i} {k}: weight must be a 2-D uint8 array of {name} blocks")
+                if cols % bs or w.shape != (rows, cols // bs * ts):
+                    raise InvalidRequestError(f"layer {i} {k}: {name} weight has shape {w.shape}, a {rows}x{cols} "
+                                              f"matrix needs ({rows}, {cols // bs * ts if not cols % bs else '?'})")
+            vec(lin.bias, rows, f"{k} bias")
 
     @staticmethod
     def _width(k: str, a: Any, L: Any) -> int:
@@ -1174,7 +1338,7 @@ def _matmul_out(out: np.ndarray | None, shape: tuple[int, ...], x: np.ndarray) -
 
 def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: str | None, out: np.ndarray | None,
                    threads: int | None, isa: str | None) -> np.ndarray:
-    name, tid, _, _ = _qtype(w.qtype)
+    name, tid = _check_packed(w)
     if qtype is not None and _qtype(qtype)[0] != name:
         raise InvalidRequestError(f"qtype {qtype!r} does not match the packed matrix ({name})")
     x = _f32_array(x, "x", (1, 2))
