@@ -298,7 +298,8 @@ def _add_guard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=g.MAX_CONNECTIONS,
                    help=f"open connections at most; idle ones are closed first (default {g.MAX_CONNECTIONS})")
     p.add_argument("--header-timeout", type=float, default=g.HEADER_TIMEOUT_S,
-                   help=f"seconds for a request's line and headers to arrive, else 408 (default {g.HEADER_TIMEOUT_S:g})")
+                   help=f"seconds for a request's line and headers to arrive, else 408 "
+                        f"(default {g.HEADER_TIMEOUT_S:g})")
     p.add_argument("--body-timeout", type=float, default=g.BODY_TIMEOUT_S,
                    help=f"seconds for a request's body to arrive, else 408 (default {g.BODY_TIMEOUT_S:g})")
     p.add_argument("--keep-alive-timeout", type=float, default=g.KEEP_ALIVE_TIMEOUT_S,

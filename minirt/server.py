@@ -550,7 +550,6 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
     the :class:`ServerState`.
     """
     _require_server_deps()
-    from .http_guard import GuardOptions, middleware
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.requests import Request
@@ -559,6 +558,7 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
 
     from . import metrics as metrics_mod
     from . import server_llama
+    from .http_guard import GuardOptions, middleware
 
     if (llm is None) == (router is None):
         raise InvalidRequestError("build_app takes a model or a router")
