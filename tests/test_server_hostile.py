@@ -363,3 +363,27 @@ def test_big_body_is_parsed_off_the_event_loop(llm, monkeypatch):
         assert max(gaps) < 0.5 * span, f"the longest stall was {max(gaps) / span:.0%} of the validation"
     finally:
         srv.stop()
+
+
+# -- point 5: the soak benchmark ----------------------------------------------------------------------
+def test_soak_bench_smoke(tmp_path):
+    """bench/soak.py end to end, briefly: it starts ``minirt serve`` on the tiny model, runs the
+    hostile mix, and reports every criterion."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "soak.json"
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, str(root / "bench" / "soak.py"), "--clients", "8", "--duration", "6",
+                        "--rss-tolerance", "1.0", "--log-dir", str(tmp_path), "--json", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads(out.read_text())
+    assert rep["ok"] and rep["server_errors_5xx"] == 0 and rep["incomplete_valid"] == 0
+    assert set(rep["criteria"]) >= {"no_5xx", "valid_streams_complete", "rss_back", "drained"}
+    assert rep["status"].get("200", 0) > 0 and sum(rep["actions"].values()) > 8
+    assert rep["rss_kib_start"] > 0 and rep["rss_kib_end"] > 0
+    assert "SOAK OK" in p.stdout
