@@ -303,7 +303,8 @@ class GuardMiddleware:
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         host = headers.get("host", "")
         server = scope.get("server")
-        if server and _is_loopback_ip(str(server[0])) and not loopback_host_ok(host, self.opts.allow_hosts):
+        # (no Host at all, as HTTP/1.0 allows, is not a browser: browsers always send one)
+        if host and server and _is_loopback_ip(str(server[0])) and not loopback_host_ok(host, self.opts.allow_hosts):
             # a page on a rebinding name (evil.example -> 127.0.0.1) reaches a loopback server with
             # its own name as Host; only loopback names are served here
             return (421, f"Host {host!r} is not a loopback name; this server answers to localhost, 127.0.0.1 "

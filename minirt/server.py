@@ -1084,7 +1084,8 @@ def _guard_config(guard: GuardOptions) -> dict[str, Any]:
     """uvicorn.Config keywords enforcing ``guard``'s connection limits (see minirt.http_guard)."""
     from .http_guard import guarded_protocol
 
-    return {"http": guarded_protocol(guard), "timeout_keep_alive": guard.keep_alive_timeout}
+    # no WebSocket routes: an upgrade would hand the connection to a protocol without these limits
+    return {"http": guarded_protocol(guard), "ws": "none", "timeout_keep_alive": guard.keep_alive_timeout}
 
 
 def guard_from_args(args: Any) -> GuardOptions:

@@ -139,7 +139,6 @@ def test_trickled_body_gets_408_and_releases_its_coroutine(llm):
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert body_json(reply)["error"]["code"] == "request_timeout"
         wait_for(lambda: not srv.state.tasks, what="the body-reading coroutine to end")
-        assert srv.server.server_state.total_requests >= 0
         assert httpx.get(srv.url + "/health").json()["errors"] == 0  # a timeout is not a server error
     finally:
         srv.stop()
