@@ -270,8 +270,8 @@ def test_text_plain_post_is_415(llm):
 
 def test_foreign_host_on_loopback_is_refused(llm):
     """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 sends
-    ``Host: evil.example:PORT``. Loopback names are served, any other is refused (421)."""
-    srv = serve(llm)
+    ``Host: evil.example:PORT``. Loopback names (and those allowed) are served, any other is refused (421)."""
+    srv = serve(llm, allow_hosts=("box.lan",))
     try:
         body = {"prompt": PROMPT, "max_tokens": 1}
         for host in (f"evil.example:{srv.port}", "evil.example", f"127.0.0.1.evil.example:{srv.port}"):
@@ -279,7 +279,8 @@ def test_foreign_host_on_loopback_is_refused(llm):
             assert r.status_code == 421, (host, r.text)
             assert r.json()["error"]["code"] == "invalid_host"
             assert httpx.get(srv.url + "/health", headers={"Host": host}).status_code == 421
-        for host in (f"localhost:{srv.port}", f"127.0.0.1:{srv.port}", "localhost", f"[::1]:{srv.port}"):
+        for host in (f"localhost:{srv.port}", f"127.0.0.1:{srv.port}", "localhost", f"[::1]:{srv.port}",
+                     f"BOX.lan:{srv.port}"):
             r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Host": host})
             assert r.status_code == 200, (host, r.text)
     finally:
@@ -386,3 +387,23 @@ def test_soak_bench_smoke(tmp_path):
     assert rep["status"].get("200", 0) > 0 and sum(rep["actions"].values()) > 8
     assert rep["rss_kib_start"] > 0 and rep["rss_kib_end"] > 0
     assert "SOAK OK" in p.stdout
+
+
+def test_serve_options_reach_the_guard():
+    """``minirt serve``'s options map onto GuardOptions (comma-separated and repeated origins)."""
+    from minirt.cli import build_parser
+    from minirt.server import guard_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--limit-concurrency", "3", "--max-connections", "40", "--header-timeout", "2",
+        "--body-timeout", "7.5", "--keep-alive-timeout", "1", "--allow-origin", "http://A.example,http://b.example/",
+        "--allow-origin", "http://c.example", "--allow-host", "Box.lan"])
+    g = guard_from_args(args)
+    assert (g.limit_concurrency, g.max_connections, g.header_timeout, g.body_timeout, g.keep_alive_timeout) == \
+        (3, 40, 2.0, 7.5, 1.0)
+    assert g.allow_origins == ("http://a.example", "http://b.example", "http://c.example")
+    assert g.allow_hosts == ("box.lan",)
+    d = guard_from_args(build_parser().parse_args(["serve"]))
+    assert d == GuardOptions()
+    with pytest.raises(minirt.InvalidRequestError, match="header_timeout"):
+        guard_from_args(build_parser().parse_args(["serve", "--header-timeout", "0"]))
