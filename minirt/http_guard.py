@@ -13,7 +13,7 @@ Two layers, both configured by :class:`GuardOptions`:
   ``/health`` keeps answering.
 * The ASGI middleware (:class:`GuardMiddleware`) answers ``503`` (``server_busy``, with
   ``Retry-After``) once ``limit_concurrency`` requests are in flight (``/health`` is exempt),
-  refuses ``POST`` bodies that are not ``application/json`` (``415``: a browser page can send
+  refuses non-empty ``POST`` bodies that are not ``application/json`` (``415``: a browser page can send
   ``text/plain`` cross-origin without a CORS preflight), refuses a ``Host`` that is not a loopback
   name on connections to a loopback address (``421``: DNS rebinding), and refuses an ``Origin``
   that is neither the server itself nor listed in ``allow_origins`` (``403``); listed origins get
@@ -313,7 +313,8 @@ class GuardMiddleware:
         if origin is not None and not self._origin_ok(origin, host):
             return (403, f"cross-origin requests from {origin!r} are not allowed (allow them with "
                          "--allow-origin)", "origin_not_allowed", [])
-        if scope.get("method") == "POST" and not is_json_media_type(headers.get("content-type")):
+        has_body = headers.get("content-length", "0").strip() != "0" or "transfer-encoding" in headers
+        if scope.get("method") == "POST" and has_body and not is_json_media_type(headers.get("content-type")):
             got = headers.get("content-type")
             return (415, "the request body must be JSON sent with 'Content-Type: application/json'"
                          + (f", got {got!r}" if got else " (the header is missing)"), "unsupported_media_type", [])

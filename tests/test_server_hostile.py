@@ -264,6 +264,9 @@ def test_text_plain_post_is_415(llm):
         ok = httpx.post(srv.url + "/v1/completions", content=body,
                         headers={"Content-Type": "application/json; charset=utf-8"})
         assert ok.status_code == 200, ok.text
+        # a POST without a body (llama-server's /slots/0?action=erase) needs no content type
+        empty = httpx.post(srv.url + "/v1/completions")
+        assert empty.status_code == 400 and empty.json()["error"]["code"] == "invalid_json"
     finally:
         srv.stop()
 
