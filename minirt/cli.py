@@ -294,7 +294,7 @@ def _add_guard_arguments(p: argparse.ArgumentParser) -> None:
     from . import http_guard as g
 
     p.add_argument("--limit-concurrency", type=int, default=g.LIMIT_CONCURRENCY,
-                   help=f"requests in flight before 503; /health is exempt (default {g.LIMIT_CONCURRENCY})")
+                   help=f"requests in flight before 503; /health, /metrics exempt (default {g.LIMIT_CONCURRENCY})")
     p.add_argument("--max-connections", type=int, default=g.MAX_CONNECTIONS,
                    help=f"open connections at most; idle ones are closed first (default {g.MAX_CONNECTIONS})")
     p.add_argument("--header-timeout", type=float, default=g.HEADER_TIMEOUT_S,

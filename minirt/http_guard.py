@@ -43,7 +43,7 @@ KEEP_ALIVE_TIMEOUT_S = 5.0
 LIMIT_CONCURRENCY = 256
 MAX_CONNECTIONS = 512
 RETRY_AFTER_S = 1
-EXEMPT_PATHS = frozenset({"/health"})  # answered even when the server is saturated
+EXEMPT_PATHS = frozenset({"/health", "/metrics"})  # answered even when the server is saturated
 
 
 @dataclass(frozen=True)
