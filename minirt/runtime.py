@@ -872,6 +872,7 @@ class Model:
         cache = self._new_cache()
         try:
             tokens = read_state(path, cache, self.n_vocab, check_header)
+            self._check_open()  # closed meanwhile: the cache must not outlive the model in its pool
         except BaseException:
             cache.release()
             raise
