@@ -12,7 +12,7 @@ loops until the duration is over, picking one action at a time:
 
 * ``stream`` / ``chat``: a valid streaming completion or chat completion, read to ``[DONE]``;
 * ``plain``: a valid non-streaming completion;
-* ``stops``: a valid stream with 16 stop strings of several KiB each;
+* ``stops``: a valid stream with 16 stop strings of 2000 characters each;
 * ``slow``: a valid stream read slowly (a pause between chunks);
 * ``malformed``: a bad body (invalid JSON, wrong types, ``text/plain``, a foreign ``Origin``,
   a 2 MiB prompt against the context, an out-of-range token id);
@@ -147,8 +147,9 @@ async def one_action(client: Any, url: str, rng: random.Random, stats: Stats, n_
     elif action == "plain":
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     elif action == "stops":
-        # 16 long stop strings that never match: every token is checked against all of them
-        body["stop"] = ["\u2603" + text(rng, 600) for _ in range(16)]
+        # 16 long stop strings that never match (2000 characters each, within the server's 32768 in
+        # all): every token is checked against all of them
+        body["stop"] = [("\u2603" + text(rng, 400))[:2000] for _ in range(16)]
     elif action == "drop_prefill":
         body["prompt"] = text(rng, max(4, int(n_ctx * 0.7 / tpw)))
     try:
