@@ -294,6 +294,28 @@ def _bytes(text: str) -> int:
     return int(n)
 
 
+def _add_guard_arguments(p: argparse.ArgumentParser) -> None:
+    """``minirt serve``'s connection limits and cross-origin policy (minirt.http_guard)."""
+    from . import http_guard as g
+
+    p.add_argument("--limit-concurrency", type=int, default=g.LIMIT_CONCURRENCY,
+                   help=f"requests in flight before 503; /health, /metrics exempt (default {g.LIMIT_CONCURRENCY})")
+    p.add_argument("--max-connections", type=int, default=g.MAX_CONNECTIONS,
+                   help=f"open connections at most; idle ones are closed first (default {g.MAX_CONNECTIONS})")
+    p.add_argument("--header-timeout", type=float, default=g.HEADER_TIMEOUT_S,
+                   help=f"seconds for a request's line and headers to arrive, else 408 "
+                        f"(default {g.HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=g.BODY_TIMEOUT_S,
+                   help=f"seconds for a request's body to arrive, else 408 (default {g.BODY_TIMEOUT_S:g})")
+    p.add_argument("--keep-alive-timeout", type=float, default=g.KEEP_ALIVE_TIMEOUT_S,
+                   help=f"seconds an idle keep-alive connection stays open (default {g.KEEP_ALIVE_TIMEOUT_S:g})")
+    p.add_argument("--allow-origin", action="append", metavar="ORIGIN",
+                   help="browser origin allowed to call the server, with CORS headers, e.g. "
+                        "http://localhost:3000 (repeatable or comma-separated; '*' for any)")
+    p.add_argument("--allow-host", action="append", metavar="NAME",
+                   help="extra Host name accepted on loopback binds besides localhost, 127.0.0.1, [::1] (repeatable)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         from .serve_ray import serve_from_args
@@ -404,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-ongoing-requests", type=float, default=8,
                    help="autoscaling: requests per replica to aim for (default 8)")
     g.add_argument("--replica-cpus", type=float, default=1, help="CPUs Ray reserves per replica (default 1)")
+    _add_guard_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="prefill / decode speed, side by side with llama.cpp when present")

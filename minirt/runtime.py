@@ -911,60 +911,34 @@ class Model:
 
     def load_state(self, path: str | os.PathLike[str]) -> list[int]:
         """Load a state saved by :meth:`save_state` into the prefix cache: the next request whose
-        prompt starts with the saved tokens skips recomputing them. Returns those token ids."""
+        prompt starts with the saved tokens skips recomputing them. Returns those token ids.
+
+        Everything in the file is checked against this model first (:mod:`minirt.state`): a bad,
+        foreign or tampered file raises :class:`StateError` and leaves the prefix cache as it was."""
         from . import __version__
         from .errors import StateError
+        from .state import read_state
 
         self._check_open()
-        try:
-            with np.load(os.fspath(path), allow_pickle=False) as z:
-                header = json.loads(str(z["header"]))
-                tokens, k, v = z["tokens"], z["k"], z["v"]
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-            raise StateError(f"{path}: not a minirt state file ({e})") from None
-        if not isinstance(header, dict) or header.get("format") != STATE_FORMAT:
-            fmt_seen = header.get("format") if isinstance(header, dict) else header
-            raise StateError(f"{path}: unsupported state format {fmt_seen!r}")
-        if header.get("model") != self.fingerprint():
-            raise StateError(f"{path}: saved from another model (fingerprint {str(header.get('model'))[:12]}…, "
-                             f"this model {self.fingerprint()[:12]}…)")
-        if header.get("minirt") != __version__:
-            raise StateError(f"{path}: saved by minirt {header.get('minirt')}, this is {__version__}")
-        try:  # the types the file holds; files without them hold float32 caches
-            legacy = "f16" if header.get("kv_dtype") == "float16" else "f32"
-            tk = kv_types.get(header.get("cache_type_k", legacy))
-            tv = kv_types.get(header.get("cache_type_v", legacy))
-        except InvalidRequestError as e:
-            raise StateError(f"{path}: {e}") from None
-        cache = self._new_cache()
-        n = int(header.get("n_tokens", -1))
-        c = self.model.cfg
-        try:
-            want_k = (c.n_layer, c.n_head_kv, n, tk.width(c.head_dim_k))
-            want_v = (c.n_layer, c.n_head_kv, n, tv.width(c.head_dim_v))
-        except InvalidRequestError as e:
-            cache.release()
-            raise StateError(f"{path}: {e}") from None
-        if (not 0 < n <= cache.n_ctx or k.shape != want_k or v.shape != want_v or k.dtype != tk.dtype
-                or v.dtype != tv.dtype or tokens.shape != (n,)):
-            cache.release()
-            raise StateError(f"{path}: state of {n} tokens does not fit this model's cache (n_ctx {self.n_ctx})")
-        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
-            cache.release()
-            raise StateError(f"{path}: token ids out of range")
-        if (tk.name, tv.name) == cache.types:
-            cache.k[:, :, :n] = k
-            cache.v[:, :, :n] = v
-        else:  # saved with other cache types: converted (through float32) to this model's
-            log.info("%s: converting a %s/%s KV state to %s/%s", path, tk.name, tv.name, *cache.types)
-            from .kv_cache import dequantize_rows
 
-            for i in range(c.n_layer):
-                cache.store(i, 0, dequantize_rows(k[i], tk), dequantize_rows(v[i], tv))
-        cache.tokens[:n] = tokens
-        cache.n_past = n
+        def check_header(header: dict[str, Any]) -> None:
+            if header.get("format") != STATE_FORMAT:
+                raise StateError(f"{path}: unsupported state format {str(header.get('format'))[:80]!r}")
+            if header.get("model") != self.fingerprint():
+                raise StateError(f"{path}: saved from another model (fingerprint {str(header.get('model'))[:12]}…, "
+                                 f"this model {self.fingerprint()[:12]}…)")
+            if header.get("minirt") != __version__:
+                raise StateError(f"{path}: saved by minirt {str(header.get('minirt'))[:40]}, this is {__version__}")
+
+        cache = self._new_cache()
+        try:
+            tokens = read_state(path, cache, self.n_vocab, check_header)
+            self._check_open()  # closed meanwhile: the cache must not outlive the model in its pool
+        except BaseException:
+            cache.release()
+            raise
         self.cache_pool.release(cache)
-        return tokens.tolist()
+        return tokens
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -54,6 +54,7 @@ class Scheduler:
         self.prefill_chunk = max(1, int(prefill_chunk))
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
+        self._dropped: list[Request] = []  # cancelled while waiting, finished by the scheduler thread
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -72,12 +73,24 @@ class Scheduler:
             if self._stop:
                 raise ModelClosedError("the model is closed")
             if len(self._waiting) >= self.max_queue and not self._fits(req):
+                self._drop_cancelled()  # clients that went away while queued give their slots back now
+            if len(self._waiting) >= self.max_queue and not self._fits(req):
                 raise CapacityError(f"server busy: {len(self._running)} running, {len(self._waiting)} waiting "
                                     f"(queue limit {self.max_queue}); retry later")
             self._waiting.append(req)
             self._ensure_thread()
             self._cv.notify_all()
         return req
+
+    def _drop_cancelled(self) -> None:
+        """Move cancelled waiting requests out of the queue (caller holds ``_cv``); the scheduler
+        thread finishes them."""
+        gone = [r for r in self._waiting if _cancelled(r)]
+        if gone:
+            ids = {id(r) for r in gone}
+            self._waiting = collections.deque(r for r in self._waiting if id(r) not in ids)
+            self._dropped.extend(gone)
+            self._cv.notify_all()
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -105,12 +118,13 @@ class Scheduler:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=30)
-        for req in list(self._waiting) + list(self._running):
+        for req in list(self._waiting) + list(self._running) + self._dropped:
             if not req.seq.done:
                 req.seq.finish("cancelled")
             self._finish(req)
         self._waiting.clear()
         self._running.clear()
+        self._dropped.clear()
 
     # -- scheduler thread --------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -152,11 +166,16 @@ class Scheduler:
         engine: Engine = self.model.engine
         while True:
             with self._cv:
-                while not self._stop and not self._running and not self._waiting:
+                while not self._stop and not self._running and not self._waiting and not self._dropped:
                     self._cv.wait()
                 if self._stop:
                     return
-                admitted = self._admit()
+                self._drop_cancelled()  # anywhere in the queue, not only at its head
+                admitted, self._dropped = self._dropped, []
+                for req in admitted:
+                    if not req.seq.done:
+                        req.seq.finish("cancelled")
+                admitted += self._admit()
                 running = list(self._running)
             for req in admitted:
                 if req.seq.done:
@@ -215,6 +234,18 @@ class Scheduler:
             req.sink(_DONE)
         except BaseException:  # the consumer went away
             pass
+
+
+def _cancelled(req: Request) -> bool:
+    """Has a waiting request been cancelled? A cancel object that raises counts as cancelled (its
+    error is kept for its own request)."""
+    if req.seq.done:
+        return True
+    try:
+        return bool(req.seq.cancelled())
+    except Exception as e:
+        req.error = e
+        return True
 
 
 def engine_batch(model: Any) -> int:

@@ -97,9 +97,10 @@ class AsgiRunner:
 
     async def __call__(self, method: str, path: str, query: str, headers: list[tuple[str, str]],
                        body: bytes) -> AsyncIterator[Any]:
+        # "server" None: no socket here (the proxy has it), so no loopback Host check (minirt.http_guard)
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
                  "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
-                 "root_path": "", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80),
+                 "root_path": "", "client": ("127.0.0.1", 0), "server": None,
                  "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
                  + [(b"content-length", str(len(body)).encode())]}
         out: asyncio.Queue[Any] = asyncio.Queue()

@@ -50,6 +50,7 @@ from .router import Lease, ModelNotFoundError, SingleModel, parse_keep_alive
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generate import Completion, TokenEvent
+    from .http_guard import GuardOptions
     from .runtime import GenerationHandle, Model
 
 log = logging.getLogger(__name__)
@@ -534,7 +535,8 @@ def _aliases(llm: Model, model_id: str) -> frozenset[str]:
 
 def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
               default_max_tokens: int | None = None, model_id: str | None = None, router: Any = None,
-              strict_model: bool = False, slot_save_path: str | None = None, metrics: bool = True) -> Any:
+              strict_model: bool = False, slot_save_path: str | None = None, metrics: bool = True,
+              guard: GuardOptions | None = None) -> Any:
     """The ASGI app serving ``llm`` (or the models of ``router``, a :class:`minirt.router.ModelRouter`).
 
     ``api_key``: when set, every ``/v1`` route requires ``Authorization: Bearer <api_key>``
@@ -543,7 +545,9 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
     ``model_id`` (``--alias``): the name ``/v1/models`` lists. A single-model server accepts any
     ``model`` name, as llama-server does, unless ``strict_model``. ``slot_save_path``: the directory
     for ``/slots/{id}?action=save|restore``. ``metrics``: serve ``/metrics`` (needs
-    prometheus-client). ``app.state.minirt`` is the :class:`ServerState`.
+    prometheus-client). ``guard``: concurrency limit, JSON content type, Host / Origin policy
+    (:class:`minirt.http_guard.GuardOptions`, default limits when None). ``app.state.minirt`` is
+    the :class:`ServerState`.
     """
     _require_server_deps()
     from starlette.applications import Starlette
@@ -554,6 +558,7 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
 
     from . import metrics as metrics_mod
     from . import server_llama
+    from .http_guard import GuardOptions, middleware
 
     if (llm is None) == (router is None):
         raise InvalidRequestError("build_app takes a model or a router")
@@ -626,12 +631,13 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
         return JSONResponse(model_card())
 
     async def chat_completions(request: Request) -> Any:
-        body = await _read_json(request, state.max_body_bytes)
-        return await _generate(request, state, parse_chat(body, _check_model(body, state)))
+        raw = await _read_body(request, state.max_body_bytes)
+        return await _generate(request, state, await _off_loop(len(raw), _parse_request, raw, state, parse_chat))
 
     async def completions(request: Request) -> Any:
-        body = await _read_json(request, state.max_body_bytes)
-        return await _generate(request, state, parse_completion(body, _check_model(body, state)))
+        raw = await _read_body(request, state.max_body_bytes)
+        return await _generate(request, state,
+                               await _off_loop(len(raw), _parse_request, raw, state, parse_completion))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -655,7 +661,12 @@ def build_app(llm: Model | None, api_key: str | None = None, *, max_body_bytes: 
         Route("/embeddings", endpoint(embedding_server.embeddings_endpoint(state)), methods=["POST"]),
         Route("/rerank", endpoint(embedding_server.rerank_endpoint(state)), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={StarletteHTTPException: http_error})
+
+    def refused() -> None:
+        state.refused += 1
+
+    app = Starlette(routes=routes, exception_handlers={StarletteHTTPException: http_error},
+                    middleware=middleware(guard or GuardOptions(), on_refused=refused))
     app.state.minirt = state
     return app
 
@@ -689,8 +700,53 @@ def _check_model(body: dict[str, Any], state: ServerState) -> str:
     return name
 
 
+OFF_LOOP_BYTES = 16 << 10  # bodies at least this big are decoded and validated on a worker thread
+_parse_pool: Any = None
+_parse_pool_lock = threading.Lock()
+
+
+async def _off_loop(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` inline for small bodies, else on the parse pool: decoding and validating a
+    4 MiB body (a 100k-entry ``logit_bias``, thousands of messages) must not stall the other
+    connections. Two threads: big bodies wait for each other instead of multiplying memory."""
+    global _parse_pool
+    if size < OFF_LOOP_BYTES:
+        return fn(*args)
+    with _parse_pool_lock:
+        if _parse_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="minirt-parse")
+    return await asyncio.get_running_loop().run_in_executor(_parse_pool, fn, *args)
+
+
+def _decode_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _parse_request(raw: bytes, state: ServerState, parse: Callable[[dict[str, Any], str], ParsedRequest]) \
+        -> ParsedRequest:
+    body = _decode_json(raw)
+    return parse(body, _check_model(body, state))
+
+
 async def _read_json(request: Any, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, refusing bodies over ``limit`` bytes before reading them."""
+    """The request body as a JSON object, refusing bodies over ``limit`` bytes before reading them
+    (decoded off the event loop when big)."""
+    raw = await _read_body(request, limit)
+    return await _off_loop(len(raw), _decode_json, raw)
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    """The raw request body, refusing bodies over ``limit`` bytes before reading them."""
+    from starlette.requests import ClientDisconnect
+
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -701,19 +757,16 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
             raise HTTPError(413, f"request body of {n} bytes exceeds the {limit}-byte limit",
                             code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # chunked bodies have no Content-Length: count as they arrive
-            raise HTTPError(413, f"request body exceeds the {limit}-byte limit", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise HTTPError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:  # chunked bodies have no Content-Length: count as they arrive
+                raise HTTPError(413, f"request body exceeds the {limit}-byte limit", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by the body deadline (minirt.http_guard): nobody reads this
+        raise HTTPError(408, "the client disconnected before sending the whole body",
+                        code="request_timeout") from None
+    return b"".join(chunks)
 
 
 def _prepare_and_submit(llm: Model, state: ServerState, req: ParsedRequest,
@@ -963,9 +1016,11 @@ class BackgroundServer:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, ssl_certfile: str | None = None,
-                 ssl_keyfile: str | None = None, log_level: str = "warning") -> None:
+                 ssl_keyfile: str | None = None, log_level: str = "warning", guard: GuardOptions | None = None) -> None:
         _require_server_deps()
         import uvicorn
+
+        from .http_guard import GuardOptions
 
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -973,7 +1028,8 @@ class BackgroundServer:
         self.host, self.port = host, self.sock.getsockname()[1]
         self.scheme = "https" if ssl_certfile else "http"
         config = uvicorn.Config(app, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, log_level=log_level,
-                                access_log=False, timeout_graceful_shutdown=2, lifespan="off")
+                                access_log=False, timeout_graceful_shutdown=2, lifespan="off",
+                                **_guard_config(guard or GuardOptions()))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="minirt-http", daemon=True)
@@ -1029,6 +1085,36 @@ def _server_class() -> Any:
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
+def _guard_config(guard: GuardOptions) -> dict[str, Any]:
+    """uvicorn.Config keywords enforcing ``guard``'s connection limits (see minirt.http_guard)."""
+    from .http_guard import guarded_protocol
+
+    # no WebSocket routes: an upgrade would hand the connection to a protocol without these limits
+    return {"http": guarded_protocol(guard), "ws": "none", "timeout_keep_alive": guard.keep_alive_timeout}
+
+
+def guard_from_args(args: Any) -> GuardOptions:
+    """The :class:`~minirt.http_guard.GuardOptions` of ``minirt serve``'s options (defaults where absent)."""
+    from . import http_guard as g
+
+    def opt(name: str, default: Any) -> Any:
+        v = getattr(args, name, None)
+        return default if v is None else v
+
+    def names(name: str) -> tuple[str, ...]:
+        out: list[str] = []
+        for item in getattr(args, name, None) or ():
+            out += [x.strip() for x in str(item).split(",") if x.strip()]
+        return tuple(out)
+
+    return g.GuardOptions(limit_concurrency=opt("limit_concurrency", g.LIMIT_CONCURRENCY),
+                          max_connections=opt("max_connections", g.MAX_CONNECTIONS),
+                          header_timeout=opt("header_timeout", g.HEADER_TIMEOUT_S),
+                          body_timeout=opt("body_timeout", g.BODY_TIMEOUT_S),
+                          keep_alive_timeout=opt("keep_alive_timeout", g.KEEP_ALIVE_TIMEOUT_S),
+                          allow_origins=names("allow_origin"), allow_hosts=names("allow_host"))
+
+
 def serve(args: Any, load: Callable[[], Any] | None = None) -> int:
     """``minirt serve``: load the model (``load()``, default :func:`minirt.loading.load_from_args`
     of ``args``), configure the scheduler, serve until interrupted."""
@@ -1046,10 +1132,12 @@ def serve(args: Any, load: Callable[[], Any] | None = None) -> int:
     if args.host not in _LOOPBACK and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
+    limits = guard_from_args(args)
     slot_dir = getattr(args, "slot_save_path", None)
     if slot_dir and not os.path.isdir(slot_dir):
         raise InvalidRequestError(f"--slot-save-path {slot_dir}: not a directory")
-    opts = dict(api_key=api_key, model_id=getattr(args, "alias", None) or None, slot_save_path=slot_dir)
+    opts = dict(api_key=api_key, model_id=getattr(args, "alias", None) or None, slot_save_path=slot_dir,
+                guard=limits)
     router = router_from_args(args)
     if router is not None:
         holder: Any = contextlib.closing(router)
@@ -1069,7 +1157,7 @@ def serve(args: Any, load: Callable[[], Any] | None = None) -> int:
         verbose = logging.getLogger("minirt").getEffectiveLevel() <= logging.INFO
         config = uvicorn.Config(app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
                                 ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=verbose,
-                                timeout_graceful_shutdown=5, lifespan="off")
+                                timeout_graceful_shutdown=5, lifespan="off", **_guard_config(limits))
         server = _server_class()(config)
         log.info("serving %s at %s://%s:%d/v1", what, "https" if args.ssl_certfile else "http", args.host, args.port)
         server.run()

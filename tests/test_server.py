@@ -37,6 +37,7 @@ from tests.tiny_models import TinySpec, write_tiny  # noqa: E402
 PROMPT = "the capital of France is"
 MSGS = [{"role": "user", "content": "the capital of France?"}]
 N_CTX = 128
+JSON = {"Content-Type": "application/json"}
 
 
 def wait_for(cond, timeout=10.0, what="condition"):
@@ -267,8 +268,8 @@ def test_any_model_name_is_served_and_bad_json_400(server, client, llm):
     assert ch.model == "some/fixed-name" and ch.choices[0].message.content == llm.chat(
         MSGS, max_tokens=3, temperature=0).text
     assert_error(httpx.get(server.url + "/v1/models/gpt-4o"), 404, param="model", code="model_not_found")
-    assert_error(httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x",'), 400, code="invalid_json")
-    assert_error(httpx.post(server.url + "/v1/completions", content=b"\xff\xfe"), 400, code="invalid_json")
+    for bad in (b'{"prompt": "x",', b"\xff\xfe"):
+        assert_error(httpx.post(server.url + "/v1/completions", content=bad, headers=JSON), 400, code="invalid_json")
     assert_error(httpx.post(server.url + "/v1/completions", json=["a"]), 400, code="invalid_json")
     assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "x", "model": 3}), 400, param="model",
                  code="invalid_type")
@@ -291,13 +292,14 @@ def test_strict_model_and_alias(llm):
 
 def test_body_size_limit_413(server):
     big = json.dumps({"prompt": "a" * (5 << 20)}).encode()
-    assert_error(httpx.post(server.url + "/v1/completions", content=big), 413, code="request_too_large")
+    assert_error(httpx.post(server.url + "/v1/completions", content=big, headers=JSON), 413, code="request_too_large")
 
     def chunked():  # no Content-Length: the limit is enforced while reading
         for _ in range(5):
             yield b" " * (1 << 20)
 
-    assert_error(httpx.post(server.url + "/v1/completions", content=chunked()), 413, code="request_too_large")
+    assert_error(httpx.post(server.url + "/v1/completions", content=chunked(), headers=JSON), 413,
+                 code="request_too_large")
     assert httpx.get(server.url + "/health").status_code == 200
 
 
