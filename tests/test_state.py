@@ -142,7 +142,9 @@ def _refused(h, path, *words):
     with pytest.raises(StateError) as ei:
         m.load_state(path)
     msg = str(ei.value)
-    assert str(path) in msg and all(w in msg for w in words), msg
+    # "a|b": either word (a member too big for this model's cache is refused by its declared size
+    # before its dtype is looked at)
+    assert str(path) in msg and all(any(alt in msg for alt in w.split("|")) for w in words), msg
     assert _pool(m) == before  # nothing half-loaded
     _still_serves(h)
     return msg
@@ -181,11 +183,11 @@ def _inf(a):
 BAD_MEMBERS = {
     "k-nan": ("k", _nan, "NaN"),
     "v-inf": ("v", _inf, "NaN or infinite"),
-    "k-complex": ("k", lambda a: a.astype(np.complex64), "dtype"),
-    "k-float64": ("k", lambda a: a.astype(np.float64), "dtype"),
-    "v-float16": ("v", lambda a: a.astype(np.float16), "dtype"),
-    "k-big-endian": ("k", lambda a: a.astype(">f4"), "dtype"),
-    "k-int": ("k", lambda a: a.astype(np.int32), "dtype"),
+    "k-complex": ("k", lambda a: np.ascontiguousarray(a).view(np.complex64), "dtype"),  # same bytes, complex
+    "k-float64": ("k", lambda a: a.astype(np.float64), "dtype|can hold"),
+    "v-other-float": ("v", lambda a: a.astype(np.float32 if a.dtype == np.float16 else np.float16), "dtype|can hold"),
+    "k-big-endian": ("k", lambda a: a.astype(">f4"), "dtype|can hold"),
+    "k-int": ("k", lambda a: a.astype(np.int32), "dtype|can hold"),
     "k-object": ("k", lambda a: np.array([a, None], dtype=object), "dtype"),
     "k-short": ("k", lambda a: a[:, :, :-1], "shape"),
     "k-long": ("k", lambda a: np.concatenate([a, a[:, :, :1]], axis=2), "shape"),
