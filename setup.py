@@ -17,7 +17,6 @@ from setuptools.command.build_ext import build_ext
 
 log = logging.getLogger("minirt.setup")
 HERE = Path(__file__).resolve().parent
-SOURCE_STAMP = "_native.srchash"  # read by minirt.kernels.native._stale_installed
 
 
 class OptionalBuildExt(build_ext):
@@ -34,21 +33,6 @@ class OptionalBuildExt(build_ext):
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001
             self.warn(f"minirt: building {ext.name} failed ({e}); continuing without it")
-            return
-        # Stamp the sources' hash beside the extension: an editable install keeps this in-place
-        # build after the C sources change, and the runtime compares the stamp with the sources
-        # it finds so it never runs stale kernels (it builds fresh ones on first use instead).
-        try:
-            sys.path.insert(0, str(HERE / "native"))
-            import build as native_build  # native/build.py
-
-            stamp = Path(self.get_ext_fullpath(ext.name)).with_name(SOURCE_STAMP)
-            stamp.write_text(native_build.source_hash() + "\n", encoding="utf-8")
-        except Exception as e:  # noqa: BLE001
-            self.warn(f"minirt: could not stamp the native sources' hash ({e})")
-        finally:
-            if sys.path and sys.path[0] == str(HERE / "native"):
-                sys.path.pop(0)
 
 
 def native_extensions() -> list:

@@ -56,10 +56,15 @@ def make_ffi(module_name: str = "minirt._native", relative_to: Path | None = Non
 
     ffi = cffi.FFI()
     ffi.cdef(cdef_text())
+    # The sources' hash, compiled in: an editable install keeps its in-place build after the C
+    # sources change, and the runtime compares this with the sources it finds so that it never
+    # runs stale kernels (minirt.kernels.native._stale_installed).
+    ffi.cdef("const char *mr_source_hash(void);")
     base = NATIVE_DIR if relative_to is None else Path(os.path.relpath(NATIVE_DIR, relative_to))
     ffi.set_source(
         module_name,
-        '#include "api.h"\n',
+        '#include "api.h"\n'
+        f'const char *mr_source_hash(void) {{ return "{source_hash()}"; }}\n',
         sources=[str(base / s) for s in SOURCES],
         depends=[str(base / h) for h in HEADERS],
         include_dirs=[str(base)],

@@ -872,3 +872,28 @@ def test_backend_decodes_low_bit_types_natively(nat, qtype, monkeypatch):
         y = be.matmul(x, lin)
         ref = x.astype(np.float64) @ ref_w.T
         assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_stale_installed_extension_is_passed_over():
+    """An in-place extension built from other C sources (an editable install after the sources
+    changed) must not be used; one built from these sources is."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from minirt.kernels import native as nat
+
+    spec = importlib.util.spec_from_file_location("_b", Path(nat.__file__).resolve().parents[2] / "native" / "build.py")
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+
+    class FFI:
+        @staticmethod
+        def string(s):
+            return s
+
+    def fake(h):
+        return SimpleNamespace(__file__="x.so", ffi=FFI, lib=SimpleNamespace(mr_source_hash=lambda: h.encode()))
+
+    assert nat._stale_installed(fake(b.source_hash())) is None
+    assert "other sources" in nat._stale_installed(fake("0" * 16))
+    assert "predates" in nat._stale_installed(SimpleNamespace(__file__="x.so", ffi=FFI, lib=SimpleNamespace()))

@@ -173,18 +173,18 @@ class _FileLock:
         os.close(self.fd)
 
 
-def _stale_installed(ext_file: str | None) -> str | None:
+def _stale_installed(mod: Any) -> str | None:
     """Why the installed extension must not be used, or None. Only a source checkout (an editable
-    install) can go stale: setup.py stamps the sources' hash beside the extension it builds, and
-    here the stamp is compared with the C sources next to the package."""
+    install) can go stale: the extension carries the hash of the sources it was built from
+    (``mr_source_hash``), compared here with the C sources next to the package."""
     src = Path(__file__).resolve().parents[2] / "native"
-    if ext_file is None or not (src / "build.py").is_file():
+    if not (src / "build.py").is_file():
         return None  # an installed wheel: the extension is what was built from its own sources
-    stamp = Path(ext_file).with_name("_native.srchash")
+    ext_file = getattr(mod, "__file__", "the installed extension")
     try:
-        built = stamp.read_text(encoding="utf-8").strip()
-    except OSError:
-        return f"the installed extension {ext_file} has no source stamp"
+        built = mod.ffi.string(mod.lib.mr_source_hash()).decode()
+    except AttributeError:
+        return f"{ext_file} predates source hashes"
     spec = importlib.util.spec_from_file_location("_minirt_native_hash", src / "build.py")
     if spec is None or spec.loader is None:
         return None
@@ -195,7 +195,7 @@ def _stale_installed(ext_file: str | None) -> str | None:
     except Exception as e:  # noqa: BLE001 - unreadable sources: keep the installed build
         log.debug("native kernels: cannot hash the sources (%s)", e)
         return None
-    return None if now == built else f"the installed extension {ext_file} was built from other sources"
+    return None if now == built else f"{ext_file} was built from other sources"
 
 
 def _jit_build() -> tuple[Any, str]:
@@ -260,7 +260,7 @@ def _load() -> Any:
                     raise ImportError("MINIRT_NATIVE_JIT set")
                 from .. import _native as mod  # type: ignore[attr-defined]
 
-                stale = _stale_installed(getattr(mod, "__file__", None))
+                stale = _stale_installed(mod)
                 if stale:
                     log.info("native kernels: %s; building them from the sources", stale)
                     raise ImportError(stale)
