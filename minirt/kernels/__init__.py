@@ -47,6 +47,13 @@ class ReferenceBackend(Backend):
         return x @ w.T
 
 
+# Types whose native integer decode kernel is still the portable (compiler-vectorized) one: numba's
+# fused per-block loop reads them ~3.5x faster (bench/kernels.py on an AVX-512 machine: Q2_K 1.46 vs
+# 0.40 GB/s, Q3_K 1.6-1.7 vs 0.46-0.54), so a few-token matmul of these goes there and the native
+# layer stack is not used, until hand-written SIMD kernels for them exist.
+NUMBA_DECODE_TYPES = frozenset({"Q2_K", "Q3_K"})
+
+
 class NumbaBackend(Backend):
     """numba kernels over the raw blocks (``minirt.kernels.numba_backend``)."""
 
@@ -149,6 +156,10 @@ class NativeBackend(Backend):
         if os.environ.get("MINIRT_NATIVE_LAYERS", "1") == "0":
             return
         desc = model.desc
+        if any(lin.qtype in NUMBA_DECODE_TYPES for lin in desc.linears()[1:]):
+            log.info("native decode layers not used: the model has %s weights (numba decodes them faster)",
+                     "/".join(sorted(NUMBA_DECODE_TYPES)))
+            return
         keys = [r.key() for r in model.ropes]
         index = [keys.index(b.attn.rope.key()) if b.attn.rope is not None else -1 for b in desc.blocks]
         try:
@@ -169,6 +180,10 @@ class NativeBackend(Backend):
         pw = lin.backend_data
         if pw is not None and isinstance(pw, self._mod.PackedMatrix):
             return self._mod.matmul(x, pw, threads=self.threads)
+        if lin.qtype in NUMBA_DECODE_TYPES and x.ndim == 2 and x.shape[0] <= 4:
+            from . import numba_backend
+
+            return numba_backend.matmul(x, lin.w, lin.qtype)
         return self._mod.matmul(x, lin.w, lin.qtype, threads=self.threads)
 
     # the small per-layer ops: native versions avoid numpy temporaries on the decode hot path
