@@ -878,7 +878,7 @@ def test_backend_decodes_low_bit_types_natively(nat, qtype, monkeypatch):
             if qtype in NUMBA_DECODE_TYPES and nt <= 4:
                 calls = []
                 real = numba_backend.matmul
-                mp.setattr(numba_backend, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+                mp.setattr(numba_backend, "matmul", lambda *a, _c=calls, _r=real, **k: _c.append(1) or _r(*a, **k))
                 y = be.matmul(x, lin)
                 assert calls, "few-token matmul of a NUMBA_DECODE_TYPES type did not go to numba"
             else:
