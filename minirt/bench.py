@@ -1244,27 +1244,26 @@ class _MinirtSide:
                 "n_gen": len(c.token_ids), "ids": list(c.token_ids), "cached": c.usage.get("cached_tokens", 0)}
 
     def tgb(self, prompts: list[list[int]], n_gen: int) -> dict[str, Any]:
-        # the engine the scheduler drives, without the scheduler thread: every step is one forward
-        # pass over all the sequences (prompt chunks first, then one token each)
-        llm = self.llm
-        seqs = [llm._sequence(ids, max_tokens=n_gen, stop=None, ignore_eos=True, on_token=None, cancel=None,
-                              progress=None, trace=None, context_overflow="stop", n_keep=None,
-                              sampling={"temperature": 0.0}) for ids in prompts]
-        try:
-            for s in seqs:
-                llm.attach_cache(s)
-            while any(s.in_prefill for s in seqs):
-                llm.engine.step(seqs)
-            n0 = sum(len(s.generated) for s in seqs)  # first tokens come from the prompts' logits
-            t0 = time.perf_counter()
-            while not all(s.done for s in seqs):
-                llm.engine.step(seqs)
-            dt = time.perf_counter() - t0
-        finally:
-            for s in seqs:
-                llm.release_cache(s)
-        n = sum(len(s.generated) for s in seqs)
-        return {"decode_tok_s": (n - n0) / dt if dt > 0 else float("nan"), "n_gen": n}
+        # public API only: every prompt is submitted at once and the scheduler runs them as one
+        # batch (prompt chunks first, then one token per sequence per step). Decode throughput
+        # counts the tokens that arrive after every sequence has its first token (which comes from
+        # its prompt's logits), up to the last one.
+        stamps: list[list[float]] = [[] for _ in prompts]
+
+        def recorder(i: int) -> Callable[[Any], None]:
+            def on_token(ev: Any) -> None:
+                if ev.token_id is not None:
+                    stamps[i].append(time.perf_counter())
+            return on_token
+
+        handles = [self.llm.submit(ids, max_tokens=n_gen, temperature=0.0, ignore_eos=True, on_token=recorder(i))
+                   for i, ids in enumerate(prompts)]
+        for h in handles:
+            h.result()
+        t0 = max(s[0] for s in stamps)
+        t1 = max(s[-1] for s in stamps)
+        n = sum(1 for s in stamps for t in s if t > t0)
+        return {"decode_tok_s": n / (t1 - t0) if t1 > t0 else float("nan"), "n_gen": sum(map(len, stamps))}
 
     def once(self, ids: list[int], n_gen: int) -> dict[str, Any]:
         first: list[float] = []

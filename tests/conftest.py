@@ -56,3 +56,26 @@ def reference_npz(key: str):
     if not p.is_file():
         pytest.fail(f"reference file missing: {p} (see tests/README.md)")
     return np.load(p)
+
+
+SERVER_N_CTX = 128  # context of the tiny model the server tests serve
+
+
+@pytest.fixture(scope="module")
+def server_tiny_path(tmp_path_factory) -> str:
+    """A tiny random 2-layer model (tests/tiny_models.py, seed 11) for the server tests."""
+    from tests.tiny_models import TinySpec, write_tiny
+
+    p = tmp_path_factory.mktemp("srv") / "tiny.gguf"
+    write_tiny(p, TinySpec(n_layer=2, seed=11))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def server_llm(server_tiny_path):
+    """``server_tiny_path`` loaded with n_ctx=SERVER_N_CTX, closed after the module."""
+    import minirt
+
+    m = minirt.load(server_tiny_path, n_ctx=SERVER_N_CTX)
+    yield m
+    m.close()

@@ -4,7 +4,7 @@ JSON, client disconnects cancelling generations, KV-budget refusals (503), per-r
 (500) that leave the server serving, API keys, HTTPS, the ``minirt serve`` command, and one
 end-to-end chat on the real Qwen model.
 
-Expected outputs come from the runtime called directly (``llm.generate`` / ``llm.chat``), a path
+Expected outputs come from the runtime called directly (``server_llm.generate`` / ``server_llm.chat``), a path
 that shares no code with the HTTP layer."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'mi
 import minirt  # noqa: E402
 from minirt import openai_format  # noqa: E402
 from minirt.server import BackgroundServer, build_app  # noqa: E402
-from tests.tiny_models import TinySpec, write_tiny  # noqa: E402
+from tests.server_support import wait_for  # noqa: E402
 
 PROMPT = "the capital of France is"
 MSGS = [{"role": "user", "content": "the capital of France?"}]
@@ -40,31 +39,9 @@ N_CTX = 128
 JSON = {"Content-Type": "application/json"}
 
 
-def wait_for(cond, timeout=10.0, what="condition"):
-    t_end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > t_end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    p = tmp_path_factory.mktemp("srv") / "tiny.gguf"
-    write_tiny(p, TinySpec(n_layer=2, seed=11))
-    return str(p)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_path):
-    m = minirt.load(tiny_path, n_ctx=N_CTX)
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    app = build_app(llm)
+def server(server_llm):
+    app = build_app(server_llm)
     with BackgroundServer(app) as srv:
         srv.state = app.state.minirt
         yield srv
@@ -88,7 +65,7 @@ def assert_error(r, status, param=None, code=None):
 
 
 # -- endpoints through the official client ---------------------------------------------------------
-def test_health_and_models(server, client, llm):
+def test_health_and_models(server, client, server_llm):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["model"] == "tiny.gguf"
     ids = [m.id for m in client.models.list().data]
@@ -99,12 +76,12 @@ def test_health_and_models(server, client, llm):
     assert_error(httpx.get(server.url + "/v1/completions"), 405)
 
 
-def test_completions_match_runtime(client, llm, tiny_path):
-    ref = llm.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True, top_logprobs=2)
+def test_completions_match_runtime(client, server_llm, server_tiny_path):
+    ref = server_llm.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True, top_logprobs=2)
     def piece(t):
-        return llm.tokenizer.token_to_piece(t).decode("utf-8", "replace")
+        return server_llm.tokenizer.token_to_piece(t).decode("utf-8", "replace")
 
-    for model in ("tiny.gguf", "tiny", tiny_path):  # file name, stem or path of the loaded model
+    for model in ("tiny.gguf", "tiny", server_tiny_path):  # file name, stem or path of the loaded model
         r = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
                                       extra_body={"ignore_eos": True})
         ch = r.choices[0]
@@ -128,8 +105,8 @@ def test_completions_match_runtime(client, llm, tiny_path):
     assert streamed_lps == pytest.approx(ref.logprobs, abs=1e-5)  # one per token, even empty-text ones
 
 
-def test_chat_matches_runtime(client, llm):
-    ref = llm.chat(MSGS, max_tokens=8, temperature=0.0, ignore_eos=True, top_logprobs=3)
+def test_chat_matches_runtime(client, server_llm):
+    ref = server_llm.chat(MSGS, max_tokens=8, temperature=0.0, ignore_eos=True, top_logprobs=3)
     r = client.chat.completions.create(model="tiny.gguf", messages=MSGS, max_tokens=8, temperature=0,
                                        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     ch = r.choices[0]
@@ -137,7 +114,8 @@ def test_chat_matches_runtime(client, llm):
     assert ch.finish_reason == "length" and r.object == "chat.completion"
     assert r.usage.prompt_tokens == len(ref.prompt_ids) and r.usage.completion_tokens == 8
     assert [e.logprob for e in ch.logprobs.content] == pytest.approx(ref.logprobs, abs=1e-5)
-    assert [e.bytes for e in ch.logprobs.content] == [list(llm.tokenizer.token_to_piece(t)) for t in ref.token_ids]
+    pieces = [list(server_llm.tokenizer.token_to_piece(t)) for t in ref.token_ids]
+    assert [e.bytes for e in ch.logprobs.content] == pieces
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
                for e in ch.logprobs.content)
 
@@ -156,9 +134,9 @@ def test_chat_matches_runtime(client, llm):
     assert lps == pytest.approx(ref.logprobs, abs=1e-5)
 
 
-def test_prompt_forms_and_sampling_fields(client, llm, server):
-    ids = llm.tokenize(PROMPT)
-    ref = llm.generate(ids, max_tokens=6, temperature=0.0, ignore_eos=True)
+def test_prompt_forms_and_sampling_fields(client, server_llm, server):
+    ids = server_llm.tokenize(PROMPT)
+    ref = server_llm.generate(ids, max_tokens=6, temperature=0.0, ignore_eos=True)
     for prompt in (ids, [ids], [PROMPT], PROMPT):
         r = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=6, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -169,11 +147,12 @@ def test_prompt_forms_and_sampling_fields(client, llm, server):
     assert r.choices[0].text == PROMPT + ref.text
 
     # logit_bias +100 forces a token; -100 keeps the greedy first token from being chosen
-    forced = next(i for i in range(llm.n_vocab) if llm.tokenizer.token_to_piece(i) == b" Paris")
+    forced = next(i for i in range(server_llm.n_vocab) if server_llm.tokenizer.token_to_piece(i) == b" Paris")
     r = client.completions.create(model="tiny.gguf", prompt=PROMPT, max_tokens=4, temperature=0,
                                   logit_bias={str(forced): 100}, logprobs=0, extra_body={"ignore_eos": True})
     assert r.choices[0].logprobs.tokens == [" Paris"] * 4
-    banned = llm.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={ref.token_ids[0]: -100})
+    banned = server_llm.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True,
+                                 logit_bias={ref.token_ids[0]: -100})
     assert banned.token_ids[0] != ref.token_ids[0]
     r = client.completions.create(model="tiny.gguf", prompt=PROMPT, max_tokens=3, temperature=0,
                                   logit_bias={str(ref.token_ids[0]): -100}, extra_body={"ignore_eos": True})
@@ -184,8 +163,8 @@ def test_prompt_forms_and_sampling_fields(client, llm, server):
               extra_body={"ignore_eos": True})
     a = client.completions.create(seed=1234, **kw).choices[0].text
     assert client.completions.create(seed=1234, **kw).choices[0].text == a
-    assert llm.generate(PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True).text == a
-    ref_pen = llm.generate(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True,
+    assert server_llm.generate(PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True).text == a
+    ref_pen = server_llm.generate(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True,
                            presence_penalty=1.5, frequency_penalty=1.0)
     r = client.completions.create(model="tiny.gguf", prompt=PROMPT, max_tokens=12, temperature=0,
                                   presence_penalty=1.5, frequency_penalty=1.0, user="someone",
@@ -193,17 +172,17 @@ def test_prompt_forms_and_sampling_fields(client, llm, server):
     assert r.choices[0].text == ref_pen.text
 
     # stop strings end the output before them
-    full = llm.generate(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True).text
+    full = server_llm.generate(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True).text
     stop = full[3:5]
     r = client.completions.create(model="tiny.gguf", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop)]
 
 
-def test_concurrent_streams_equal_sequential_results(server, llm):
+def test_concurrent_streams_equal_sequential_results(server, server_llm):
     """Eight streamed requests at once (batched by the scheduler) give what each gives alone."""
     prompts = [f"{PROMPT} w{i}" for i in range(8)]
-    refs = [llm.generate(p, max_tokens=12, temperature=0.0, ignore_eos=True).text for p in prompts]
+    refs = [server_llm.generate(p, max_tokens=12, temperature=0.0, ignore_eos=True).text for p in prompts]
     out: dict[int, str] = {}
 
     def one(i):
@@ -259,13 +238,13 @@ def test_invalid_requests_are_400(server, path, body, param, code):
     assert "Traceback" not in err["message"]
 
 
-def test_any_model_name_is_served_and_bad_json_400(server, client, llm):
+def test_any_model_name_is_served_and_bad_json_400(server, client, server_llm):
     # a single-model server answers to any name, as llama-server does, and echoes it
-    want = llm.generate(PROMPT, max_tokens=5, temperature=0)
+    want = server_llm.generate(PROMPT, max_tokens=5, temperature=0)
     r = client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=5, temperature=0)
     assert r.model == "gpt-4o" and r.choices[0].text == want.text
     ch = client.chat.completions.create(model="some/fixed-name", messages=MSGS, max_tokens=3, temperature=0)
-    assert ch.model == "some/fixed-name" and ch.choices[0].message.content == llm.chat(
+    assert ch.model == "some/fixed-name" and ch.choices[0].message.content == server_llm.chat(
         MSGS, max_tokens=3, temperature=0).text
     assert_error(httpx.get(server.url + "/v1/models/gpt-4o"), 404, param="model", code="model_not_found")
     for bad in (b'{"prompt": "x",', b"\xff\xfe"):
@@ -279,8 +258,8 @@ def test_any_model_name_is_served_and_bad_json_400(server, client, llm):
         assert ei.value.body["param"] == "n"
 
 
-def test_strict_model_and_alias(llm):
-    app = build_app(llm, model_id="my-alias", strict_model=True)
+def test_strict_model_and_alias(server_llm):
+    app = build_app(server_llm, model_id="my-alias", strict_model=True)
     with BackgroundServer(app) as srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as c:
         assert [m.id for m in c.models.list().data] == ["my-alias"]
         assert c.models.retrieve("my-alias").id == "my-alias"
@@ -303,8 +282,8 @@ def test_body_size_limit_413(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_request_that_can_never_fit_the_kv_budget_is_400(tiny_path):
-    with minirt.load(tiny_path, n_ctx=N_CTX) as m:
+def test_request_that_can_never_fit_the_kv_budget_is_400(server_tiny_path):
+    with minirt.load(server_tiny_path, n_ctx=N_CTX) as m:
         m.configure_scheduler(kv_budget_tokens=50)
         with BackgroundServer(build_app(m)) as srv:
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 100})
@@ -318,10 +297,10 @@ def test_request_that_can_never_fit_the_kv_budget_is_400(tiny_path):
 
 
 # -- disconnects ------------------------------------------------------------------------------------
-def test_stream_disconnect_cancels_generation(server, llm):
+def test_stream_disconnect_cancels_generation(server, server_llm):
     state = server.state
     d0, max_tokens = state.disconnects, 115
-    sched = llm.scheduler
+    sched = server_llm.scheduler
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
@@ -332,13 +311,13 @@ def test_stream_disconnect_cancels_generation(server, llm):
                 if n >= 2:
                     break
             (h,) = list(state.active.values())
-            llm._step_lock.acquire()  # freeze the scheduler between steps while the client leaves
+            server_llm._step_lock.acquire()  # freeze the scheduler between steps while the client leaves
         # leaving the block closes the half-read response: the connection is dropped
     try:
         wait_for(lambda: state.disconnects > d0, what="the server to notice the disconnect")
         steps0 = sched.steps
     finally:
-        llm._step_lock.release()
+        server_llm._step_lock.release()
     c = h.result(10)
     assert c.finish_reason == "cancelled" and len(c.token_ids) < max_tokens
     wait_for(lambda: sched.stats()["running"] == 0, what="the scheduler to drop the request")
@@ -346,30 +325,30 @@ def test_stream_disconnect_cancels_generation(server, llm):
     assert httpx.get(server.url + "/health").json()["scheduler"]["running"] == 0
 
 
-def test_nonstream_disconnect_cancels_generation(server, llm):
+def test_nonstream_disconnect_cancels_generation(server, server_llm):
     state = server.state
     d0 = state.disconnects
     body = json.dumps({"prompt": PROMPT, "max_tokens": 100, "temperature": 0, "ignore_eos": True}).encode()
-    llm._step_lock.acquire()  # nothing runs until the client has gone
+    server_llm._step_lock.acquire()  # nothing runs until the client has gone
     try:
         s = socket.create_connection((server.host, server.port))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         wait_for(lambda: len(state.active) == 1, what="the request to be submitted")
         (h,) = list(state.active.values())
-        wait_for(lambda: llm.scheduler.stats()["running"] == 1, what="the request to be admitted")
+        wait_for(lambda: server_llm.scheduler.stats()["running"] == 1, what="the request to be admitted")
         s.close()
         wait_for(lambda: state.disconnects > d0, what="the server to notice the disconnect")
     finally:
-        llm._step_lock.release()
+        server_llm._step_lock.release()
     c = h.result(10)
     assert c.finish_reason == "cancelled" and c.token_ids == []
-    wait_for(lambda: llm.scheduler.stats()["running"] == 0, what="the scheduler to drop the request")
+    wait_for(lambda: server_llm.scheduler.stats()["running"] == 0, what="the scheduler to drop the request")
 
 
 # -- capacity and failures --------------------------------------------------------------------------
-def test_kv_budget_full_is_503_with_retry_after(tiny_path):
-    with minirt.load(tiny_path, n_ctx=N_CTX) as m:
+def test_kv_budget_full_is_503_with_retry_after(server_tiny_path):
+    with minirt.load(server_tiny_path, n_ctx=N_CTX) as m:
         n_prompt = len(m.tokenize(PROMPT))
         budget = n_prompt + 100 + 20  # one request of 100 tokens fits, two do not
         m.configure_scheduler(kv_budget_tokens=budget, max_queue=1, n_parallel=4)
@@ -410,15 +389,15 @@ def test_kv_budget_full_is_503_with_retry_after(tiny_path):
             assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
-def test_exception_in_one_request_is_500_and_server_keeps_serving(server, llm, client, monkeypatch):
-    real_submit = llm.submit
+def test_exception_in_one_request_is_500_and_server_keeps_serving(server, server_llm, client, monkeypatch):
+    real_submit = server_llm.submit
 
     def flaky_submit(*a, **kw):
         if kw.get("seed") == 666:
             raise RuntimeError("simulated failure")
         return real_submit(*a, **kw)
 
-    monkeypatch.setattr(llm, "submit", flaky_submit)
+    monkeypatch.setattr(server_llm, "submit", flaky_submit)
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSGS, "seed": 666})
     err = assert_error(r, 500, code="internal_error")
     assert "RuntimeError" in err["message"]
@@ -434,15 +413,15 @@ def test_exception_in_one_request_is_500_and_server_keeps_serving(server, llm, c
     monkeypatch.undo()
     errors = server.state.errors
     assert errors >= 2
-    wait_for(lambda: llm.scheduler.stats()["running"] == 0, what="the failed stream to end")
+    wait_for(lambda: server_llm.scheduler.stats()["running"] == 0, what="the failed stream to end")
     r = client.chat.completions.create(model="tiny.gguf", messages=MSGS, max_tokens=4, temperature=0)
-    assert r.choices[0].message.content == llm.chat(MSGS, max_tokens=4, temperature=0.0).text
+    assert r.choices[0].message.content == server_llm.chat(MSGS, max_tokens=4, temperature=0.0).text
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
 # -- API key and HTTPS -------------------------------------------------------------------------------
-def test_api_key(llm):
-    with BackgroundServer(build_app(llm, api_key="s3cret")) as srv:
+def test_api_key(server_llm):
+    with BackgroundServer(build_app(server_llm, api_key="s3cret")) as srv:
         assert httpx.get(srv.url + "/health").status_code == 200  # health stays open
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert_error(r, 401, code="invalid_api_key")
@@ -479,16 +458,16 @@ def _self_signed(dirpath: Path) -> tuple[str, str]:
     return str(certfile), str(keyfile)
 
 
-def test_https_with_self_signed_certificate(llm, tmp_path):
+def test_https_with_self_signed_certificate(server_llm, tmp_path):
     pytest.importorskip("cryptography", reason="generating a test certificate needs cryptography")
     certfile, keyfile = _self_signed(tmp_path)
-    with BackgroundServer(build_app(llm), ssl_certfile=certfile, ssl_keyfile=keyfile) as srv:
+    with BackgroundServer(build_app(server_llm), ssl_certfile=certfile, ssl_keyfile=keyfile) as srv:
         assert srv.url.startswith("https://")
         ctx = ssl.create_default_context(cafile=certfile)
         with httpx.Client(verify=ctx) as hc:
             assert hc.get(srv.url + "/health").json()["status"] == "ok"
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", http_client=hc, max_retries=0)
-            ref = llm.chat(MSGS, max_tokens=4, temperature=0.0)
+            ref = server_llm.chat(MSGS, max_tokens=4, temperature=0.0)
             r = c.chat.completions.create(model="tiny.gguf", messages=MSGS, max_tokens=4, temperature=0)
             assert r.choices[0].message.content == ref.text
             s = c.chat.completions.create(model="tiny.gguf", messages=MSGS, max_tokens=4, temperature=0, stream=True)
@@ -517,13 +496,14 @@ def _listening_addresses(port: int) -> set[str]:
     return out
 
 
-def test_minirt_serve_command(tiny_path, tmp_path):
+def test_minirt_serve_command(server_tiny_path, tmp_path):
     """`minirt serve` with its flags: default loopback bind, API key, HTTPS, scheduler options, clean exit."""
     certfile, keyfile = _self_signed(tmp_path)
     port = _free_port()
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "minirt", "serve", "-m", tiny_path, "-c", "96", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "minirt", "serve", "-m", server_tiny_path, "-c", "96",
+                             "--port", str(port),
                              "--api-key", "k1", "--parallel", "3", "--queue", "5", "--kv-budget-tokens", "400",
                              "--ssl-certfile", certfile, "--ssl-keyfile", keyfile],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -576,14 +556,14 @@ def test_qwen_chat_through_openai_client(qwen_path):
 
 
 # -- the load benchmark ----------------------------------------------------------------------------
-def test_serve_load_bench_smoke(tiny_path, tmp_path):
+def test_serve_load_bench_smoke(server_tiny_path, tmp_path):
     """bench/serve_load.py end to end on the tiny model: baseline, concurrent streams, and the
     disconnect check (server up, the rest complete, scheduler drained, RSS back)."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "load.json"
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MINIRT_LLAMA_SERVER", None)
-    p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", tiny_path, "-n", "4",
+    p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", server_tiny_path, "-n", "4",
                         "--max-tokens", "8", "-c", "96", "-r", "2", "--disconnect-fraction", "0.34",
                         "--disconnect-clients", "12",
                         "--time-limit", "240", "--log-dir", str(tmp_path), "--json", str(out)],
@@ -604,7 +584,7 @@ def test_serve_load_bench_smoke(tiny_path, tmp_path):
     assert rep["llama_server"].startswith("missing") and "MISSING" in p.stdout
 
 
-def test_serve_load_bench_alternates_with_peer(tiny_path, tmp_path):
+def test_serve_load_bench_alternates_with_peer(server_tiny_path, tmp_path):
     """The llama-server comparison path, with a stand-in peer (minirt itself behind llama-server's
     command line): both servers measured in alternating rounds, the summary and ratio printed, and
     the many-streams check."""
@@ -625,7 +605,7 @@ os.execv(sys.executable, cmd)
     out = tmp_path / "load.json"
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "MINIRT_LLAMA_SERVER": str(fake)}
-    p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", tiny_path, "-n", "3",
+    p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", server_tiny_path, "-n", "3",
                         "--max-tokens", "4", "-c", "96", "-r", "2", "--check-streams", "10", "--time-limit", "240",
                         "--log-dir", str(tmp_path), "--json", str(out)],
                        env=env, capture_output=True, text=True, timeout=300)

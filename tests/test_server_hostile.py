@@ -23,38 +23,16 @@ import minirt  # noqa: E402
 from minirt import server as server_mod  # noqa: E402
 from minirt.http_guard import GuardOptions  # noqa: E402
 from minirt.server import BackgroundServer, build_app  # noqa: E402
-from tests.tiny_models import TinySpec, write_tiny  # noqa: E402
+from tests.server_support import wait_for  # noqa: E402
 
 PROMPT = "the capital of France is"
 N_CTX = 128
 TICK = 0.05  # seconds between trickled bytes
 
 
-def wait_for(cond, timeout=20.0, what="condition"):
-    t_end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > t_end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    p = tmp_path_factory.mktemp("hostile-srv") / "tiny.gguf"
-    write_tiny(p, TinySpec(n_layer=2, seed=11))
-    return str(p)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_path):
-    m = minirt.load(tiny_path, n_ctx=N_CTX)
-    yield m
-    m.close()
-
-
-def serve(llm, **guard):
+def serve(server_llm, **guard):
     g = GuardOptions(**guard)
-    srv = BackgroundServer(build_app(llm, guard=g), guard=g)
+    srv = BackgroundServer(build_app(server_llm, guard=g), guard=g)
     srv.start()
     srv.state = srv.server.server_state  # uvicorn's: open connections and running tasks
     return srv
@@ -108,10 +86,10 @@ def body_json(reply: bytes) -> dict:
 
 
 # -- point 1: connections ---------------------------------------------------------------------------
-def test_trickled_headers_get_408_after_the_header_timeout(llm):
+def test_trickled_headers_get_408_after_the_header_timeout(server_llm):
     """A client sending its headers one byte per TICK is closed after about header_timeout / TICK
     bytes (here 10), not after all of them."""
-    srv = serve(llm, header_timeout=10 * TICK)
+    srv = serve(server_llm, header_timeout=10 * TICK)
     try:
         req = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"a" * 400 + b"\r\n\r\n"
         with connect(srv) as s:
@@ -124,10 +102,10 @@ def test_trickled_headers_get_408_after_the_header_timeout(llm):
         srv.stop()
 
 
-def test_trickled_body_gets_408_and_releases_its_coroutine(llm):
+def test_trickled_body_gets_408_and_releases_its_coroutine(server_llm):
     """1 byte per TICK of a declared 1000-byte body: 408 after about body_timeout / TICK bytes, and
     the request's task (the coroutine reading the body) is gone."""
-    srv = serve(llm, body_timeout=10 * TICK)
+    srv = serve(server_llm, body_timeout=10 * TICK)
     try:
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 1000\r\n\r\n")
@@ -144,10 +122,10 @@ def test_trickled_body_gets_408_and_releases_its_coroutine(llm):
         srv.stop()
 
 
-def test_silent_and_idle_connections_are_closed(llm):
+def test_silent_and_idle_connections_are_closed(server_llm):
     """A connection that never sends a byte, and a keep-alive connection that trickles the next
     request after a response (each byte resets uvicorn's own keep-alive timer), are both closed."""
-    srv = serve(llm, header_timeout=10 * TICK, keep_alive_timeout=10 * TICK)
+    srv = serve(server_llm, header_timeout=10 * TICK, keep_alive_timeout=10 * TICK)
     try:
         with connect(srv) as silent, connect(srv) as kept:
             kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -161,10 +139,10 @@ def test_silent_and_idle_connections_are_closed(llm):
         srv.stop()
 
 
-def test_connection_cap_evicts_half_sent_requests_and_health_answers(llm):
+def test_connection_cap_evicts_half_sent_requests_and_health_answers(server_llm):
     """40 half-sent requests against max_connections=8: the server keeps at most 8 open, closing
     the oldest stuck ones, and /health answers."""
-    srv = serve(llm, limit_concurrency=4, max_connections=8, header_timeout=60)
+    srv = serve(server_llm, limit_concurrency=4, max_connections=8, header_timeout=60)
     socks = []
     try:
         for _ in range(40):
@@ -183,10 +161,10 @@ def test_connection_cap_evicts_half_sent_requests_and_health_answers(llm):
         srv.stop()
 
 
-def test_requests_beyond_the_concurrency_limit_get_503_and_health_still_answers(llm):
+def test_requests_beyond_the_concurrency_limit_get_503_and_health_still_answers(server_llm):
     """Two requests in flight (headers sent, bodies pending) with limit_concurrency=2: a third gets
     a typed 503 with Retry-After, /health answers 200."""
-    srv = serve(llm, limit_concurrency=2, body_timeout=60)
+    srv = serve(server_llm, limit_concurrency=2, body_timeout=60)
     holders = []
     try:
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -207,10 +185,10 @@ def test_requests_beyond_the_concurrency_limit_get_503_and_health_still_answers(
         srv.stop()
 
 
-def test_queued_clients_that_disconnect_give_their_slots_back(tiny_path):
+def test_queued_clients_that_disconnect_give_their_slots_back(server_tiny_path):
     """n_parallel=1, queue of 2: A runs, B and C wait and then hang up. D must be queued (and
     complete), not refused with 503 because B and C still hold the queue."""
-    with minirt.load(tiny_path, n_ctx=N_CTX) as m:
+    with minirt.load(server_tiny_path, n_ctx=N_CTX) as m:
         m.configure_scheduler(n_parallel=1, max_queue=2)
         app = build_app(m)
         state, sched = app.state.minirt, m.scheduler
@@ -252,8 +230,8 @@ def test_queued_clients_that_disconnect_give_their_slots_back(tiny_path):
 
 
 # -- point 2: cross-origin use of a local server ------------------------------------------------------
-def test_text_plain_post_is_415(llm):
-    srv = serve(llm)
+def test_text_plain_post_is_415(server_llm):
+    srv = serve(server_llm)
     try:
         body = json.dumps({"prompt": PROMPT, "max_tokens": 1})
         for ctype in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None):
@@ -271,10 +249,10 @@ def test_text_plain_post_is_415(llm):
         srv.stop()
 
 
-def test_foreign_host_on_loopback_is_refused(llm):
+def test_foreign_host_on_loopback_is_refused(server_llm):
     """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 sends
     ``Host: evil.example:PORT``. Loopback names (and those allowed) are served, any other is refused (421)."""
-    srv = serve(llm, allow_hosts=("box.lan",))
+    srv = serve(server_llm, allow_hosts=("box.lan",))
     try:
         body = {"prompt": PROMPT, "max_tokens": 1}
         for host in (f"evil.example:{srv.port}", "evil.example", f"127.0.0.1.evil.example:{srv.port}"):
@@ -290,10 +268,10 @@ def test_foreign_host_on_loopback_is_refused(llm):
         srv.stop()
 
 
-def test_foreign_origin_is_refused_unless_allowed(llm):
+def test_foreign_origin_is_refused_unless_allowed(server_llm):
     """A page on another origin (its fetch carries ``Origin``) is refused with 403; an origin named
     in allow_origins is served with CORS headers, its preflight answered."""
-    srv = serve(llm, allow_origins=("http://app.example:3000",))
+    srv = serve(server_llm, allow_origins=("http://app.example:3000",))
     try:
         body = {"prompt": PROMPT, "max_tokens": 1}
         r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Origin": "http://evil.example"})
@@ -322,7 +300,7 @@ def test_foreign_origin_is_refused_unless_allowed(llm):
 
 
 # -- point 3: big bodies off the event loop -------------------------------------------------------------
-def test_big_body_is_parsed_off_the_event_loop(llm, monkeypatch):
+def test_big_body_is_parsed_off_the_event_loop(server_llm, monkeypatch):
     """A ~4 MiB valid body with a huge ``logit_bias`` takes a while to validate. /health requests
     sent meanwhile must keep being answered *during* that validation (counted between its start
     and end, recorded by a wrapper around the validator): on the event loop none could be."""
@@ -337,7 +315,7 @@ def test_big_body_is_parsed_off_the_event_loop(llm, monkeypatch):
             window["end"] = time.monotonic()
 
     monkeypatch.setattr(server_mod, "parse_completion", timed)
-    srv = serve(llm)
+    srv = serve(server_llm)
     try:
         bias = {f"{i:07d}": 0.0 for i in range(250_000)}  # distinct keys, each an integer
         body = json.dumps({"prompt": PROMPT, "max_tokens": 1, "logit_bias": bias}).encode()
