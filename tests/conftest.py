@@ -79,3 +79,19 @@ def server_llm(server_tiny_path):
     m = minirt.load(server_tiny_path, n_ctx=SERVER_N_CTX)
     yield m
     m.close()
+
+
+@pytest.fixture(scope="module")
+def nat():
+    """The loaded native kernel module (minirt.kernels.native); skips only when the machine has no C
+    compiler at all (any other build failure is an error)."""
+    import minirt
+    from minirt.kernels import native
+
+    try:
+        native._load()
+    except minirt.BackendError as e:
+        if "no C compiler" in str(e):
+            pytest.skip(f"native kernels unavailable: {e}")
+        raise
+    return native

@@ -19,17 +19,6 @@ TYPES = kv_types.CACHE_TYPES
 BLOCK_TYPES = [t for t in TYPES if kv_types.get(t).quantized]
 
 
-@pytest.fixture(scope="module")
-def nat():
-    try:
-        native._load()
-    except minirt.BackendError as e:
-        if "no C compiler" in str(e):
-            pytest.skip(f"native kernels unavailable: {e}")
-        raise
-    return native
-
-
 def isas() -> list[str]:
     return [i for i in native.supported_isas() if i in ("scalar", "avx2", "avx512", "neon")]
 

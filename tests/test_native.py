@@ -36,18 +36,6 @@ F16_FIELDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def nat():
-    """The loaded native module; skips only when the machine has no C compiler at all."""
-    try:
-        native._load()
-    except minirt.BackendError as e:
-        if "no C compiler" in str(e):
-            pytest.skip(f"native kernels unavailable: {e}")
-        raise
-    return native
-
-
 def isas_to_test() -> list[str]:
     try:
         native._load()

@@ -6,7 +6,8 @@ or of its tests; the tests only read the files this script writes):
 
     # 1. llama.cpp (the Python binding of llama-cpp-python 0.3.36): NAME.tokenizer.jsonl, NAME.greedy.jsonl
     python tests/data/reference/regenerate.py llama --out DIR
-    # 2. transformers, the same GGUF dequantized to float32: NAME.float_ref.npz (reads DIR/NAME.greedy.jsonl)
+    # 2. transformers (+ torch, accelerate), the same GGUF dequantized to float32: NAME.float_ref.npz
+    #    (reads DIR/NAME.greedy.jsonl)
     python tests/data/reference/regenerate.py float --out DIR
     # 3. compare DIR with the committed files (exit status 1 on any difference)
     python tests/data/reference/regenerate.py compare DIR
