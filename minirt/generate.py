@@ -268,6 +268,7 @@ class Sequence:
         self.forced: list[int] = []  # tokens to emit instead of sampling (closing a thinking block)
         self.stopping: list[Callable[[np.ndarray, np.ndarray], bool]] = []  # stopping_criteria
         self._split: Any = None  # where the output is: thinking or answering (minirt.reasoning.Splitter)
+        self._gstate: str | None = None  # the grammar's phase in a chat that may think (advance_grammar)
         self.n_thinking = 0
         self.n_prefilled = n_reused  # prompt positions already in the cache (shared prefix)
         self.n_reused = n_reused
@@ -387,6 +388,62 @@ class Sequence:
             self.finish("length")
             return
         self.pending_token = tok
+
+    # -- grammar and thinking ----------------------------------------------------------------
+    # A chat whose model thinks (a <think>…</think>-style block, minirt.reasoning) keeps the grammar
+    # for its answer: the thinking is free text, and the grammar starts from its first state at the
+    # first token after the block closes. Phases: "answer" (the grammar applies), "thinking" (no
+    # mask until the block closes), "open" (first token of an answer that may open a block: the
+    # grammar's tokens or the opening marker token; a grammar that allows that token itself writes
+    # the block and applies throughout). gpt-oss's harmony channels are not gated: the grammar
+    # applies from the first token there.
+    def _grammar_start(self) -> str:
+        p = self.parser
+        from .reasoning import TAGS
+
+        if p is None or p.fmt not in TAGS:
+            return "answer"
+        if p.inside:
+            return "thinking"
+        return "open" if getattr(p, "open_id", None) is not None else "answer"
+
+    def advance_grammar(self, token: int | None, worker: Any) -> None:
+        """Feed the grammar the token being fed to the model (None on the first step) and start
+        the next mask on ``worker``; see the phases above."""
+        assert self.matcher is not None
+        st = self._gstate
+        if st is None:
+            st = self._gstate = self._grammar_start()
+            if st != "thinking":
+                self.matcher.advance(None, worker)
+            return
+        if st == "open":
+            if token == self.parser.open_id:
+                self._gstate = "thinking"
+                return
+            self._gstate = "answer"
+        elif st == "thinking":
+            if self._split is None or self._split.thinking:
+                return
+            self._gstate = "answer"
+            token = None  # the closing marker is not the grammar's: it starts from its first state
+        self.matcher.advance(token, worker)
+
+    def grammar_mask(self) -> np.ndarray | None:
+        """Tokens the grammar allows next (None while thinking: any token)."""
+        assert self.matcher is not None
+        if self._gstate is None:  # not advanced yet (inline use): the first step
+            self.advance_grammar(None, None)
+        if self._gstate == "thinking":
+            return None
+        ok = self.matcher.allowed()
+        if self._gstate == "open":
+            if ok[self.parser.open_id]:  # the grammar itself writes the thinking block: it is in charge
+                self._gstate = "answer"
+                return ok
+            ok = ok.copy()
+            ok[self.parser.open_id] = True
+        return ok
 
     def _part(self, delta: str) -> str:
         """Which part of a chat answer the token belongs to; closes the thinking block when its
@@ -508,7 +565,7 @@ class Engine:
             if samples and s.matcher is not None:
                 # the grammar takes the token being fed and computes the next mask during the pass
                 try:
-                    s.matcher.advance(None if s.in_prefill else int(t[0]), self.masks)
+                    s.advance_grammar(None if s.in_prefill else int(t[0]), self.masks)
                 except Exception as e:
                     s.error = e
                     s.finish("cancelled", notify=False)
@@ -542,7 +599,7 @@ class Engine:
                 if s.forced:  # e.g. the end of a thinking block whose budget is spent
                     sampled = Sampled(s.forced.pop(0), 0.0)
                 else:
-                    allowed = s.matcher.allowed() if s.matcher is not None else None
+                    allowed = s.grammar_mask() if s.matcher is not None else None
                     sampled = s.sampler.sample(lg, s.cache.token_ids(), allowed)
                 s.accept(sampled, time.perf_counter() - t1)
                 if s.stopping and not s.done and any(

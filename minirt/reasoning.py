@@ -44,6 +44,16 @@ def starts_inside(fmt: str | None, prompt: str) -> bool:
     return tail.endswith(start) and not tail.endswith(end)
 
 
+def may_open(fmt: str | None, prompt: str) -> bool:
+    """Whether the output may still begin a thinking block: the format has one and the prompt
+    neither opened it nor closed one at its end (an empty block when thinking is disabled)."""
+    if fmt not in TAGS:
+        return False
+    start, end = TAGS[fmt]
+    tail = prompt.rstrip()
+    return not tail.endswith(start) and not tail.endswith(end)
+
+
 def end_marker(fmt: str | None) -> str | None:
     """The text that closes the thinking block (forced when the thinking budget runs out)."""
     if fmt in TAGS:
@@ -171,6 +181,10 @@ class ChatParser:
         self.fmt, self.inside, self.plan = fmt, inside, plan
         self.budget: int | None = None  # thinking_budget: tokens of thinking before the block is closed
         self.end_ids: list[int] = []  # the tokens that close it
+        # the opening marker's token when the answer may still open a thinking block (a grammar
+        # then also allows it as the first token); None when it is not one token or the prompt
+        # already closed the block (enable_thinking=False renders an empty one)
+        self.open_id: int | None = None
 
     def _tools(self) -> Any:
         from .tools import ToolStream

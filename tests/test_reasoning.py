@@ -162,3 +162,79 @@ def test_reasoning_format_none_keeps_thinking_in_content(tiny_path):
         assert "reasoning_content" not in m and m["content"].startswith("<think>")
         r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "reasoning_format": "maybe"}, timeout=60)
         assert r.status_code == 400
+
+
+# ------------------------------------------------------------------------------------------------
+# a grammar with a model that thinks: the thinking is free, the grammar holds for the answer
+# ------------------------------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer"}},
+          "required": ["city", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def think_path(tmp_path_factory):
+    """A tiny model whose vocabulary has <think> and </think> as single tokens (as Qwen3's has)."""
+    p = tmp_path_factory.mktemp("reason-think") / "tiny.gguf"
+    write_tiny(p, TinySpec(n_layer=2, seed=4, n_ctx=512, specials=("<think>", "</think>")))
+    return p
+
+
+def _valid(content: str) -> dict:
+    import json
+
+    obj = json.loads(content)
+    assert set(obj) == {"city", "n"} and isinstance(obj["city"], str) and isinstance(obj["n"], int), obj
+    return obj
+
+
+def test_grammar_waits_for_a_thinking_block_the_prompt_opened(tiny_path):
+    """DeepSeek-R1's prompt opens <think>: the first tokens are free thinking (closed here by the
+    budget), then the answer follows the schema."""
+    tmpl = (T / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja").read_text()
+    with minirt.load(tiny_path, n_ctx=512, chat_template=tmpl) as llm:
+        msgs = [{"role": "user", "content": "hi"}]
+        for seed in range(4):
+            c = llm.chat(msgs, max_tokens=400, temperature=1.0, seed=seed, thinking_budget=6, json_schema=SCHEMA)
+            assert c.finish_reason == "stop", c.text
+            _valid(c.content)
+            thought = llm.detokenize(c.token_ids[:6]).strip()
+            assert c.reasoning.strip() == thought  # unconstrained: free tokens, not the schema's
+            # the same request without thinking room would have had to start with "{"
+            assert c.text.split("</think>", 1)[1].lstrip().startswith("{")
+
+
+def test_grammar_lets_the_model_open_a_thinking_block(think_path):
+    """Qwen3's prompt leaves thinking to the model: the first token may be the grammar's or
+    <think>; after </think> the schema holds. With thinking disabled (an empty block in the
+    prompt) <think> is not allowed at all."""
+    tmpl = (T / "Qwen-Qwen3-0.6B.jinja").read_text()
+    with minirt.load(think_path, n_ctx=512, chat_template=tmpl) as llm:
+        think, end = (llm.tokenize(t, add_special=False, parse_special=True) for t in ("<think>", "</think>"))
+        assert len(think) == len(end) == 1
+        msgs = [{"role": "user", "content": "hi"}]
+        kw = dict(max_tokens=400, temperature=1.0, seed=3, json_schema=SCHEMA, thinking_budget=5)
+        c = llm.chat(msgs, logit_bias={think[0]: 100.0}, **kw)  # push the model to open the block
+        assert c.token_ids[0] == think[0] and end[0] in c.token_ids, c.text
+        assert c.finish_reason == "stop" and c.reasoning and _valid(c.content)
+        c = llm.chat(msgs, logit_bias={think[0]: -100.0}, **kw)  # no thinking: straight to the answer
+        assert think[0] not in c.token_ids and not c.reasoning and _valid(c.content)
+        c = llm.chat(msgs, logit_bias={think[0]: 100.0}, chat_template_kwargs={"enable_thinking": False}, **kw)
+        assert think[0] not in c.token_ids and _valid(c.content)
+        # streamed: the same split, as deltas
+        deltas = [ch["choices"][0]["delta"] for ch in llm.create_chat_completion(
+            msgs, stream=True, logit_bias={think[0]: 100.0}, **kw)]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas)
+        _valid("".join(d.get("content") or "" for d in deltas))
+
+
+def test_a_grammar_that_writes_the_block_itself_applies_throughout(think_path):
+    """A grammar whose first token is <think> (Lark, by token id) is in charge of the whole output,
+    as llama.cpp applies grammars: no free-text phase is added."""
+    tmpl = (T / "Qwen-Qwen3-0.6B.jinja").read_text()
+    with minirt.load(think_path, n_ctx=512, chat_template=tmpl) as llm:
+        think, end = (llm.tokenize(t, add_special=False, parse_special=True)[0] for t in ("<think>", "</think>"))
+        g = f'start: <[{think}]> /[a-z]{{5}}/ <[{end}]> /[A-Z]{{3}}/'
+        c = llm.chat([{"role": "user", "content": "hi"}], max_tokens=60, temperature=1.0, seed=1, grammar=g)
+        assert c.token_ids[0] == think and len(c.reasoning) == 5 and c.reasoning.islower(), c.text
+        assert len(c.content) == 3 and c.content.isupper(), c.text

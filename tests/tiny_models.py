@@ -12,15 +12,16 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 
-def spm_vocab(w: gguf.GGUFWriter, n_extra: int = 0) -> int:
-    """A minimal SentencePiece-style vocab: <unk> <s> </s>, 256 byte tokens, a few pieces."""
+def spm_vocab(w: gguf.GGUFWriter, n_extra: int = 0, specials: tuple[str, ...] = ()) -> int:
+    """A minimal SentencePiece-style vocab: <unk> <s> </s>, 256 byte tokens, a few pieces, then
+    ``specials`` as user-defined tokens (e.g. ``<think>``, as Qwen3's vocabulary has them)."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256
     pieces = ["▁", "▁the", "▁a", "e", "t", "th", "▁capital", "▁of", "▁France", "?", "▁is", "▁Paris", "."]
     pieces += [f"▁w{i}" for i in range(max(0, n_extra - len(pieces)))]
-    tokens += pieces
-    types += [1] * len(pieces)
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    tokens += pieces + list(specials)
+    types += [1] * len(pieces) + [4] * len(specials)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0] * len(specials)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -52,13 +53,14 @@ class TinySpec:
     bias: bool = False
     seed: int = 0
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # float32 as stored (after quant round trip)
+    specials: tuple[str, ...] = ()  # user-defined tokens appended to the vocabulary
 
 
 def write_tiny(path: Path, spec: TinySpec) -> TinySpec:
     """Write a random model; ``spec.weights`` receives the exact float values the file holds."""
     rng = np.random.default_rng(spec.seed)
     w = gguf.GGUFWriter(str(path), spec.arch)
-    n_vocab = spm_vocab(w, n_extra=40)
+    n_vocab = spm_vocab(w, n_extra=40, specials=spec.specials)
     w.add_block_count(spec.n_layer)
     w.add_context_length(spec.n_ctx)
     w.add_embedding_length(spec.n_embd)
