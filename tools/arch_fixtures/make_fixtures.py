@@ -86,6 +86,13 @@ ARCHS: dict[str, dict[str, Any]] = {
         features="GQA 4/2, q/k/v bias, BPE vocab",
         kwargs=dict(_common(layers=2), rms_norm_eps=1e-6,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen2_yarn": dict(
+        config="Qwen2Config", model="Qwen2ForCausalLM", tokenizer="bpe", pre="qwen2",
+        features="as qwen2 with YaRN rope scaling as Qwen2.5's model cards enable it (factor 4, original 32768, context 131072, "
+                 "HF's default beta 32/1 and truncation; attention factor 0.1 ln 4 + 1)",
+        kwargs=dict(_common(layers=2), rms_norm_eps=1e-6, max_position_embeddings=131072,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                     "rope_theta": 1000000.0})),
     "qwen3": dict(
         config="Qwen3Config", model="Qwen3ForCausalLM", tokenizer="bpe", pre="qwen2",
         features="GQA 4/2, per-head q/k RMSNorm, head_dim 64 with 4 heads, tied output, BPE vocab",
