@@ -11,6 +11,7 @@ same code serves one caller (``Model.generate`` runs steps on the caller's threa
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -269,6 +270,7 @@ class Sequence:
         self.stopping: list[Callable[[np.ndarray, np.ndarray], bool]] = []  # stopping_criteria
         self._split: Any = None  # where the output is: thinking or answering (minirt.reasoning.Splitter)
         self._gstate: str | None = None  # the grammar's phase in a chat that may think (advance_grammar)
+        self._gtail, self._gtail_i = "", 0  # gpt-oss: the output's last characters, for the final header
         self.n_thinking = 0
         self.n_prefilled = n_reused  # prompt positions already in the cache (shared prefix)
         self.n_reused = n_reused
@@ -390,22 +392,34 @@ class Sequence:
         self.pending_token = tok
 
     # -- grammar and thinking ----------------------------------------------------------------
-    # A chat whose model thinks (a <think>…</think>-style block, minirt.reasoning) keeps the grammar
-    # for its answer: the thinking is free text, and the grammar starts from its first state at the
-    # first token after the block closes. Phases: "answer" (the grammar applies), "thinking" (no
-    # mask until the block closes), "open" (first token of an answer that may open a block: the
-    # grammar's tokens or the opening marker token; a grammar that allows that token itself writes
-    # the block and applies throughout). gpt-oss's harmony channels are not gated: the grammar
-    # applies from the first token there.
+    # A chat whose model thinks keeps the grammar for its answer: the thinking is free text, and the
+    # grammar starts from its first state at the first token of the answer. Phases: "answer" (the
+    # grammar applies), "thinking" (no mask until a <think>…</think>-style block closes), "open"
+    # (first token of an answer that may open such a block: the grammar's tokens or the opening
+    # marker token), "harmony" / "free" (gpt-oss: any channels first, the grammar from the final
+    # channel's message on, as llama.cpp's gpt-oss grammar has it). A grammar that allows the
+    # opening token (``<think>``, ``<|channel|>``) as its first writes the structure itself and
+    # applies throughout.
+    _FINAL_HEADER = re.compile(r"<\|channel\|>final(?:\s*(?:<\|constrain\|>)?[A-Za-z0-9_-]+)?<\|message\|>$")
+
     def _grammar_start(self) -> str:
         p = self.parser
-        from .reasoning import TAGS
+        from .reasoning import HARMONY, TAGS
 
-        if p is None or p.fmt not in TAGS:
+        if p is None or getattr(p, "open_id", None) is None and not getattr(p, "inside", False):
             return "answer"
-        if p.inside:
-            return "thinking"
-        return "open" if getattr(p, "open_id", None) is not None else "answer"
+        if p.fmt == HARMONY:
+            return "harmony"
+        if p.fmt not in TAGS:
+            return "answer"
+        return "thinking" if p.inside else "open"
+
+    def _final_channel_open(self) -> bool:
+        """gpt-oss: has the output just written a final-channel header (its answer starts now)?"""
+        new = self.text_parts[self._gtail_i:]
+        self._gtail_i = len(self.text_parts)
+        self._gtail = (self._gtail + "".join(new))[-256:]
+        return self._FINAL_HEADER.search(self._gtail) is not None
 
     def advance_grammar(self, token: int | None, worker: Any) -> None:
         """Feed the grammar the token being fed to the model (None on the first step) and start
@@ -427,20 +441,30 @@ class Sequence:
                 return
             self._gstate = "answer"
             token = None  # the closing marker is not the grammar's: it starts from its first state
+        elif st in ("harmony", "free"):
+            self._gstate = "free"
+            if not self._final_channel_open():
+                return
+            self._gstate = "answer"
+            token = None
         self.matcher.advance(token, worker)
 
     def grammar_mask(self) -> np.ndarray | None:
-        """Tokens the grammar allows next (None while thinking: any token)."""
+        """Tokens the grammar allows next (None while the model thinks: any token)."""
         assert self.matcher is not None
         if self._gstate is None:  # not advanced yet (inline use): the first step
             self.advance_grammar(None, None)
-        if self._gstate == "thinking":
+        st = self._gstate
+        if st in ("thinking", "free"):
             return None
         ok = self.matcher.allowed()
-        if self._gstate == "open":
+        if st in ("open", "harmony"):
             if ok[self.parser.open_id]:  # the grammar itself writes the thinking block: it is in charge
                 self._gstate = "answer"
                 return ok
+            if st == "harmony":
+                self._gstate = "free"
+                return None
             ok = ok.copy()
             ok[self.parser.open_id] = True
         return ok

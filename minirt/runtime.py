@@ -664,8 +664,10 @@ class Model:
         if fmt is None and plan is None:
             return ids, None
         parser = reasoning.ChatParser(fmt, reasoning.starts_inside(fmt, text), plan)
-        if reasoning.may_open(fmt, text):
-            opening = self.tokenizer.encode(reasoning.TAGS[fmt][0], add_special=False, parse_special=True)
+        opener = "<|channel|>" if fmt == reasoning.HARMONY else \
+            reasoning.TAGS[fmt][0] if reasoning.may_open(fmt, text) else None
+        if opener is not None:  # a grammar then holds for the answer (Sequence.advance_grammar)
+            opening = self.tokenizer.encode(opener, add_special=False, parse_special=True)
             parser.open_id = opening[0] if len(opening) == 1 else None
         if fmt is not None and budget is not None:
             parser.budget = budget

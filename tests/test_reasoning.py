@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import minirt
@@ -238,3 +239,53 @@ def test_a_grammar_that_writes_the_block_itself_applies_throughout(think_path):
         c = llm.chat([{"role": "user", "content": "hi"}], max_tokens=60, temperature=1.0, seed=1, grammar=g)
         assert c.token_ids[0] == think and len(c.reasoning) == 5 and c.reasoning.islower(), c.text
         assert len(c.content) == 3 and c.content.isupper(), c.text
+
+
+HARMONY_SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+@pytest.fixture(scope="module")
+def harmony_path(tmp_path_factory):
+    """A tiny model whose vocabulary has gpt-oss's harmony tokens as single tokens."""
+    p = tmp_path_factory.mktemp("reason-harmony") / "tiny.gguf"
+    write_tiny(p, TinySpec(n_layer=2, seed=4, n_ctx=512, specials=HARMONY_SPECIALS))
+    return p
+
+
+def test_grammar_holds_for_gpt_oss_final_channel(harmony_path):
+    """gpt-oss writes its analysis channel, then the final channel's header, then the answer: the
+    grammar starts at the final message (as llama.cpp's gpt-oss grammar allows analysis first).
+    The channels are scripted here with a logits processor (a random model would not write them)."""
+    tmpl = (T / "openai-gpt-oss-120b.jinja").read_text()
+    with minirt.load(harmony_path, n_ctx=512, chat_template=tmpl) as llm:
+        tk = llm.tokenizer
+
+        def ids(*parts: str) -> list[int]:
+            # specials by id, text as byte tokens: the tiny SentencePiece vocabulary would add a
+            # space prefix to each text piece (" analysis"), which gpt-oss's own tokenizer does not
+            return [t for part in parts for t in ([tk.token_to_id(part)] if part.startswith("<|") else
+                                                  [tk.token_to_id(f"<0x{b:02X}>") for b in part.encode()])]
+
+        script = ids("<|channel|>", "analysis", "<|message|>", "hmm", "<|end|>", "<|start|>", "assistant",
+                     "<|channel|>", "final", "<|message|>")
+        for variant in ("plain", "constrain"):
+            steps = list(script)
+            if variant == "constrain":  # the header may name the content type, as gpt-oss writes it
+                at = len(steps) - 1
+                steps[at:at] = ids(" ", "<|constrain|>", "json")
+            i = [0]
+
+            def force(input_ids, scores, steps=steps, i=i):
+                if i[0] < len(steps):
+                    out = np.full_like(scores, -np.inf)
+                    out[steps[i[0]]] = 0.0
+                    i[0] += 1
+                    return out
+                return scores
+
+            c = llm.chat([{"role": "user", "content": "hi"}], max_tokens=400, temperature=1.0, seed=5,
+                         json_schema=SCHEMA, logits_processor=force)
+            assert c.token_ids[:len(steps)] == steps, c.text
+            assert c.finish_reason == "stop", c.text
+            assert c.reasoning == "hmm"
+            _valid(c.content)
