@@ -40,7 +40,7 @@ def ref(name: str) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def _seqs(z: dict[str, np.ndarray]) -> list[list[int]]:
-    return [z[k].tolist() for k in sorted(k for k in z if k.startswith("tokens_"))]
+    return [z[k].tolist() for k in sorted((k for k in z if k.startswith("tokens_")), key=lambda k: int(k[7:]))]
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -139,7 +139,7 @@ def test_encoder_refuses_generation_and_rerank() -> None:
 
 
 def test_rerank_api_and_pair_format() -> None:
-    name = next((n for n in MODELS if "rerank" in n), None)
+    name = "xlmr_rerank" if "xlmr_rerank" in MODELS else None  # the XLM-R pair format
     if name is None:
         pytest.skip("no reranker fixture")
     m = load(name)
@@ -237,7 +237,7 @@ def test_rerank_route() -> None:
 
     from minirt.server import BackgroundServer, build_app
 
-    name = next((n for n in MODELS if "rerank" in n), None)
+    name = "xlmr_rerank" if "xlmr_rerank" in MODELS else None  # the XLM-R pair format
     if name is None:
         pytest.skip("no reranker fixture")
     m = load(name)
@@ -270,9 +270,26 @@ def test_cli_embed_and_rerank(capsys, monkeypatch) -> None:  # type: ignore[no-u
     assert cli.main(["embed", path, "--dimensions", "8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["data"]) == 2 and len(out["data"][0]["embedding"]) == 8
-    name = next((n for n in MODELS if "rerank" in n), None)
+    name = "xlmr_rerank" if "xlmr_rerank" in MODELS else None  # the XLM-R pair format
     if name is not None:
         assert cli.main(["embed", str(DATA / name / "model-f16.gguf"), "--rerank", "ab", "cd", "ef"]) == 0
         res = json.loads(capsys.readouterr().out)["results"]
         assert sorted(r["index"] for r in res) == [0, 1] and "document" in res[0]
     assert cli.main(["embed", str(DATA / "bert" / "model-f16.gguf"), "--rerank", "q", "d"]) == 2  # not a reranker
+
+
+def test_qwen3_reranker_uses_its_template() -> None:
+    """A Qwen3 reranker (converted from the Qwen3-Reranker layout): the pair goes through the
+    file's ``rerank`` chat template (instruction, query, document, empty thinking block), and the
+    score is P(yes) of its two-label softmax, in [0, 1]."""
+    if "qwen3_rerank" not in MODELS:
+        pytest.skip("no Qwen3 reranker fixture")
+    m = load("qwen3_rerank")
+    tmpl = m.metadata["tokenizer.chat_template.rerank"]
+    assert "{query}" in tmpl and "{document}" in tmpl
+    ids = embedding.rerank_ids(m, "ab", "cd")
+    assert m.detokenize(ids).endswith(tmpl.replace("{query}", "ab").replace("{document}", "cd")[-40:])
+    s = m.rerank("ab", ["cd", "ef", "cd"])
+    assert s.shape == (3,) and ((0 <= s) & (s <= 1)).all() and s[0] == pytest.approx(s[2], abs=1e-6)
+    p = embedding.pool(m, m.model.desc.pooling, embedding.hidden_states(m, [ids]))[0]
+    assert p.shape == (2,) and p.sum() == pytest.approx(1.0, abs=1e-5) and s[0] == pytest.approx(p[0], abs=1e-5)

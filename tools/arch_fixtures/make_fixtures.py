@@ -325,17 +325,20 @@ def write_spm(out: Path, vocab: int, specials: dict[str, int], control: list[str
 BPE_SPECIALS = ["<|endoftext|>", "<|begin_of_text|>", "<|pad|>", "<|user|>"]
 
 
-def write_bpe(out: Path, vocab: int) -> dict[str, int]:
-    """Train a byte-level BPE ``tokenizer.json`` of ``vocab`` entries; returns the special token ids."""
+def write_bpe(out: Path, vocab: int, extra: tuple[str, ...] = ()) -> dict[str, int]:
+    """Train a byte-level BPE ``tokenizer.json`` of ``vocab`` entries, the last ones the ``extra``
+    words as added (non-special) tokens; returns the special token ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=BPE_SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(extra), special_tokens=BPE_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    assert tok.get_vocab_size() == vocab, tok.get_vocab_size()
+    if extra:
+        tok.add_tokens([w for w in extra if tok.token_to_id(w) is None])
+    assert tok.get_vocab_size() <= vocab, tok.get_vocab_size()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BPE_SPECIALS[0], bos_token=BPE_SPECIALS[1],
                                    pad_token=BPE_SPECIALS[2])
     fast.save_pretrained(str(out))

@@ -78,6 +78,15 @@ MODELS: dict[str, dict[str, Any]] = {
         kwargs=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
                     rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "qwen3_rerank": dict(
+        config="Qwen3Config", model="Qwen3ForCausalLM", tokenizer="bpe", pre="qwen2", pooling="rank",
+        yes_no=True, readme="# Qwen3-Reranker\n", lengths=(5, 17, 40, 8, 23, 31, 12, 3, 27, 36, 19, 44),
+        features="Qwen3-Reranker layout: a causal Qwen3 LM whose converter keeps the lm_head rows of 'yes' and "
+                 "'no' as the classifier (cls_out, 2 labels); score = softmax over (yes, no) at the last token",
+        quants=True,
+        kwargs=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False)),
     "nomic_bert": dict(
         config=None, model=None, tokenizer="wordpiece", pre="default", pooling="mean", quants=False,
         features="nomic-bert: post-norm, rotary (NEOX, base 1000), fused Wqkv, SwiGLU, no biases, 2 token "
@@ -208,7 +217,8 @@ def build(spec: dict[str, Any], out: Path, seed: int) -> tuple[dict[str, Any], l
         af.write_spm(out, kw["vocab_size"], specials, [])
         kw.update(bos_token_id=specials["bos"], eos_token_id=specials["eos"], pad_token_id=specials.get("pad"))
     else:
-        specials = af.write_bpe(out, kw["vocab_size"])
+        # Qwen3 rerankers read 'yes' / 'no' (and '|') as tokens: added when the tiny vocabulary lacks them
+        specials = af.write_bpe(out, kw["vocab_size"], ("yes", "no", "|") if spec.get("yes_no") else ())
         kw.update(bos_token_id=specials["bos"], eos_token_id=specials["eos"], pad_token_id=specials.get("pad"))
     if spec["config"] is None:  # no transformers class: the checkpoint in the family's own layout
         return write_nomic(out, kw, seed), []
@@ -217,6 +227,8 @@ def build(spec: dict[str, Any], out: Path, seed: int) -> tuple[dict[str, Any], l
     model = getattr(transformers, spec["model"])(config).to(torch.float32)
     af.reinit(model, seed)
     model.save_pretrained(str(out), safe_serialization=True)
+    if spec.get("readme"):  # what the converter reads to recognise a Qwen3 reranker
+        (out / "README.md").write_text(spec["readme"])
     dense: list[np.ndarray] = []
     if spec["pooling"] != "rank":  # (nomic: written by write_nomic)
         dense = write_st_modules(out, spec["pooling"], spec.get("dense", ()), model, seed)
@@ -264,6 +276,14 @@ def hf_outputs(spec: dict[str, Any], model_dir: Path, seqs: list[np.ndarray], de
     with torch.no_grad():
         for s in seqs:
             ids = torch.from_numpy(s.astype(np.int64))[None]
+            if pooling == "rank" and spec.get("yes_no"):
+                # Qwen3-Reranker's score: P(yes) of the softmax over the 'yes' and 'no' logits at the
+                # last position (its model card's compute_logits)
+                tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+                lg = model(input_ids=ids).logits[0, -1].double()
+                pair = torch.stack([lg[tok.convert_tokens_to_ids("yes")], lg[tok.convert_tokens_to_ids("no")]])
+                outs.append(torch.softmax(pair, 0)[0].item())
+                continue
             if pooling == "rank":
                 outs.append(model(input_ids=ids).logits[0, 0].item())
                 continue
@@ -354,11 +374,12 @@ def make(name: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
                 af.quantize(bin_dir, f16, files[q], q)
         pool_ids = token_pool(f16)
         rng = np.random.default_rng(seed)
-        seqs = [rng.choice(pool_ids, size=n).astype(np.int32) for n in LENGTHS]
+        lengths = spec.get("lengths", LENGTHS)  # more sequences where a score is one number per sequence
+        seqs = [rng.choice(pool_ids, size=n).astype(np.int32) for n in lengths]
         poolings = [spec["pooling"]] + ([spec["alt_pooling"]] if spec.get("alt_pooling") else [])
         ref: dict[str, np.ndarray] = {f"tokens_{i}": s for i, s in enumerate(seqs)}
         meta: dict[str, Any] = {"name": name, "features": spec["features"], "hf_config": config,
-                                "poolings": poolings, "lengths": list(LENGTHS), "llamacpp_vs_hf": {},
+                                "poolings": poolings, "lengths": list(lengths), "llamacpp_vs_hf": {},
                                 "gguf": {k: af.gguf_summary(v) for k, v in files.items()}}
         for pooling in poolings:
             hf = hf_outputs(spec, hf_dir, seqs, dense, pooling) if spec["model"] else None
