@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -69,16 +68,34 @@ SHAPES = {"keys": many_keys, "nested": nested, "strings": strings, "tensors": em
 K_PEAK = 11.0
 
 
-def _peak_open(path: Path) -> int:
-    tracemalloc.start()
+_PEAK_SCRIPT = """
+import sys, tracemalloc
+import minirt
+import minirt.gguf as g
+
+def once():
     try:
-        try:
-            mgguf.open(path).close()
-        except minirt.GGUFError:
-            pass
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+        g.open(sys.argv[1]).close()
+    except minirt.GGUFError:
+        pass
+
+once()  # warm-up: lazy imports are not the file's cost
+tracemalloc.start()
+once()
+print(tracemalloc.get_traced_memory()[1])
+"""
+
+
+def _peak_open(path: Path) -> int:
+    """Peak traced memory of opening ``path``, measured in a fresh interpreter: tracemalloc counts
+    every thread's allocations, so threads that earlier tests leave running in this process would
+    be charged to the file (a flaky failure in a full run)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(path)], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return int(r.stdout.split()[-1])
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -89,7 +106,6 @@ def test_parse_memory_is_bounded_by_and_linear_in_file_size(tmp_path, shape):
         p = tmp_path / f"{shape}-{n}.gguf"
         data = make(n)
         p.write_bytes(data)
-        mgguf.open(p).close()  # warm-up: lazy imports are not the file's cost
         peak = _peak_open(p)
         assert peak <= K_PEAK * len(data), f"{shape}: {peak} bytes traced for a {len(data)}-byte file"
         peaks.append(peak)
