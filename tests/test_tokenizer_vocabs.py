@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import minirt
 from minirt.pretokenizers import PRE_NAMES
@@ -189,3 +191,45 @@ def test_wordpiece_add_special_needs_sep(tmpdir_vocabs):
     assert tok.sep_id is None
     with pytest.raises(minirt.TokenizerError, match="SEP"):
         tok.encode("hi", add_special=True)
+
+
+_UGM: dict[str, Any] = {}
+
+
+def _ugm_engine(tmp: Path) -> Any:
+    case = next(c for c in CASES if c["model"] == "t5")
+    return _tokenizer(case, tmp)._engine
+
+
+def test_unigram_fast_path_is_used_and_equals_llama_cpp(tmpdir_vocabs):
+    """The Unigram tokenizer runs through HF tokenizers (Rust) wherever that is exact: most of the
+    corpus takes that path, and every id there equals llama.cpp's (test_ids_equal_llama_cpp checks
+    the whole tokenizer; this checks which path ran)."""
+    eng = _ugm_engine(tmpdir_vocabs)
+    assert eng._hf is not None
+    case = next(c for c in CASES if c["model"] == "t5")
+    fast = 0
+    for k, text in enumerate(_refs()["corpus"]):
+        got = eng._fast(text)
+        if got is not None:
+            fast += 1
+            assert list(got) == case["ids"][k], text
+    assert fast >= len(_refs()["corpus"]) * 0.7, fast
+
+
+_UGM_ALPHABET = st.sampled_from(list("abcdefxyz ABCX  \t\n0123456789.,-") +
+                                ["é", "e\u0301", "ﬁ", "Å", "Ａ", "①", "日", "本", "\u3000", "\u00a0", "😀", "\ufeff",
+                                 "\u200b", "ß", "İ", "\x00", "\ufffd", "\U0010ffff"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_UGM_ALPHABET, max_size=40).map("".join))
+def test_unigram_fast_path_equals_the_llama_cpp_port(tmp_path_factory, text):
+    """On random text heavy in what the charsmap rewrites (compatibility forms, combining marks,
+    odd spaces, NUL), the tokenizers path gives the ids of the hand-written port of llama.cpp."""
+    eng = _UGM.get("e")
+    if eng is None:
+        eng = _UGM["e"] = _ugm_engine(tmp_path_factory.mktemp("ugm"))
+    fast = eng._fast(text)
+    if fast is not None:
+        assert list(fast) == list(eng._viterbi(eng.normalize(text))), repr(text)
