@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import regex
 
 from .errors import TokenizerError
 from .pretokenizers import (
@@ -66,9 +65,6 @@ def _map_table(kind: str) -> np.ndarray:
     return table
 
 
-_WORD_OR_PUNCT = regex.compile(r"c+|p")
-
-
 class WordPiece:
     """BERT-style WordPiece over a GGUF vocabulary whose word-initial pieces start with ``▁``."""
 
@@ -96,18 +92,30 @@ class WordPiece:
         punct = ((fl & F_PUNCT) != 0) | ((cps < 0x7F) & ((fl & F_SYMBOL) != 0))
         for lo, hi in _CHINESE:
             punct |= (cps >= lo) & (cps <= hi)
-        cls = np.where(ws, ord("w"), np.where(punct, ord("p"), ord("c"))).astype(np.uint8)
         keep = ~skip
-        cps, cls = cps[keep], cls[keep]  # skipped characters do not end a word
+        cps, ws, punct = cps[keep], ws[keep], punct[keep]  # skipped characters do not end a word
         if self.lowercase:
             cps = _map_table("lower")[cps]
+        n = len(cps)
+        if n == 0:
+            return []
+        # a token starts at every punctuation character and at a word character after a non-word one;
+        # it ends at the next start or whitespace (word boundaries found in numpy, not by a regex)
+        word = ~ws & ~punct
+        after_word = np.zeros(n, dtype=bool)
+        after_word[1:] = word[:-1]
+        start = punct | (word & ~after_word)
+        starts = np.flatnonzero(start)
+        stops = np.append(np.flatnonzero(start | ws), n)
+        ends = stops[np.searchsorted(stops, starts, side="right")]
         norm = cps.astype(np.uint32).tobytes().decode("utf-32-le")
-        return [norm[m.start():m.end()] for m in _WORD_OR_PUNCT.finditer(cls.tobytes().decode("latin-1"))]
+        return [norm[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
     def encode(self, text: str, out: list[int]) -> None:
         cache = self._cache
+        get = cache.get
         for w in self.words(text):
-            ids = cache.get(w)
+            ids = get(w)
             if ids is None:
                 ids = cache[w] = self._word(w)
             out.extend(ids)
