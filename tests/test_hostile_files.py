@@ -109,7 +109,9 @@ def test_parse_memory_is_bounded_by_and_linear_in_file_size(tmp_path, shape):
         peak = _peak_open(p)
         assert peak <= K_PEAK * len(data), f"{shape}: {peak} bytes traced for a {len(data)}-byte file"
         peaks.append(peak)
-    assert peaks[1] <= 2.3 * peaks[0], f"{shape}: not linear: {peaks}"
+    # twice the items: about twice the memory (2.2x for tensors, whose dicts cross a resize step
+    # between the two sizes); quadratic work would give 4x
+    assert peaks[1] <= 2.5 * peaks[0], f"{shape}: not linear: {peaks}"
 
 
 @pytest.mark.parametrize("shape,limit,n", [
