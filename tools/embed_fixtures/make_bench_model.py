@@ -49,10 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)
 
+    import make_fixtures as mf  # the fixtures' converter wrapper, weight init and sentence-transformers files
     import torch
     import transformers
-
-    import make_fixtures as mf  # the fixtures' converter wrapper, weight init and sentence-transformers files
 
     bench_words = (HERE.parents[1] / "bench" / "embeddings.py").read_text()
     start = bench_words.index("WORDS = (") + len("WORDS = (")
