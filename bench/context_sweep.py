@@ -99,20 +99,27 @@ def run_minirt(model: str, depth: int, t: str, a: argparse.Namespace) -> dict[st
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+_RSS_WRAPPER = ("import resource, subprocess, sys\n"
+                "r = subprocess.run(sys.argv[1:])\n"
+                "print('MAXRSS_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+                "sys.exit(r.returncode)\n")
+
+
 def run_llama(path: str, depth: int, t: str, a: argparse.Namespace) -> dict[str, Any]:
     exe = _llama_tool("llama-bench")
     if exe is None:
         return {"runtime": "llama.cpp", "depth": depth, "ctk": t, "error": "llama-bench not found"}
     cmd = [exe, "-m", path, "-d", str(depth), "-p", str(a.n_prompt), "-n", str(a.n_gen), "-ctk", t, "-ctv", t,
            "-t", str(a.threads), "-fa", "1", "-r", str(a.reps), "-o", "jsonl"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # through a one-line Python parent whose only child is llama-bench: its RUSAGE_CHILDREN peak is
+    # that process's own (this process's covers every child it ever waited for, minirt's included)
+    res = subprocess.run([sys.executable, "-c", _RSS_WRAPPER, *cmd], capture_output=True, text=True,
+                         timeout=a.timeout)
+    m = re.search(r"^MAXRSS_KIB (\d+)$", res.stderr, re.M)
     if res.returncode != 0:
         return {"runtime": "llama.cpp", "depth": depth, "ctk": t, "error": res.stderr.strip()[-500:]}
     out: dict[str, Any] = {"runtime": "llama.cpp", "depth": depth, "ctk": t, "ctv": t, "cmd": " ".join(cmd),
-                           # ru_maxrss of children is the largest so far: exact when it grew, else a bound
-                           "peak_rss_mib": after / 1024 if after > before else None}
+                           "peak_rss_mib": int(m.group(1)) / 1024 if m else None}
     for line in res.stdout.splitlines():
         try:
             row = json.loads(line)
