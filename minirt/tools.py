@@ -640,6 +640,19 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
         return f"start: {special('<|tool_call|>')} calls\ncalls: %json {json.dumps(arr)}\n"
     elif fmt == "llama3":
         body, args_key = ('call ("; " call)*' if parallel else "call"), "parameters"
+    elif fmt == "gpt-oss":
+        # llama.cpp's gpt-oss shape: any analysis messages, then one commentary message to
+        # functions.NAME (harmony ends a turn at a call: several calls take several turns)
+        ch, msg, end, st = (special(t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+        alts = " | ".join(f'{ch} "commentary to=functions.{t["function"]["name"]}" constrain? {msg} args{i}'
+                          for i, t in enumerate(tools))
+        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
+                        for i, t in enumerate(tools))
+        return (f"start: analysis* call\n"
+                f'analysis: {ch} "analysis" {msg} THOUGHT {end} {st} "assistant"\n'
+                f"THOUGHT: /(.|\\n)*/\n"
+                f'constrain: " " {special("<|constrain|>")}? "json"\n'
+                f"call: {alts}\n{rules}")
     elif fmt == "functionary-v3.1":
         alts = " | ".join(f'"<function={t["function"]["name"]}>" args{i} "</function>"' for i, t in enumerate(tools))
         rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n" for i, t in enumerate(tools))

@@ -248,7 +248,7 @@ HARMONY_SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|con
 def harmony_path(tmp_path_factory):
     """A tiny model whose vocabulary has gpt-oss's harmony tokens as single tokens."""
     p = tmp_path_factory.mktemp("reason-harmony") / "tiny.gguf"
-    write_tiny(p, TinySpec(n_layer=2, seed=4, n_ctx=512, specials=HARMONY_SPECIALS))
+    write_tiny(p, TinySpec(n_layer=2, seed=4, n_ctx=2048, specials=HARMONY_SPECIALS))
     return p
 
 
@@ -289,3 +289,32 @@ def test_grammar_holds_for_gpt_oss_final_channel(harmony_path):
             assert c.finish_reason == "stop", c.text
             assert c.reasoning == "hmm"
             _valid(c.content)
+
+
+def test_gpt_oss_forced_tool_call(harmony_path):
+    """tool_choice "required" with gpt-oss: analysis messages may come first, then one commentary
+    message to functions.NAME whose arguments follow the tool's schema (llama.cpp's gpt-oss grammar)."""
+    import json
+
+    tmpl = (T / "openai-gpt-oss-120b.jinja").read_text()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    with minirt.load(harmony_path, n_ctx=2048, chat_template=tmpl) as llm:  # the tools prompt: ~600 byte tokens
+        end = llm.tokenizer.token_to_id("<|end|>")
+        # a random model would loop over analysis messages (the grammar allows any number, as
+        # llama.cpp's does): ends of messages and the "c" of "commentary" made likelier
+        bias = {end: 4.0, llm.tokenizer.token_to_id("<0x63>"): 3.0}
+        for seed in range(4):
+            c = llm.chat([{"role": "user", "content": "weather in Paris?"}], tools=tools, tool_choice="required",
+                         max_tokens=400, temperature=1.0, seed=seed, logit_bias=bias)
+            assert c.finish_reason == "stop" and [t.name for t in c.tool_calls] == ["get_weather"], c.text
+            args = json.loads(c.tool_calls[0].arguments)
+            assert set(args) == {"city"} and isinstance(args["city"], str)
+        r = llm.create_chat_completion([{"role": "user", "content": "weather?"}], tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       max_tokens=400, temperature=1.0, seed=9, logit_bias=bias)
+        ch = r["choices"][0]
+        assert ch["finish_reason"] == "tool_calls", ch
+        assert ch["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert set(json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"])) == {"city"}
