@@ -640,6 +640,32 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
         return f"start: {special('<|tool_call|>')} calls\ncalls: %json {json.dumps(arr)}\n"
     elif fmt == "llama3":
         body, args_key = ('call ("; " call)*' if parallel else "call"), "parameters"
+    elif fmt == "kimi-k2":
+        # <|tool_calls_section_begin|> (<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS
+        # <|tool_call_end|>)+ <|tool_calls_section_end|>, as llama.cpp's kimi-k2 grammar
+        sb, se, cb, ab, ce = (special(t) for t in ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                                   "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                                                   "<|tool_call_end|>"))
+        alts = " | ".join(f'{cb} "functions.{t["function"]["name"]}:" IDX {ab} args{i} {ce}'
+                          for i, t in enumerate(tools))
+        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
+                        for i, t in enumerate(tools))
+        return f"start: {sb} call{'+' if parallel else ''} {se}\nIDX: /[0-9]+/\ncall: {alts}\n{rules}"
+    elif fmt == "command-r7b":
+        items = {"oneOf": [{"type": "object", "properties": {
+            "tool_call_id": {"type": "string"}, "tool_name": {"const": t["function"]["name"]},
+            "parameters": t["function"]["parameters"]}, "required": ["tool_call_id", "tool_name", "parameters"],
+            "additionalProperties": False} for t in tools]}
+        arr = _ws({"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1})})
+        return (f"start: {special('<|START_ACTION|>')} calls {special('<|END_ACTION|>')}\n"
+                f"calls: %json {json.dumps(arr)}\n")
+    elif fmt == "functionary-v3.2":
+        # the prompt ends with ">>>": NAME newline ARGS, further calls after ">>>"
+        alts = " | ".join(f'"{t["function"]["name"]}\\n" args{i}' for i, t in enumerate(tools))
+        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
+                        for i, t in enumerate(tools))
+        more = ' (">>>" call)*' if parallel else ""
+        return f"start: call{more}\ncall: {alts}\n{rules}"
     elif fmt == "gpt-oss":
         # llama.cpp's gpt-oss shape: any analysis messages, then one commentary message to
         # functions.NAME (harmony ends a turn at a call: several calls take several turns)

@@ -137,17 +137,65 @@ def test_invalid_tool_requests(tools, choice, match):
         T.validate_tool_choice(choice, T.validate_tools(tools))
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "granite", "functionary-v3.1"])
-def test_call_grammar_compiles_and_accepts_a_call(fmt):
-    """The forcing grammar accepts the format's own call and rejects plain text."""
-    import llguidance
+CALL_TEXTS = {  # one call to get_weather(city="Paris") as each format writes it
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "functionary-v3.1": '<function=get_weather>{"city": "Paris"}</function>',
+    "functionary-v3.2": 'get_weather\n{"city": "Paris"}',
+    "kimi-k2": '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+               '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+    "command-r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+                   '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
+    "gpt-oss": '<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant'
+               '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+}
 
-    text = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-            "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
-            "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-            "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-            "functionary-v3.1": '<function=get_weather>{"city": "Paris"}</function>'}[fmt]
-    lark = T.call_grammar(fmt, T.validate_tools(TOOLS), False, json.dumps)
-    g = llguidance.LLMatcher.grammar_from_lark(lark)
-    assert llguidance.LLMatcher.validate_grammar(g) == ""
+
+@pytest.fixture(scope="module")
+def byte_engine(tmp_path_factory):
+    """A grammar engine over a vocabulary with all 256 byte tokens: any text is a token sequence."""
+    from minirt.grammar import GrammarEngine
+    from tests.tiny_models import TinySpec, write_tiny
+
+    p = tmp_path_factory.mktemp("bytes") / "tiny.gguf"
+    write_tiny(p, TinySpec(n_layer=1, specials=HARMONY))  # gpt-oss's markers are special tokens
+    with minirt.load(str(p), n_ctx=64) as m:
+        yield GrammarEngine(m.tokenizer, m.n_vocab), m.tokenizer
+
+
+HARMONY = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
+
+
+def _special(tk, fmt: str):
+    """How the grammar names a marker: gpt-oss's as its token, every other format's as text."""
+    return lambda t: f"<[{tk.token_to_id(t)}]>" if fmt == "gpt-oss" and t in HARMONY else json.dumps(t)
+
+
+def _accepts(byte_engine, lark: str, text: str, fmt: str) -> bool:
+    import re
+
+    from minirt.grammar import Constraint
+
+    engine, tk = byte_engine
+    ll = Constraint(engine, "lark", lark).matcher().ll
+    parts = re.split("(" + "|".join(map(re.escape, HARMONY)) + ")", text) if fmt == "gpt-oss" else [text]
+    for part in parts:
+        ids = [tk.token_to_id(part)] if part in HARMONY else [tk.token_to_id(f"<0x{b:02X}>") for b in part.encode()]
+        for i in ids:
+            if not ll.consume_token(i):
+                return False
+    return ll.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", sorted(CALL_TEXTS))
+def test_call_grammar_accepts_the_formats_own_call(fmt, byte_engine):
+    """The forcing grammar accepts the format's own call (markers written as text here) and its
+    parser reads it back; a call to a tool that was not offered, or plain text, is rejected."""
+    text = CALL_TEXTS[fmt]
+    lark = T.call_grammar(fmt, T.validate_tools(TOOLS), False, _special(byte_engine[1], fmt))
+    assert _accepts(byte_engine, lark, text, fmt)
+    assert not _accepts(byte_engine, lark, text.replace("get_weather", "get_wether"), fmt)
+    assert not _accepts(byte_engine, lark, "The weather in Paris is sunny.", fmt)
     assert _calls(T.parse(text, fmt)[1]) == [("get_weather", W)]
