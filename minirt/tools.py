@@ -621,6 +621,32 @@ def _call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> di
         "required": ["name", args_key], "additionalProperties": False} for t in tools]})
 
 
+def _props(tool: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
+    """(name, schema, required) of a tool's parameters in schema order, required ones first."""
+    params = tool["function"]["parameters"]
+    props = params.get("properties") or {}
+    req = set(params.get("required") or [])
+    return [(k, v, True) for k, v in props.items() if k in req] + \
+        [(k, v, False) for k, v in props.items() if k not in req]
+
+
+def _keyword_args(i: int, tool: dict[str, Any], arg: Callable[[str, str], str], sep: str) -> tuple[str, str]:
+    """Grammar of one tool's arguments written one by one (``arg(key, value_rule)``, joined by
+    ``sep``), and the value rules: each value follows its property's schema as JSON. Required
+    arguments come first, in schema order, then any optional ones in order."""
+    req, opt, rules = [], [], []
+    for j, (k, schema, required) in enumerate(_props(tool)):
+        rules.append(f"v{i}_{j}: %json {json.dumps(_ws(schema))}\n")
+        (req if required else opt).append(arg(k, f"v{i}_{j}"))
+    if req:
+        body = f" {sep} ".join(req) + "".join(f" ({sep} {o})?" for o in opt)
+    elif opt:  # no required argument: the first one written opens the list
+        body = "(" + opt[0] + "".join(f" ({sep} {o})?" for o in opt[1:]) + ")?"
+    else:
+        body = ""
+    return body, "".join(rules)
+
+
 def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special: Callable[[str], str]) -> str:
     """A Lark grammar (llguidance) whose every sentence is one call (or several when ``parallel``)
     to one of ``tools`` in format ``fmt``, arguments valid for its schema. ``special(text)``
@@ -651,6 +677,44 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
         rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
                         for i, t in enumerate(tools))
         return f"start: {sb} call{'+' if parallel else ''} {se}\nIDX: /[0-9]+/\ncall: {alts}\n{rules}"
+    elif fmt == "deepseek":
+        # both DeepSeek call styles (the model writes its own): R1's "function<sep>NAME" + fenced JSON,
+        # V3.1's "NAME<sep>JSON", inside <｜tool▁calls▁begin｜> … <｜tool▁calls▁end｜>
+        tb, te, cb, ce, sep = (special(t) for t in ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                                                   "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"))
+        alts = " | ".join(f'{cb} ("function" {sep} "{t["function"]["name"]}\\n```json\\n" args{i} "\\n```" | '
+                          f'"{t["function"]["name"]}" {sep} args{i}) {ce}' for i, t in enumerate(tools))
+        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
+                        for i, t in enumerate(tools))
+        return f"start: {tb} call{'+' if parallel else ''} {te}\ncall: {alts}\n{rules}"
+    elif fmt == "glm":
+        # <tool_call>NAME(\n)<arg_key>K</arg_key>(\n)<arg_value>V</arg_value>(\n)…</tool_call>: string
+        # values raw (no "<"), others JSON, as parse_glm reads them (GLM-4.5/4.6 put newlines, 4.7 none)
+        tc, te, ks, ke, vs, ve = (special(t) for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                                                       "<arg_value>", "</arg_value>"))
+        alts, rules = [], []
+        for i, t in enumerate(tools):
+            def arg(k: str, v: str, i: int = i, t: dict[str, Any] = t) -> str:
+                return f'{ks} "{k}" {ke} NL? {vs} {v} {ve} NL?'
+            body, r = _keyword_args(i, t, arg, "")
+            # string values are written raw: their rules become a text lexeme without "<"
+            for j, (_k, schema, _req) in enumerate(_props(t)):
+                if schema.get("type") == "string" and not ({"enum", "const", "pattern"} & set(schema)):
+                    r = r.replace(f"v{i}_{j}: %json {json.dumps(_ws(schema))}\n", f"v{i}_{j}: RAW\n")
+            alts.append(f'{tc} "{t["function"]["name"]}" NL? {body} {te}')
+            rules.append(r)
+        calls = "call (NL? call)*" if parallel else "call"
+        return (f"start: {calls}\ncall: {' | '.join(alts)}\nNL: /\\n/\nRAW: /[^<]*/\n" + "".join(rules))
+    elif fmt == "lfm2":
+        # <|tool_call_start|>[name(key=VALUE, …), …]<|tool_call_end|>: Python call syntax with JSON values
+        alts, rules = [], []
+        for i, t in enumerate(tools):
+            body, r = _keyword_args(i, t, lambda k, v: f'"{k}=" {v}', '", "')
+            alts.append(f'"{t["function"]["name"]}(" {body} ")"')
+            rules.append(r)
+        calls = 'call (", " call)*' if parallel else "call"
+        return (f'start: {special("<|tool_call_start|>")} "[" {calls} "]" {special("<|tool_call_end|>")}\n'
+                f"call: {' | '.join(alts)}\n" + "".join(rules))
     elif fmt == "command-r7b":
         items = {"oneOf": [{"type": "object", "properties": {
             "tool_call_id": {"type": "string"}, "tool_name": {"const": t["function"]["name"]},

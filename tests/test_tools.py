@@ -148,6 +148,12 @@ CALL_TEXTS = {  # one call to get_weather(city="Paris") as each format writes it
                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
     "command-r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
                    '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
+    "deepseek": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "deepseek-v3.1": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     '<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "glm": '<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>',
+    "lfm2": '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>',
     "gpt-oss": '<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant'
                '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
 }
@@ -194,8 +200,34 @@ def test_call_grammar_accepts_the_formats_own_call(fmt, byte_engine):
     """The forcing grammar accepts the format's own call (markers written as text here) and its
     parser reads it back; a call to a tool that was not offered, or plain text, is rejected."""
     text = CALL_TEXTS[fmt]
+    fmt = fmt.split("-v3.1")[0] if fmt.startswith("deepseek") else fmt  # one format, two call styles
     lark = T.call_grammar(fmt, T.validate_tools(TOOLS), False, _special(byte_engine[1], fmt))
     assert _accepts(byte_engine, lark, text, fmt)
     assert not _accepts(byte_engine, lark, text.replace("get_weather", "get_wether"), fmt)
     assert not _accepts(byte_engine, lark, "The weather in Paris is sunny.", fmt)
     assert _calls(T.parse(text, fmt)[1]) == [("get_weather", W)]
+
+
+def test_keyword_argument_grammars_follow_the_schema(byte_engine):
+    """GLM and LFM2 write arguments one by one: required ones must be there, optional ones may be,
+    each value of its property's type; a call with several optional arguments is accepted."""
+    tools = T.validate_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}, "b": {"type": "boolean"}},
+        "required": ["n"]}}}])
+    opt_only = T.validate_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string"}, "b": {"type": "boolean"}}}}}])
+    lfm = T.call_grammar("lfm2", tools, False, json.dumps)
+    s, e = "<|tool_call_start|>[", "]<|tool_call_end|>"
+    assert _accepts(byte_engine, lfm, s + 'f(n=3, s="x", b=true)' + e, "lfm2")
+    assert _accepts(byte_engine, lfm, s + "f(n=3)" + e, "lfm2")
+    assert not _accepts(byte_engine, lfm, s + 'f(s="x")' + e, "lfm2")  # n is required
+    assert not _accepts(byte_engine, lfm, s + 'f(n="3")' + e, "lfm2")  # n is an integer
+    assert T.parse(s + 'f(n=3, s="x", b=true)' + e, "lfm2")[1][0].arguments == '{"n": 3, "s": "x", "b": true}'
+    lfm_opt = T.call_grammar("lfm2", opt_only, False, json.dumps)
+    for args in ("", 's="x"', 's="x", b=false'):
+        assert _accepts(byte_engine, lfm_opt, s + f"f({args})" + e, "lfm2"), args
+    glm = T.call_grammar("glm", tools, False, json.dumps)
+    assert _accepts(byte_engine, glm, "<tool_call>f<arg_key>n</arg_key><arg_value>3</arg_value>"
+                                      "<arg_key>s</arg_key><arg_value>a b</arg_value></tool_call>", "glm")
+    assert not _accepts(byte_engine, glm, "<tool_call>f<arg_key>n</arg_key><arg_value>x</arg_value></tool_call>",
+                        "glm")
