@@ -45,6 +45,26 @@ def test_fixtures_present_for_every_supported_architecture():
     assert set(supported()) <= gguf_archs, f"supported without a fixture: {set(supported()) - gguf_archs}"
 
 
+EXTRA = [(a, q) for a in ARCHS for q in json.loads((ARCH_DIR / a / "meta.json").read_text())["files"]
+         if q not in QUANTS]  # e.g. gpt-oss as it ships: MXFP4_MOE (MXFP4 experts, Q8_0 elsewhere)
+
+
+@pytest.mark.parametrize("arch, quant", EXTRA)
+def test_extra_quant_files_as_close_to_transformers_as_llamacpp(arch, quant):
+    r = compare(arch, quant)
+    assert r["minirt_rel_rms"] <= r["llamacpp_rel_rms"], r
+    if r["moe"]:
+        assert r["same_routing_fraction"] >= 0.9, r
+        assert r["minirt_rel_rms_same_routing"] <= r["llamacpp_rel_rms_same_routing"], r
+        assert r["minirt_decisive_argmax_same_routing"] >= r["llamacpp_decisive_argmax_same_routing"], r
+    else:
+        assert r["minirt_decisive_argmax"] >= r["llamacpp_decisive_argmax"], r
+
+
+def test_gpt_oss_ships_an_mxfp4_fixture():
+    assert ("gpt_oss", "mxfp4_moe") in EXTRA or "gpt_oss" not in ARCHS
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_as_close_to_transformers_as_llamacpp(arch, quant):

@@ -245,6 +245,7 @@ ARCHS: dict[str, dict[str, Any]] = {
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gpt_oss": dict(
         config="GptOssConfig", model="GptOssForCausalLM", no_repack=True, scale=ROUTER("mlp.router.weight"), tokenizer="bpe", pre="gpt-4o",
+        extra_quants=("mxfp4_moe",),  # how gpt-oss ships: MXFP4 experts, the rest Q8_0
         features="2 layers: sliding (window 16) then full, attention sinks, q/k/v/o biases, YaRN rope "
                  "(factor 32, original 4096), 4 biased experts top-2 (softmax over the chosen logits), clamped "
                  "SwiGLU (alpha 1.702, limit 7), expert FFN 128, GQA 4/2, hidden 128, BPE vocab",
@@ -594,7 +595,7 @@ def make(arch: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
     files = {"f16": out / "model-f16.gguf"}
     convert(llama_dir, model_dir, files["f16"], spec.get("pre") if spec["tokenizer"] == "bpe" else None)
     quant_logs = {}
-    for q in QUANTS:
+    for q in QUANTS + tuple(spec.get("extra_quants", ())):
         files[q] = out / f"model-{q}.gguf"
         quant_logs[q] = quantize(bin_dir, files["f16"], files[q], q)
 
