@@ -6,8 +6,9 @@ random weights); its f16 GGUF is quantized with ``--pure`` (every matrix in the 
 with an importance matrix from llama-imatrix over the fixture's own token sequences, their embedding and
 output matrices, which the importance matrix does not cover, in Q8_0), except MXFP4, which
 llama-quantize only writes for expert tensors: there MXFP4_MOE's mix is used with every matrix forced to
-mxfp4 by ``--tensor-type``. Nothing is committed: the files go to ``--out`` (default
-``$MINIRT_HOME/quant_models``; a few hundred KB each).
+mxfp4 by ``--tensor-type``. The files are committed in ``tests/data/quant_models`` (made with
+``make --out tests/data/quant_models`` on the no-AMX build of 2026-12-01; 0.2-0.6 MB each), which
+``check`` and ``tests/test_quant_models.py`` read; without them ``$MINIRT_HOME/quant_models``.
 
 Two steps, two environments:
 
@@ -43,7 +44,13 @@ TYPES = {
 _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output")
 
 
+COMMITTED = REPO / "tests" / "data" / "quant_models"  # the files the tests read (made by ``make --out`` here)
+
+
 def default_out() -> Path:
+    """Where ``check`` reads: the committed files, else ``$MINIRT_HOME/quant_models``."""
+    if (COMMITTED / "llamacpp.npz").is_file():
+        return COMMITTED
     home = Path(os.environ.get("MINIRT_HOME") or Path.home() / ".cache" / "minirt")
     return home / "quant_models"
 
