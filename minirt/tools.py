@@ -630,13 +630,23 @@ def _props(tool: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
         [(k, v, False) for k, v in props.items() if k not in req]
 
 
-def _keyword_args(i: int, tool: dict[str, Any], arg: Callable[[str, str], str], sep: str) -> tuple[str, str]:
+def _args_rules(tools: list[dict[str, Any]]) -> str:
+    """Rules ``args<i>``: tool i's arguments as one JSON object valid for its parameters' schema."""
+    return "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n" for i, t in enumerate(tools))
+
+
+def _json_value(schema: dict[str, Any]) -> str:
+    return f"%json {json.dumps(_ws(schema))}"
+
+
+def _keyword_args(i: int, tool: dict[str, Any], arg: Callable[[str, str], str], sep: str,
+                  value: Callable[[dict[str, Any]], str] = _json_value) -> tuple[str, str]:
     """Grammar of one tool's arguments written one by one (``arg(key, value_rule)``, joined by
-    ``sep``), and the value rules: each value follows its property's schema as JSON. Required
+    ``sep``), and the value rules (``value(property schema)``; default: JSON valid for it). Required
     arguments come first, in schema order, then any optional ones in order."""
     req, opt, rules = [], [], []
     for j, (k, schema, required) in enumerate(_props(tool)):
-        rules.append(f"v{i}_{j}: %json {json.dumps(_ws(schema))}\n")
+        rules.append(f"v{i}_{j}: {value(schema)}\n")
         (req if required else opt).append(arg(k, f"v{i}_{j}"))
     if req:
         body = f" {sep} ".join(req) + "".join(f" ({sep} {o})?" for o in opt)
@@ -674,8 +684,7 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
                                                    "<|tool_call_end|>"))
         alts = " | ".join(f'{cb} "functions.{t["function"]["name"]}:" IDX {ab} args{i} {ce}'
                           for i, t in enumerate(tools))
-        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
-                        for i, t in enumerate(tools))
+        rules = _args_rules(tools)
         return f"start: {sb} call{'+' if parallel else ''} {se}\nIDX: /[0-9]+/\ncall: {alts}\n{rules}"
     elif fmt == "deepseek":
         # both DeepSeek call styles (the model writes its own): R1's "function<sep>NAME" + fenced JSON,
@@ -684,23 +693,20 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
                                                    "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"))
         alts = " | ".join(f'{cb} ("function" {sep} "{t["function"]["name"]}\\n```json\\n" args{i} "\\n```" | '
                           f'"{t["function"]["name"]}" {sep} args{i}) {ce}' for i, t in enumerate(tools))
-        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
-                        for i, t in enumerate(tools))
+        rules = _args_rules(tools)
         return f"start: {tb} call{'+' if parallel else ''} {te}\ncall: {alts}\n{rules}"
     elif fmt == "glm":
         # <tool_call>NAME(\n)<arg_key>K</arg_key>(\n)<arg_value>V</arg_value>(\n)…</tool_call>: string
         # values raw (no "<"), others JSON, as parse_glm reads them (GLM-4.5/4.6 put newlines, 4.7 none)
         tc, te, ks, ke, vs, ve = (special(t) for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                                                        "<arg_value>", "</arg_value>"))
+        def glm_value(schema: dict[str, Any]) -> str:  # plain strings are written raw: text without "<"
+            plain = schema.get("type") == "string" and not ({"enum", "const", "pattern"} & set(schema))
+            return "RAW" if plain else _json_value(schema)
+
         alts, rules = [], []
         for i, t in enumerate(tools):
-            def arg(k: str, v: str, i: int = i, t: dict[str, Any] = t) -> str:
-                return f'{ks} "{k}" {ke} NL? {vs} {v} {ve} NL?'
-            body, r = _keyword_args(i, t, arg, "")
-            # string values are written raw: their rules become a text lexeme without "<"
-            for j, (_k, schema, _req) in enumerate(_props(t)):
-                if schema.get("type") == "string" and not ({"enum", "const", "pattern"} & set(schema)):
-                    r = r.replace(f"v{i}_{j}: %json {json.dumps(_ws(schema))}\n", f"v{i}_{j}: RAW\n")
+            body, r = _keyword_args(i, t, lambda k, v: f'{ks} "{k}" {ke} NL? {vs} {v} {ve} NL?', "", glm_value)
             alts.append(f'{tc} "{t["function"]["name"]}" NL? {body} {te}')
             rules.append(r)
         calls = "call (NL? call)*" if parallel else "call"
@@ -726,8 +732,7 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
     elif fmt == "functionary-v3.2":
         # the prompt ends with ">>>": NAME newline ARGS, further calls after ">>>"
         alts = " | ".join(f'"{t["function"]["name"]}\\n" args{i}' for i, t in enumerate(tools))
-        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
-                        for i, t in enumerate(tools))
+        rules = _args_rules(tools)
         more = ' (">>>" call)*' if parallel else ""
         return f"start: call{more}\ncall: {alts}\n{rules}"
     elif fmt == "gpt-oss":
@@ -736,8 +741,7 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
         ch, msg, end, st = (special(t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
         alts = " | ".join(f'{ch} "commentary to=functions.{t["function"]["name"]}" constrain? {msg} args{i}'
                           for i, t in enumerate(tools))
-        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n"
-                        for i, t in enumerate(tools))
+        rules = _args_rules(tools)
         return (f"start: analysis* call\n"
                 f'analysis: {ch} "analysis" {msg} THOUGHT {end} {st} "assistant"\n'
                 f"THOUGHT: /(.|\\n)*/\n"
@@ -745,7 +749,7 @@ def call_grammar(fmt: str, tools: list[dict[str, Any]], parallel: bool, special:
                 f"call: {alts}\n{rules}")
     elif fmt == "functionary-v3.1":
         alts = " | ".join(f'"<function={t["function"]["name"]}>" args{i} "</function>"' for i, t in enumerate(tools))
-        rules = "".join(f"args{i}: %json {json.dumps(_ws(t['function']['parameters']))}\n" for i, t in enumerate(tools))
+        rules = _args_rules(tools)
         return f"start: one{'+' if parallel else ''}\none: {alts}\n{rules}"
     else:
         raise InvalidRequestError(f"tool_choice 'required' or a named function is not supported for the "

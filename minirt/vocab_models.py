@@ -65,6 +65,14 @@ def _map_table(kind: str) -> np.ndarray:
     return table
 
 
+def _trie_add(root: dict[int, Any], key: bytes, tid: int) -> None:
+    """Insert ``key`` into a byte trie (byte -> child, token id under key -1)."""
+    node = root
+    for b in key:
+        node = node.setdefault(b, {})
+    node[-1] = tid
+
+
 class WordPiece:
     """BERT-style WordPiece over a GGUF vocabulary whose word-initial pieces start with ``▁``."""
 
@@ -198,7 +206,8 @@ class Unigram:
         self._append = add_space_prefix and treat_ws_as_suffix
         self._merge = remove_extra_ws
         self._cache: dict[str, tuple[int, ...]] = {}
-        self._hf, self._hf_norm, self._hf_avoid = self._build_fast(texts, attrs, charsmap)
+        self._space_str = self._space.decode()
+        self._hf, self._hf_norm, self._hf_avoid = self._build_fast(texts, attrs, min_score if normal_scores else 0.0)
 
     # ---- the fast path: HF tokenizers' Precompiled normaliser and Unigram lattice (Rust) ----
     # The hand-written path below follows llama.cpp byte for byte but runs at ~0.15 MB/s in Python;
@@ -210,7 +219,7 @@ class Unigram:
     # unknown, byte) in the lattice's vocabulary.
     _NEVER = "\U0010ffff"
 
-    def _build_fast(self, texts: Sequence[str], attrs: Sequence[int], charsmap: Any) -> tuple[Any, Any, frozenset]:
+    def _build_fast(self, texts: Sequence[str], attrs: Sequence[int], floor: float) -> tuple[Any, Any, frozenset]:
         try:
             from tokenizers import Tokenizer as HFTokenizer
             from tokenizers import models, normalizers
@@ -218,8 +227,6 @@ class Unigram:
             return None, None, frozenset()
         if self.unk_id is None or not self._scores:
             return None, None, frozenset()
-        normal = [s for s, a in zip(self._scores, attrs) if a & ATTR_NORMAL]
-        floor = min(normal) if normal else 0.0
         vocab = []
         for i, (t, a) in enumerate(zip(texts, attrs)):
             if a & ATTR_USER_DEFINED:
@@ -243,7 +250,7 @@ class Unigram:
         norm = self._hf_norm.normalize_str(text) if self._hf_norm is not None else text
         if self._NEVER in norm:
             return None
-        space = self._space.decode()
+        space = self._space_str
         if self._merge:  # every run of non-spaces after one space, spaces dropped
             s = "".join(space + w for w in norm.split(" ") if w)
         else:
@@ -273,15 +280,9 @@ class Unigram:
             user: dict[int, Any] = {}
             for i, (t, a) in enumerate(zip(self._texts, self._attrs)):
                 if a & (ATTR_NORMAL | ATTR_USER_DEFINED | ATTR_UNUSED):
-                    node = trie
-                    for b in t.encode("utf-8", "surrogateescape"):
-                        node = node.setdefault(b, {})
-                    node[-1] = i
+                    _trie_add(trie, t.encode("utf-8", "surrogateescape"), i)
                 if a & ATTR_USER_DEFINED:
-                    node = user
-                    for b in t.encode("utf-8", "surrogateescape"):
-                        node = node.setdefault(b, {})
-                    node[-1] = i
+                    _trie_add(user, t.encode("utf-8", "surrogateescape"), i)
             self._tries = (trie, user)
         return self._tries
 
@@ -485,10 +486,7 @@ class RWKV:
         self.pieces = [rwkv_unescape(t) for t in texts]
         self._trie: dict[int, Any] = {}
         for i, p in enumerate(self.pieces):
-            node = self._trie
-            for b in p:
-                node = node.setdefault(b, {})
-            node[-1] = i
+            _trie_add(self._trie, p, i)
         self.unk_id = unk_id
 
     def encode(self, text: str, out: list[int]) -> None:
