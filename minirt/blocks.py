@@ -204,6 +204,8 @@ class Attention:
     ``causal`` False: every query sees every position of its sequence (encoders, EmbeddingGemma); a
     window then extends both ways (``|q − k| ≤ window // 2``, ModernBERT's local layers,
     EmbeddingGemma, llama.cpp's symmetric SWA).
+    ``kv_source``: the layer reads the keys and values that an earlier layer (same head sizes) stored
+    for the same positions and stores none (Gemma 4's KV sharing); its ``wk`` / ``wv`` are unused.
     """
 
     n_head: int
@@ -211,8 +213,8 @@ class Attention:
     head_dim_k: int
     head_dim_v: int
     wq: Linear
-    wk: Linear
-    wv: Linear
+    wk: Linear | None  # None only with kv_source
+    wv: Linear | None
     wo: Linear
     scale: float
     rope: Rope | None
@@ -224,6 +226,8 @@ class Attention:
     window: int = 0
     sinks: np.ndarray | None = None
     causal: bool = True
+    v_norm: Norm | None = None  # per-head norm of the values (Gemma 4: RMSNorm without gains)
+    kv_source: int | None = None  # a layer that reuses layer kv_source's cached keys/values (no K/V of its own)
 
 
 @dataclass
@@ -306,6 +310,38 @@ class MoE:
 
 
 @dataclass
+class PerLayerGate:
+    """Gemma 4's per-layer input of one block, after its feed-forward residual::
+
+        x = x + post_norm(proj(act(gate(x)) · inputs[:, layer]))
+
+    ``inputs`` (T, n_layer, width) are the model's :class:`PerLayerInputs`."""
+
+    gate: Linear  # (width, d)
+    proj: Linear  # (d, width)
+    post_norm: Norm  # (d,)
+    act: str = "gelu_tanh"
+
+
+@dataclass
+class PerLayerInputs:
+    """Per-layer token embeddings (Gemma 4 / 3n), computed once per pass from the token ids and the
+    first block's input x0 (T, d)::
+
+        inputs = (norm(model_proj(x0) · proj_scale) + tok_embd[ids] · embd_scale) · input_scale
+
+    reshaped to (T, n_layer, width) (``norm`` over each layer's ``width``); block i reads ``inputs[:, i]``."""
+
+    tok_embd: GGUFTensor  # (n_vocab, n_layer · width), rows dequantized on lookup
+    model_proj: Linear  # (n_layer · width, d)
+    norm: Norm  # (width,)
+    width: int
+    embd_scale: float
+    proj_scale: float
+    input_scale: float
+
+
+@dataclass
 class Block:
     """One decoder layer. Sequential (default)::
 
@@ -316,6 +352,8 @@ class Block:
     Any norm may be None (OLMo 2 has post-norms only). ``s`` = ``residual_scale`` (Granite).
     ``norm_residual`` (BERT's post-norm layout): the post norms apply to the residual sum instead,
     ``x = post_attn(x + attn(x)); x = post_ffn(x + mlp(x))``.
+    Then ``per_layer`` (Gemma 4, see :class:`PerLayerGate`), and the output is multiplied by
+    ``out_scale`` (Gemma 4's ``layer_output_scale``).
     """
 
     attn: Attention
@@ -327,6 +365,8 @@ class Block:
     parallel: bool = False
     residual_scale: float = 1.0
     norm_residual: bool = False
+    per_layer: PerLayerGate | None = None
+    out_scale: float = 1.0
 
 
 @dataclass
@@ -383,6 +423,7 @@ class ModelDesc:
     type_embd: np.ndarray | None = None  # (n_types, d) token-type embeddings; type 0 is added, as llama.cpp
     embd_norm: Norm | None = None
     pooling: Pooling | None = None  # None: a generative model without an embedding output
+    per_layer_inputs: PerLayerInputs | None = None  # Gemma 4's per-layer token embeddings
 
     @property
     def causal(self) -> bool:
@@ -394,24 +435,36 @@ class ModelDesc:
         out = [self.output]
         for b in self.blocks:
             a, m = b.attn, b.mlp
-            out += [a.wq, a.wk, a.wv, a.wo]
+            out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
             if isinstance(m, MoE):
                 out += m.linears()
             else:
                 out += ([m.gate] if m.gate is not None else []) + [m.up, m.down]
+            if b.per_layer is not None:
+                out += [b.per_layer.gate, b.per_layer.proj]
         p = self.pooling
         if p is not None:
             out += [lin for lin in (p.cls, p.cls_out, *p.dense) if lin is not None]
-        return out
+        if self.per_layer_inputs is not None:
+            out.append(self.per_layer_inputs.model_proj)
+        seen: set[int] = set()  # a matrix used twice (Gemma 4's V = K) is listed once
+        return [lin for lin in out if not (id(lin) in seen or seen.add(id(lin)))]
+
+    def kv_layers(self) -> list[tuple[int, int, int] | None]:
+        """Per layer, the (n_head_kv, head_dim_k, head_dim_v) of its own cache; None for a layer that
+        reads another's (``kv_source``)."""
+        return [None if b.attn.kv_source is not None else (b.attn.n_head_kv, b.attn.head_dim_k, b.attn.head_dim_v)
+                for b in self.blocks]
 
     def kv_shape(self) -> tuple[int, int, int]:
-        """(n_head_kv, head_dim_k, head_dim_v), the same for every layer (the KV cache's layout)."""
-        shapes = {(b.attn.n_head_kv, b.attn.head_dim_k, b.attn.head_dim_v) for b in self.blocks}
-        if len(shapes) != 1:
+        """(n_head_kv, head_dim_k, head_dim_v) of the cache: the layers' own, or each the largest
+        over the layers when they differ (a cache then gives each layer its own shape)."""
+        shapes = [s for s in self.kv_layers() if s is not None]
+        if not shapes:
             from .errors import UnsupportedArchitectureError
 
-            raise UnsupportedArchitectureError(f"layers with different KV shapes {sorted(shapes)} are not supported")
-        return shapes.pop()
+            raise UnsupportedArchitectureError("no layer has a KV cache of its own")
+        return max(s[0] for s in shapes), max(s[1] for s in shapes), max(s[2] for s in shapes)
 
     def ropes(self) -> list[Rope]:
         """The distinct RoPE variants of the layers, in first-use order."""

@@ -219,6 +219,9 @@ def model_summary(path_or_name: str) -> dict[str, Any]:
             info.update(context_length=cfg.n_ctx_train, layers=cfg.n_layer, embedding=cfg.n_embd,
                         heads=cfg.n_head, kv_heads=cfg.n_head_kv, head_dim=cfg.head_dim_k, ffn=cfg.n_ff,
                         supported=True)
+            if cfg.kv_layers is not None:  # head sizes per layer; layers reading another's KV
+                own = [s for s in cfg.kv_layers if s is not None]
+                info.update(head_dims=sorted({s[1] for s in own}), kv_layers=len(own))
         except MinirtError as e:
             info["config_error"] = str(e)
             info["supported"] = False
@@ -250,8 +253,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"architecture  {info['architecture']} ({status})")
     print(f"parameters    {info['parameters'] / 1e6:.1f} M in {info['tensors']} tensors")
     if "layers" in info:
-        print(f"shape         {info['layers']} layers, n_embd {info['embedding']}, {info['heads']} heads "
-              f"({info['kv_heads']} KV) of {info['head_dim']}, ffn {info['ffn']}")
+        dims = "/".join(map(str, info.get("head_dims", [info["head_dim"]])))
+        own = f", {info['kv_layers']} with a KV cache of their own" if "kv_layers" in info else ""
+        print(f"shape         {info['layers']} layers{own}, n_embd {info['embedding']}, {info['heads']} heads "
+              f"({info['kv_heads']} KV) of {dims}, ffn {info['ffn']}")
         print(f"context       {info['context_length']} tokens (trained)")
     mix = ", ".join(f"{k} ×{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for k, v in info["quant_mix"].items())
     print(f"quant mix     {mix}")

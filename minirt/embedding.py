@@ -22,8 +22,7 @@ import numpy as np
 
 from .blocks import Pooling
 from .errors import ContextOverflowError, EmbeddingError, InvalidRequestError
-from .forward import Segment
-from .kv_cache import KVCache
+from .forward import Segment, kv_cache_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Model
@@ -135,7 +134,7 @@ def hidden_states(model: Model, seqs: list[list[int]]) -> list[np.ndarray]:
     c = tr.cfg
     out: list[np.ndarray | None] = [None] * len(seqs)
     for group in _batches([len(s) for s in seqs], model.engine.n_batch):
-        caches = [KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, len(seqs[i])) for i in group]
+        caches = [kv_cache_for(c, len(seqs[i])) for i in group]
         try:
             tokens = np.concatenate([np.asarray(seqs[i], dtype=np.int64) for i in group])
             segs = [Segment(cache, len(seqs[i]), "none") for cache, i in zip(caches, group, strict=True)]

@@ -12,7 +12,7 @@ head sizes. Activations are float32 row-major ``(T, features)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,15 +36,27 @@ class Config:
     head_dim_v: int
     n_vocab: int
     n_ctx_train: int
+    # per layer (n_head_kv, head_dim_k, head_dim_v) of its own cache, None for a layer reading another's;
+    # None: every layer has the shape above
+    kv_layers: tuple[tuple[int, int, int] | None, ...] | None = field(default=None, kw_only=True)
 
 
 def config_of(desc: ModelDesc) -> Config:
-    """The :class:`Config` summary of a description (the KV layout must be uniform over layers)."""
+    """The :class:`Config` summary of a description; with layers of different KV shapes (or layers that
+    share another's), the head counts and sizes are the largest and ``kv_layers`` has each layer's."""
     hkv, dk, dv = desc.kv_shape()
     b0 = desc.blocks[0]
+    layers = tuple(desc.kv_layers())
     return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.n_ff,
                   n_head=b0.attn.n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
-                  n_ctx_train=desc.n_ctx_train)
+                  n_ctx_train=desc.n_ctx_train,
+                  kv_layers=None if all(s == (hkv, dk, dv) for s in layers) else layers)
+
+
+def kv_cache_for(cfg: Config, n_ctx: int, type_k: str | None = None, type_v: str | None = None) -> KVCache:
+    """An empty cache of ``n_ctx`` positions laid out for the model ``cfg`` summarises."""
+    return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, n_ctx, type_k=type_k, type_v=type_v,
+                   layers=cfg.kv_layers)
 
 
 @dataclass
@@ -118,15 +130,24 @@ class Transformer:
             return self.norm(x + m if s == 1 else x + s * m, b.post_ffn_norm)
         x = x + s * a if s != 1 else x + a
         m = self.norm(self.mlp(b, self.norm(x, b.ffn_norm)), b.post_ffn_norm)
-        return x + s * m if s != 1 else x + m
+        x = x + s * m if s != 1 else x + m
+        if b.per_layer is not None:
+            g = b.per_layer
+            h = activation(g.act, self.mm(g.gate, x)) * ctx.per_layer[:, i]
+            x = x + self.norm(self.mm(g.proj, h), g.post_norm)
+        if b.out_scale != 1.0:
+            x *= np.float32(b.out_scale)
+        return x
 
-    def _qk_norm(self, a: Any, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """q (T, H, Dk), k (T, Hkv, Dk) through their norms, per head or over the whole projection."""
-        if a.qk_norm_per_head:
-            return self.norm(q, a.q_norm), self.norm(k, a.k_norm)
-        T = q.shape[0]
-        return (self.norm(q.reshape(T, -1), a.q_norm).reshape(q.shape),
-                self.norm(k.reshape(T, -1), a.k_norm).reshape(k.shape))
+    def _qk_norm(self, a: Any, q: np.ndarray, k: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """q (T, H, Dk), k (T, Hkv, Dk) (None: a layer reading another's keys) through their norms,
+        per head or over the whole projection."""
+        def one(x: np.ndarray | None, n: Norm | None) -> np.ndarray | None:
+            if x is None or a.qk_norm_per_head:
+                return None if x is None else self.norm(x, n)
+            return self.norm(x.reshape(x.shape[0], -1), n).reshape(x.shape)
+
+        return one(q, a.q_norm), one(k, a.k_norm)
 
     def mlp(self, b: Block, h: np.ndarray) -> np.ndarray:
         m = b.mlp
@@ -140,26 +161,31 @@ class Transformer:
     def attention(self, i: int, b: Block, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         """Projections, q/k norms, RoPE, cache append and attention of the normed input h (T, d) → (T, d)."""
         a, T = b.attn, h.shape[0]
-        q = self.mm(a.wq, h)
-        k = self.mm(a.wk, h)
-        v = self.mm(a.wv, h).reshape(T, a.n_head_kv, a.head_dim_v)
-        q = q.reshape(T, a.n_head, a.head_dim_k)
-        k = k.reshape(T, a.n_head_kv, a.head_dim_k)
+        q = self.mm(a.wq, h).reshape(T, a.n_head, a.head_dim_k)
+        k = v = None  # a layer with kv_source reads what that layer stored for these positions
+        if a.kv_source is None:
+            k = self.mm(a.wk, h).reshape(T, a.n_head_kv, a.head_dim_k)
+            v = self.mm(a.wv, h).reshape(T, a.n_head_kv, a.head_dim_v)
+            if a.v_norm is not None:
+                v = self.norm(v, a.v_norm)
         if not a.qk_norm_after_rope:
             q, k = self._qk_norm(a, q, k)
-        q, k = np.ascontiguousarray(q), np.ascontiguousarray(k)
+        q = np.ascontiguousarray(q)
+        k = None if k is None else np.ascontiguousarray(k)
         if a.rope is not None:
             cos, sin = ctx.rope_tables(a.rope)
             self.backend.rope(q, cos, sin, a.rope.neox, a.rope.dim)
-            self.backend.rope(k, cos, sin, a.rope.neox, a.rope.dim)
+            if k is not None:
+                self.backend.rope(k, cos, sin, a.rope.neox, a.rope.dim)
         if a.qk_norm_after_rope:
             q, k = self._qk_norm(a, q, k)
         out = np.empty((T, a.n_head * a.head_dim_v), dtype=np.float32)
         for seg, s0, p0 in ctx.spans:
             n = seg.n_tokens
             cache = seg.cache
-            cache.store(i, p0, k[s0:s0 + n].transpose(1, 0, 2), v[s0:s0 + n].transpose(1, 0, 2))
-            kc, vc = cache.layer(i)
+            if k is not None:
+                cache.store(i, p0, k[s0:s0 + n].transpose(1, 0, 2), v[s0:s0 + n].transpose(1, 0, 2))
+            kc, vc = cache.layer(i if a.kv_source is None else a.kv_source)
             if a.sinks is not None:
                 out[s0:s0 + n] = self.backend.attention_sinks(q[s0:s0 + n], kc, vc, p0, a.scale, a.window,
                                                               a.softcap, a.sinks, kv_types=cache.types)
@@ -207,7 +233,22 @@ class Transformer:
             x += self.backend.dequantize_rows(d.pos_embd.data[pos], d.pos_embd.qtype, d.n_embd)
         if d.type_embd is not None:
             x += d.type_embd[0]  # every token is of type 0 ("sentence A"), as llama.cpp feeds them
+        if d.per_layer_inputs is not None:
+            ctx.per_layer = self.per_layer_inputs(tokens, x)
         return self.norm(x, d.embd_norm)
+
+    def per_layer_inputs(self, tokens: np.ndarray, x0: np.ndarray) -> np.ndarray:
+        """Gemma 4's per-layer inputs (T, n_layer, width) of tokens (T,) whose first block input is x0 (T, d)."""
+        p = self.desc.per_layer_inputs
+        T, L = len(tokens), len(self.desc.blocks)
+        proj = self.mm(p.model_proj, x0)
+        proj *= np.float32(p.proj_scale)
+        proj = self.norm(proj.reshape(T, L, p.width), p.norm)
+        t = p.tok_embd
+        e = self.backend.dequantize_rows(t.data[tokens], t.qtype, L * p.width).reshape(T, L, p.width)
+        out = proj + e * np.float32(p.embd_scale)
+        out *= np.float32(p.input_scale)
+        return out
 
     def encode(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         """Final hidden states (T, d) after the output norm of ``tokens`` (T,), the concatenated
@@ -246,7 +287,9 @@ class Transformer:
                 return False
             caches.append((k, v, p0, seg.cache.types))
         tables = [ctx.rope_tables(r) for r in self.ropes]
-        return bool(self.backend.decode_layers(self, x, caches, tables))
+        if ctx.per_layer is None:
+            return bool(self.backend.decode_layers(self, x, caches, tables))
+        return bool(self.backend.decode_layers(self, x, caches, tables, per_layer=ctx.per_layer))
 
     def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
         """Context shift: drop positions ``n_keep .. n_keep+n_discard-1`` and move the rest down.
@@ -262,6 +305,8 @@ class Transformer:
         delta = np.full(n_move, -n_discard, dtype=np.int64)
         tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         for i, b in enumerate(self.desc.blocks):
+            if b.attn.kv_source is not None:  # moved with the layer it reads
+                continue
             kc, vc = cache.layer(i)
             r = b.attn.rope
             if r is not None:  # quantized keys: dequantize, rotate, quantize again (as llama.cpp does)
@@ -329,6 +374,7 @@ class ForwardContext:
         self.spans = batch_spans(segments)  # (segment, row offset in batch, first position)
         pos = [np.arange(p0, p0 + seg.n_tokens) for seg, _, p0 in self.spans]
         self.positions = np.concatenate(pos) if pos else np.zeros(0, dtype=np.int64)
+        self.per_layer: np.ndarray | None = None  # (T, n_layer, width): per-layer inputs, set by Transformer.inputs
         self._rope: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def rope_tables(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ reference paths), while the native attention reads the stored rows directly.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,19 +39,22 @@ def _anon_map(a: np.ndarray) -> mmap.mmap | None:
 
 
 def drop_positions(a: np.ndarray, n: int) -> int:
-    """Give the pages of positions ``n..`` of a (layers, heads, n_ctx, dim) :func:`lazy_zeros` cache
-    array back to the OS (MADV_DONTNEED: they read as zeros again and are resident no more).
-    Returns the bytes released; 0 for numpy memory (small caches, which stay below 4 MiB)."""
+    """Give the pages of positions ``n..`` of a C-contiguous (..., n_ctx, dim) array carved from a
+    :func:`lazy_zeros` mapping (a whole (layers, heads, n_ctx, dim) cache array or one layer's
+    (heads, n_ctx, dim) view of it) back to the OS (MADV_DONTNEED: they read as zeros again and are
+    resident no more). Returns the bytes released; 0 for numpy memory (small caches, under 4 MiB)."""
     m = _anon_map(a)
-    if m is None or not hasattr(mmap, "MADV_DONTNEED") or a.ndim != 4:
+    if m is None or not hasattr(mmap, "MADV_DONTNEED") or a.ndim < 2 or not a.flags.c_contiguous or a.size == 0:
         return 0
-    L, H, n_ctx, d = a.shape
+    n_ctx, d = a.shape[-2:]
+    rows = a.size // (n_ctx * d)
+    base = a.ctypes.data - np.frombuffer(m, dtype=np.uint8).ctypes.data  # where a starts in the mapping
     row, keep = n_ctx * d * a.itemsize, n * d * a.itemsize
     page, freed = mmap.PAGESIZE, 0
     if keep == 0:
-        spans = [(0, L * H * row)]  # the whole array at once
+        spans = [(base, base + rows * row)]  # the whole array at once
     else:
-        spans = [(r * row + keep, (r + 1) * row) for r in range(L * H)]
+        spans = [(base + r * row + keep, base + (r + 1) * row) for r in range(rows)]
     for lo, hi in spans:
         lo, hi = -(-lo // page) * page, hi // page * page  # whole pages inside the span only
         if hi > lo:
@@ -81,12 +85,22 @@ def lazy_zeros(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
 
 
 class KVCache:
-    """Keys and values of one sequence for every layer, plus the token ids they came from."""
+    """Keys and values of one sequence for every layer, plus the token ids they came from.
+
+    Layers of different shapes (Gemma 4: other head sizes on its sliding layers) each get their own
+    ``(n_head_kv_i, n_ctx, width_i)`` arrays, carved from the front of their layer's slot of ``k`` /
+    ``v`` (which are sized by the largest shape): pages become resident only as they are written,
+    so the unused tail of a slot, and the slot of a layer that reads another's cache (``None`` in
+    ``layers``), cost address space only. Then ``k`` / ``v`` are storage, and :meth:`layer`,
+    :meth:`export` and :meth:`import_rows` the way to each layer's rows."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int, n_ctx: int,
-                 dtype: np.dtype | type | None = None, type_k: str | None = None, type_v: str | None = None) -> None:
+                 dtype: np.dtype | type | None = None, type_k: str | None = None, type_v: str | None = None,
+                 layers: Sequence[tuple[int, int, int] | None] | None = None) -> None:
         """``type_k`` / ``type_v``: KV element type names (default f32); ``dtype`` (float32 or float16)
-        is the older way to ask for f32 / f16 of both."""
+        is the older way to ask for f32 / f16 of both. ``layers``: per layer (n_head_kv, head_dim_k,
+        head_dim_v), or None for a layer without a cache of its own; the other sizes are then the
+        largest of these."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if dtype is not None:
@@ -99,10 +113,27 @@ class KVCache:
         self.head_dim_k, self.head_dim_v = head_dim_k, head_dim_v
         self.k = lazy_zeros((n_layer, n_head_kv, n_ctx, self.kt.width(head_dim_k)), self.kt.dtype)
         self.v = lazy_zeros((n_layer, n_head_kv, n_ctx, self.vt.width(head_dim_v)), self.vt.dtype)
+        self.layers = None if layers is None else list(layers)
+        self._views: list[tuple[np.ndarray, np.ndarray] | None] | None = None
+        if self.layers is not None:
+            if len(self.layers) != n_layer:
+                raise ValueError(f"{len(self.layers)} layer shapes for {n_layer} layers")
+            self._views = [None if s is None else (self._carve(self.k[i], s[0], self.kt.width(s[1])),
+                                                   self._carve(self.v[i], s[0], self.vt.width(s[2])))
+                           for i, s in enumerate(self.layers)]
         self.n_past = 0
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
         # repetition penalties see the history
         self.tokens = np.zeros(n_ctx, dtype=np.int32)
+
+    @staticmethod
+    def _carve(slot: np.ndarray, heads: int, width: int) -> np.ndarray:
+        """The front of a layer's slot (H, n_ctx, W) as its own contiguous (heads, n_ctx, width) array."""
+        n_ctx = slot.shape[1]
+        if heads > slot.shape[0] or width > slot.shape[2]:
+            raise ValueError(f"a layer of {heads} heads x {width} does not fit the cache's "
+                             f"{slot.shape[0]} x {slot.shape[2]}")
+        return slot.reshape(-1)[:heads * n_ctx * width].reshape(heads, n_ctx, width)
 
     @property
     def types(self) -> tuple[str, str]:
@@ -112,18 +143,55 @@ class KVCache:
     def store(self, i: int, p0: int, k: np.ndarray | None, v: np.ndarray | None) -> None:
         """Write float32 keys k (Hkv, n, Dk) and values v (Hkv, n, Dv) of layer ``i`` at positions
         p0..p0+n-1, quantized to the cache types (None: leave that half alone)."""
+        kc, vc = self.layer(i)
         if k is not None:
-            self.k[i, :, p0:p0 + k.shape[1]] = quantize_rows(k, self.kt)
+            kc[:, p0:p0 + k.shape[1]] = quantize_rows(k, self.kt)
         if v is not None:
-            self.v[i, :, p0:p0 + v.shape[1]] = quantize_rows(v, self.vt)
+            vc[:, p0:p0 + v.shape[1]] = quantize_rows(v, self.vt)
 
     def read(self, i: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 keys (Hkv, p1-p0, Dk) and values (Hkv, p1-p0, Dv) of layer ``i``, positions p0..p1-1."""
-        return dequantize_rows(self.k[i, :, p0:p1], self.kt), dequantize_rows(self.v[i, :, p0:p1], self.vt)
+        kc, vc = self.layer(i)
+        return dequantize_rows(kc[:, p0:p1], self.kt), dequantize_rows(vc[:, p0:p1], self.vt)
 
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(k, v) arrays of layer ``i``."""
-        return self.k[i], self.v[i]
+        """(k, v) arrays (Hkv, n_ctx, width) of layer ``i``."""
+        if self._views is None:
+            return self.k[i], self.v[i]
+        kv = self._views[i]
+        if kv is None:
+            raise ValueError(f"layer {i} has no cache of its own (it reads another layer's)")
+        return kv
+
+    def _own_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self._views is None or self._views[i] is not None]
+
+    def export(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stored rows of positions 0..n-1 of every layer as (n_layer, n_head_kv, n, width) arrays (state
+        files): views of ``k`` / ``v`` for a uniform cache; copies padded with zero bytes (heads,
+        widths, layers without a cache) when the layers differ."""
+        if self._views is None:
+            return self.k[:, :, :n], self.v[:, :, :n]
+        k = np.zeros(self.k.shape[:2] + (n,) + self.k.shape[3:], self.k.dtype)
+        v = np.zeros(self.v.shape[:2] + (n,) + self.v.shape[3:], self.v.dtype)
+        for i in self._own_layers():
+            kc, vc = self.layer(i)
+            k[i, :kc.shape[0], :, :kc.shape[2]] = kc[:, :n]
+            v[i, :vc.shape[0], :, :vc.shape[2]] = vc[:, :n]
+        return k, v
+
+    def import_rows(self, k: np.ndarray, v: np.ndarray, n: int, float_rows: bool = False) -> None:
+        """Fill positions 0..n-1 from arrays shaped as :meth:`export` gives them: stored rows of this
+        cache's types, or float32 rows (n_layer, n_head_kv, n, head_dim) with ``float_rows`` (quantized here)."""
+        for i in self._own_layers():
+            kc, vc = self.layer(i)
+            if float_rows:
+                hk, dk, dv = (self.layers[i] if self.layers is not None
+                              else (kc.shape[0], self.head_dim_k, self.head_dim_v))
+                self.store(i, 0, k[i, :hk, :, :dk], v[i, :hk, :, :dv])
+            else:
+                kc[:, :n] = k[i, :kc.shape[0], :, :kc.shape[2]]
+                vc[:, :n] = v[i, :vc.shape[0], :, :vc.shape[2]]
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +200,10 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return (self.k.nbytes + self.v.nbytes) // self.n_ctx
+        """Bytes one position takes over every layer's own cache."""
+        if self._views is None:
+            return (self.k.nbytes + self.v.nbytes) // self.n_ctx
+        return sum(self.layer(i)[0].nbytes + self.layer(i)[1].nbytes for i in self._own_layers()) // self.n_ctx
 
     def token_ids(self) -> np.ndarray:
         """Ids of the cached positions (a view)."""
@@ -155,8 +226,13 @@ class KVCache:
     def _drop(self, n: int) -> None:
         # every position from n on, not just up to n_past: a step that failed after writing its
         # keys leaves pages beyond n_past; untouched ranges cost the kernel a page-table walk only
-        drop_positions(self.k, n)
-        drop_positions(self.v, n)
+        if self._views is None:
+            drop_positions(self.k, n)
+            drop_positions(self.v, n)
+            return
+        for i in self._own_layers():
+            for a in self.layer(i):
+                drop_positions(a, n)
 
     def copy_prefix_from(self, other: KVCache, n: int) -> None:
         """Copy the first ``n`` positions of ``other`` (same model) into this cache."""
@@ -164,8 +240,13 @@ class KVCache:
             raise ValueError(f"cannot copy a {other.types} cache into a {self.types} one")
         if n > self.n_ctx or n > other.n_past:
             raise ValueError(f"cannot copy {n} positions (source has {other.n_past}, room {self.n_ctx})")
-        self.k[:, :, :n] = other.k[:, :, :n]
-        self.v[:, :, :n] = other.v[:, :, :n]
+        if self._views is None:
+            self.k[:, :, :n] = other.k[:, :, :n]
+            self.v[:, :, :n] = other.v[:, :, :n]
+        else:
+            for i in self._own_layers():
+                for dst, src in zip(self.layer(i), other.layer(i), strict=True):
+                    dst[:, :n] = src[:, :n]
         self.tokens[:n] = other.tokens[:n]
         self.n_past = n
 
@@ -173,6 +254,8 @@ class KVCache:
         """Drop the arrays so their memory returns to the OS now rather than at garbage collection."""
         empty = np.zeros((self.n_layer, 0, 0, 0), dtype=self.k.dtype)
         self.k = self.v = empty
+        if self._views is not None:
+            self._views = [None] * self.n_layer
         self.n_ctx = 0
         self.n_past = 0
 

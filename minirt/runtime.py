@@ -28,7 +28,7 @@ from . import gguf as gguf_mod
 from . import kv_types, registry
 from .archs import build, read_config
 from .errors import ContextOverflowError, InvalidRequestError, ModelClosedError, TokenizerError
-from .forward import Segment
+from .forward import Segment, kv_cache_for
 from .generate import Completion, Engine, Sequence, TokenEvent, Trace, check_prompt, validate_stop
 from .grammar import options as grammar_options
 from .kv_cache import KVCache
@@ -214,8 +214,9 @@ class Model:
             self.cache_types = (kv_types.get(cache_type_k or dflt).name, kv_types.get(cache_type_v or dflt).name)
             self.device, self.backend = self._pick_backend(device, backend, threads)
             cfg = read_config(self.file)
-            kv_types.get(self.cache_types[0]).check_dim(cfg.head_dim_k)
-            kv_types.get(self.cache_types[1]).check_dim(cfg.head_dim_v)
+            for _, dk, dv in {s for s in cfg.kv_layers or [(0, cfg.head_dim_k, cfg.head_dim_v)] if s is not None}:
+                kv_types.get(self.cache_types[0]).check_dim(dk)
+                kv_types.get(self.cache_types[1]).check_dim(dv)
             self._check_cache_types_device()  # sizes the context before the weights are prepared
             if self.tokenizer.n_vocab > cfg.n_vocab:
                 raise TokenizerError(f"the vocabulary has {self.tokenizer.n_vocab} tokens but the model only "
@@ -259,6 +260,8 @@ class Model:
 
     def _kv_bytes_per_token(self, cfg: Any) -> int:
         tk, tv = kv_types.get(self.cache_types[0]), kv_types.get(self.cache_types[1])
+        if cfg.kv_layers is not None:  # layers of their own shapes, some without a cache
+            return sum(h * (tk.row_bytes(dk) + tv.row_bytes(dv)) for h, dk, dv in filter(None, cfg.kv_layers))
         return cfg.n_layer * cfg.n_head_kv * (tk.row_bytes(cfg.head_dim_k) + tv.row_bytes(cfg.head_dim_v))
 
     def _pick_n_ctx(self, n_ctx: int | None, cfg: Any) -> int:
@@ -283,9 +286,7 @@ class Model:
 
     def _new_cache(self, n_ctx: int | None = None) -> KVCache:
         self._check_open()
-        c = self._cfg
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, n_ctx or self.n_ctx,
-                       type_k=self.cache_types[0], type_v=self.cache_types[1])
+        return kv_cache_for(self._cfg, n_ctx or self.n_ctx, *self.cache_types)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -904,10 +905,10 @@ class Model:
                   "cache_type_k": cache.types[0], "cache_type_v": cache.types[1]}
         path = os.fspath(path)
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        k, v = cache.export(n)
         try:
             with open(tmp, "wb") as fh:
-                np.savez(fh, header=np.array(json.dumps(header)), tokens=cache.tokens[:n].copy(),
-                         k=cache.k[:, :, :n], v=cache.v[:, :, :n])
+                np.savez(fh, header=np.array(json.dumps(header)), tokens=cache.tokens[:n].copy(), k=k, v=v)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -108,15 +108,13 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
     if (tk.name, tv.name) == cache.types:
         _finite(name, "k", k if not tk.quantized else dequantize_rows(k, tk))
         _finite(name, "v", v if not tv.quantized else dequantize_rows(v, tv))
-        cache.k[:, :, :n] = k
-        cache.v[:, :, :n] = v
+        cache.import_rows(k, v, n)
     else:  # saved with other cache types: converted (through float32) to this model's
         log.info("%s: converting a %s/%s KV state to %s/%s", name, tk.name, tv.name, *cache.types)
         kf, vf = dequantize_rows(k, tk), dequantize_rows(v, tv)
         _finite(name, "k", kf)
         _finite(name, "v", vf)
-        for i in range(n_layer):
-            cache.store(i, 0, kf[i], vf[i])
+        cache.import_rows(kf, vf, n, float_rows=True)
     cache.tokens[:n] = tokens
     cache.n_past = n
     return tokens.tolist()

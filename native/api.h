@@ -73,10 +73,19 @@ typedef struct {
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* NULL: none */
     const float *attn_norm_b, *ffn_norm_b; /* LayerNorm biases or NULL */
     mr_weight wq, wk, wv, wo, gate, up, down;
+    long long kv_layer;         /* -1: own K/V; else the earlier layer whose cache this one reads (wk, wv unused) */
+    int v_norm;                 /* 1: values RMS-normed per head, without gains, before they are stored (Gemma 4) */
+    float out_scale;            /* the block's output x is multiplied by it (Gemma 4's layer_output_scale); 1 otherwise */
+    long long n_pl;             /* > 0: per-layer input of that width (Gemma 4), after the MLP residual:
+                                   x += pl_post_norm(pl_proj(act_pl(pl_gate x) * in_l)) */
+    int pl_act;                 /* its activation: 0 SiLU, 1 GELU (tanh) */
+    mr_weight pl_gate, pl_proj; /* (n_pl, n_embd), (n_embd, n_pl) */
+    const float *pl_post_norm;  /* (n_embd,) gains or NULL (no norm) */
 } mr_layer;
 
 typedef struct {
-    void *k, *v;                /* layer 0's (n_head_kv, n_ctx, row) cache of this sequence, rows in the KV type */
+    void *k, *v;                /* layer 0's (n_head_kv, n_ctx, row) cache of this sequence, rows in the KV type;
+                                   layer l's starts layer_stride bytes after l-1's, its rows of its own head size */
     long long n_ctx, pos;       /* slots; position of the new token */
     long long layer_stride_k, layer_stride_v; /* bytes from one layer's keys (values) to the next */
 } mr_kvseq;
@@ -87,10 +96,12 @@ int mr_layer_check(const mr_layer *L, int isa);
 /* Runs n_layer layers over x (n_seq, n_embd), in place: token b belongs to sequence seqs[b], its key
  * and value are written at seqs[b].pos of each layer's cache, stored as type_k / type_v (KV types below).
  * cos_t[i] / sin_t[i]: (n_seq, rope_dim / 2) tables of table pair i (n_tables of them; a layer reads
- * pair rope_table). Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed, see mr_pool_quiescent). */
+ * pair rope_table). pl_in: (n_seq, n_layer, n_pl) per-layer inputs when the layers have them (n_pl > 0,
+ * the same for every layer), else NULL. Returns < 0 on error, else as mr_matmul (> 0: rows were recomputed,
+ * see mr_pool_quiescent). */
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs,
                      int type_k, int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables,
-                     int threads, int isa);
+                     const float *pl_in, int threads, int isa);
 
 
 /* Phase timing of mr_decode_layers, off by default: ns summed over calls and layers for

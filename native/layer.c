@@ -164,8 +164,10 @@ int mr_layer_check(const mr_layer *L, int isa) {
     const int64_t cols[7] = {d, d, d, L->n_head * L->head_dim_v, d, d, L->n_ff};
     const int gated = L->act != 2;
     if (gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU runs without gate, the others with one */
+    if (L->kv_layer < -1 || (L->v_norm != 0 && L->v_norm != 1) || !(L->out_scale == L->out_scale)) return MR_E_SHAPE;
     for (int i = 0; i < 7; i++) {
         if (ws[i] == &L->gate && !gated) continue;
+        if ((ws[i] == &L->wk || ws[i] == &L->wv) && L->kv_layer >= 0) continue; /* reads another layer's K/V */
         const mr_mat m = weight_mat(ws[i]);
         if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i] || !mr_mat_xlayout(K, &m)) return MR_E_QTYPE;
     }
@@ -178,6 +180,14 @@ int mr_layer_check(const mr_layer *L, int isa) {
         (L->qk_norm_after_rope != 0 && L->qk_norm_after_rope != 1))
         return MR_E_SHAPE;
     if ((L->attn_norm_b && !L->attn_norm) || (L->ffn_norm_b && !L->ffn_norm)) return MR_E_SHAPE;
+    if (L->n_pl < 0 || (L->n_pl > 0 && (L->pl_act < 0 || L->pl_act > 1))) return MR_E_SHAPE;
+    if (L->n_pl > 0) {
+        const mr_mat g = weight_mat(&L->pl_gate), pr = weight_mat(&L->pl_proj);
+        if (!L->pl_gate.data || L->pl_gate.rows != L->n_pl || L->pl_gate.cols != d || !mr_mat_xlayout(K, &g) ||
+            !L->pl_proj.data || L->pl_proj.rows != d || L->pl_proj.cols != L->n_pl || !mr_mat_xlayout(K, &pr))
+            return MR_E_QTYPE;
+        if (L->pl_gate.bias || L->pl_proj.bias) return MR_E_SHAPE;
+    }
     return MR_OK;
 }
 
@@ -207,7 +217,7 @@ MR_INLINE void qk_norms(const mr_kernels *K, const mr_layer *L, float *qb, float
     if (L->q_norm && L->qk_norm_full) K->rmsnorm(qb, L->q_norm, L->eps, H * D, qb);
     else if (L->q_norm)
         for (int64_t i = 0; i < H; i++) K->rmsnorm(qb + i * D, L->q_norm, L->eps, D, qb + i * D);
-    if (L->k_norm && L->qk_norm_full) K->rmsnorm(kb, L->k_norm, L->eps, Hkv * D, kb);
+    if (L->k_norm && L->qk_norm_full && Hkv > 0) K->rmsnorm(kb, L->k_norm, L->eps, Hkv * D, kb);
     else if (L->k_norm)
         for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(kb + i * D, L->k_norm, L->eps, D, kb + i * D);
 }
@@ -237,7 +247,8 @@ MR_INLINE void residual(const mr_kernels *K, const mr_layer *L, float *x, float 
 }
 
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int type_k,
-                     int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables, int threads, int isa) {
+                     int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables, const float *pl_in,
+                     int threads, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (n_layer <= 0 || n_seq <= 0 || n_seq > MR_PACKED_INT_MAX) return MR_E_SHAPE;
@@ -247,6 +258,11 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         if (layers[l].rope_table >= n_tables || (layers[l].rope_table >= 0 && (!cos_t || !sin_t))) return MR_E_SHAPE;
         if (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0)
             return MR_E_QTYPE;
+        const long long src = layers[l].kv_layer;
+        if (src >= 0 && (src >= l || layers[src].kv_layer != -1 || layers[src].n_head_kv != layers[l].n_head_kv ||
+                         layers[src].head_dim_k != layers[l].head_dim_k))
+            return MR_E_SHAPE; /* a shared cache is an earlier layer's own, of the same shape */
+        if (layers[l].n_pl != layers[0].n_pl || (layers[l].n_pl > 0 && !pl_in)) return MR_E_SHAPE;
     }
     if (threads <= 0) threads = mr_pool_threads_default();
     const mr_layer *L0 = &layers[0];
@@ -258,6 +274,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         if (L->n_head * L->head_dim_k > qd) qd = L->n_head * L->head_dim_k;
         if (L->n_head_kv * L->head_dim_k > kd) kd = L->n_head_kv * L->head_dim_k;
         if (L->n_ff > ff) ff = L->n_ff;
+        if (L->n_pl > ff) ff = L->n_pl; /* the per-layer gate's output goes to a */
     }
     mr_call_lock();
     int rc = MR_OK;
@@ -282,10 +299,12 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         /* attention block */
         double prof_t = prof_on ? prof_now() : 0.0;
         pre_norm(K, L, x, L->attn_norm, L->attn_norm_b, h, B, d);
+        const int own_kv = L->kv_layer < 0;
+        const long long kvl = own_kv ? l : L->kv_layer; /* the layer whose cache attention reads */
         {
             const mr_weight *w[3] = {&L->wq, &L->wk, &L->wv};
             float *y[3] = {q, k, v};
-            rc = run_mats(K, w, y, 3, -1, h, B, threads);
+            rc = run_mats(K, w, y, own_kv ? 3 : 1, -1, h, B, threads);
             steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
@@ -293,12 +312,16 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         for (int64_t b = 0; b < B; b++) {
             const mr_kvseq *s = &seqs[b];
             float *qb = q + b * H * D, *kb = k + b * Hkv * D, *vb = v + b * Hkv * D;
-            if (!L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, Hkv, D);
+            const int64_t nk = own_kv ? Hkv : 0; /* k heads to normalize and rotate */
+            if (!L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
             if (cs && half > 0) {
                 for (int64_t i = 0; i < H; i++) mr_rope_row(qb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
-                for (int64_t i = 0; i < Hkv; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+                for (int64_t i = 0; i < nk; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
             }
-            if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, Hkv, D);
+            if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
+            if (!own_kv) continue;
+            if (L->v_norm)
+                for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(vb + i * D, NULL, L->eps, D, vb + i * D);
             const int64_t rbk = mr_kv_row_bytes(type_k, D), rbv = mr_kv_row_bytes(type_v, D);
             for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos, quantized in place */
                 const int64_t row = i * s->n_ctx + s->pos;
@@ -311,8 +334,8 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             const void *kp[MR_PACKED_INT_MAX], *vp[MR_PACKED_INT_MAX];
             int64_t nc[MR_PACKED_INT_MAX], st[MR_PACKED_INT_MAX], en[MR_PACKED_INT_MAX];
             for (int64_t b = 0; b < B; b++) {
-                kp[b] = (const uint8_t *)seqs[b].k + l * seqs[b].layer_stride_k;
-                vp[b] = (const uint8_t *)seqs[b].v + l * seqs[b].layer_stride_v;
+                kp[b] = (const uint8_t *)seqs[b].k + kvl * seqs[b].layer_stride_k;
+                vp[b] = (const uint8_t *)seqs[b].v + kvl * seqs[b].layer_stride_v;
                 nc[b] = seqs[b].n_ctx;
                 en[b] = seqs[b].pos + 1;
                 st[b] = L->window > 0 && en[b] > L->window ? en[b] - L->window : 0;
@@ -365,6 +388,28 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         } else {
             residual(K, L, x, o2, L->post_ffn_norm, B, d);
         }
+        if (L->n_pl > 0) { /* x += post_norm(proj(act(gate x) * in_l)) */
+            const int64_t E = L->n_pl;
+            {
+                const mr_weight *w[1] = {&L->pl_gate};
+                float *y[1] = {a};
+                rc = run_mats(K, w, y, 1, -1, x, B, threads);
+                steals += mr_pool_steals();
+            }
+            if (rc != MR_OK) break;
+            for (int64_t b = 0; b < B; b++) K->act_mul(a + b * E, pl_in + (b * n_layer + l) * E, a + b * E, E, L->pl_act);
+            {
+                const mr_weight *w[1] = {&L->pl_proj};
+                float *y[1] = {o2};
+                rc = run_mats(K, w, y, 1, -1, a, B, threads);
+                steals += mr_pool_steals();
+            }
+            if (rc != MR_OK) break;
+            if (L->pl_post_norm) norm_rows(K, L, o2, L->pl_post_norm, NULL, o2, B, d);
+            for (int64_t i = 0; i < B * d; i++) x[i] += o2[i];
+        }
+        if (L->out_scale != 1.0f)
+            for (int64_t i = 0; i < B * d; i++) x[i] *= L->out_scale;
         PROF(5);
         if (prof_on) prof_ns[6] += 1.0;
     }

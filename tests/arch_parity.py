@@ -71,14 +71,13 @@ def decode_logits(path: Path, tokens: np.ndarray, n_prefill: int, backend: str =
     """Logits (n_seq, T - n_prefill, V) after positions n_prefill-1 .. T-2: prefill the first n_prefill
     ids, then decode the rest one at a time (the fused decode step where the backend has it)."""
     import minirt
-    from minirt.forward import Segment
-    from minirt.kv_cache import KVCache
+    from minirt.forward import Segment, kv_cache_for
 
     with minirt.load(str(path), n_ctx=max(64, tokens.shape[1] + 8), backend=backend, device="cpu") as llm:
         m, c = llm.model, llm.model.cfg
         out = []
         for seq in tokens:
-            cache = KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, tokens.shape[1] + 8)
+            cache = kv_cache_for(c, tokens.shape[1] + 8)
             rows = [m.forward(np.array(seq[:n_prefill]), [Segment(cache, n_prefill, "last")])[0].copy()]
             for t in seq[n_prefill:-1]:
                 rows.append(m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy())

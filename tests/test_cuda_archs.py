@@ -36,6 +36,7 @@ from gguf import GGUFValueType as VT
 
 import minirt
 from minirt.archs import Segment, build, supported
+from minirt.forward import kv_cache_for
 from minirt.kernels import ReferenceBackend
 from minirt.kv_cache import KVCache
 from tests.arch_parity import ARCH_DIR
@@ -52,6 +53,7 @@ from tests.test_cuda_sim import (  # noqa: F401
 )
 
 D, H, DK, F = 32, 2, 16, 64  # the shrunk sizes: hidden, query heads, head size, MLP width
+E = 32  # per-layer input width (Gemma 4; a Q8_0 row needs 32)
 N_CTX = 16
 
 # fixture folder -> what CudaBackend._unsupported names for its description (host path with
@@ -64,6 +66,7 @@ HOST_PATH = {
     "hunyuan_dense": "q/k norms after RoPE",
     "olmo2": "a block without pre-norms",
     "phi3": "RoPE with a magnitude factor",
+    "gemma4": "per-layer inputs or layers with different KV shapes",
     # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)
     "gpt_oss": "a mixture-of-experts feed-forward",
     "granitemoe": "a logit scale",
@@ -123,6 +126,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     d0, h0 = int(orig("embedding_length")), int(orig("attention.head_count"))
     hkv0 = int(orig("attention.head_count_kv", h0))
     dk0 = int(orig("attention.key_length", d0 // h0))
+    dk_swa0 = int(orig("attention.key_length_swa", dk0))
+    n_layer = int(orig("block_count"))
     f0 = orig("feed_forward_length")
     f0 = int(f0[0] if isinstance(f0, list) else f0)
     rope0 = orig("rope.dimension_count")
@@ -131,7 +136,11 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     sizes = {"embedding_length": D, "attention.head_count": H, "attention.head_count_kv": hkv,
              "attention.key_length": DK, "attention.value_length": DK, "feed_forward_length": F,
              "rope.dimension_count": rope_dim, "expert_feed_forward_length": F,
-             "expert_shared_feed_forward_length": F}
+             "expert_shared_feed_forward_length": F,
+             # Gemma 4: its sliding layers get the same head size here (their RoPE the same ratio)
+             "attention.key_length_swa": DK, "attention.value_length_swa": DK,
+             "rope.dimension_count_swa": _even(DK * int(orig("rope.dimension_count_swa", dk_swa0)) / dk_swa0),
+             "embedding_length_per_layer_input": E}
     n_expert = int(orig("expert_count", 0))
 
     w = gguf.GGUFWriter(str(dst), arch)
@@ -140,7 +149,9 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
             continue
         val = f.contents()
         short = key[len(arch) + 1:] if key.startswith(arch + ".") else None
-        if short in sizes:
+        if short == "feed_forward_length" and isinstance(val, list):  # per layer (Gemma 4's double-wide MLPs)
+            val = [F * (int(x) // f0) for x in val]
+        elif short in sizes:
             val = [sizes[short]] * len(val) if isinstance(val, list) else sizes[short]
         sub = f.types[1] if f.types[0] == VT.ARRAY else None
         w.add_key_value(key, val, f.types[0], sub_type=sub)
@@ -157,8 +168,18 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
         if kind in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
             return (rope_dim // 2,)
         if kind in ("attn_q_norm", "attn_k_norm"):  # per head, or over the whole projection
-            per_head = shape0[0] == dk0
+            per_head = shape0[0] in (dk0, dk_swa0)
             return (DK,) if per_head else ((q_rows,) if kind == "attn_q_norm" else (kv_rows,))
+        if kind == "per_layer_proj_norm":
+            return (E,)
+        if kind == "per_layer_token_embd":
+            return (shape0[0], n_layer * E)
+        if kind == "per_layer_model_proj":
+            return (n_layer * E, D)
+        if kind in ("inp_gate", "proj"):
+            return (E, D) if kind == "inp_gate" else (D, E)
+        if kind == "layer_output_scale":
+            return (1,)
         if kind.endswith("_norm"):
             return (D,)
         if kind == "attn_sinks":
@@ -172,14 +193,14 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
             return (n_expert, rows) if part == "bias" else (n_expert, rows, F if kind == "ffn_down_exps" else D)
         kind = kind.removesuffix("_shexp")
         rows = {"attn_q": q_rows, "attn_k": kv_rows, "attn_v": kv_rows, "attn_qkv": q_rows + 2 * kv_rows,
-                "attn_output": D, "ffn_gate": F, "ffn_down": D}.get(kind)
+                "attn_output": D, "ffn_gate": F * (shape0[0] // f0), "ffn_down": D}.get(kind)
         if kind == "ffn_up":  # F rows, or a fused gate+up of 2F
             rows = F * (shape0[0] // f0)
         if rows is None:
             raise ValueError(f"{src}: no rule for the shape of tensor {name!r} {shape0}")
         if part == "bias":
             return (rows,)
-        cols = {"attn_output": q_rows, "ffn_down": F}.get(kind, D)
+        cols = {"attn_output": q_rows, "ffn_down": F * (shape0[-1] // f0)}.get(kind, D)
         return (rows, cols)
 
     for name, shape0 in tensors.items():
@@ -191,7 +212,7 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
         else:
             if kind.startswith("rope_"):
                 arr = rng.uniform(1.0, 4.0, shape)  # frequency divisors: positive
-            elif kind.endswith("_norm"):
+            elif kind.endswith("_norm") or kind == "layer_output_scale":
                 arr = 1.0 + 0.1 * rng.normal(size=shape)
             else:
                 arr = 0.1 * rng.normal(size=shape)
@@ -247,8 +268,7 @@ def test_shrunk_file_keeps_metadata_and_tensor_names(arch, rope_dim, q_norm, tmp
 
 
 def _cache(m) -> KVCache:
-    c = m.cfg
-    return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, N_CTX)
+    return kv_cache_for(m.cfg, N_CTX)
 
 
 @in_sim

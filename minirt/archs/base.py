@@ -97,17 +97,19 @@ def meta_layers(f: GGUFFile, key: str, n_layer: int, default: Any = None) -> lis
                     f"got {_show(v)}")
 
 
-def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, required: bool = False) -> int:
-    """A head count or width; some GGUFs store one per layer, which must then be uniform."""
+def _per_layer(f: GGUFFile, key: str, n_layer: int, default: Any = None, required: bool = False,
+               varying: bool = False) -> int:
+    """A head count or width; some GGUFs store one per layer, which must then be uniform (``varying``:
+    may differ, the largest is returned; the architecture reads each layer's with :func:`meta_layers`)."""
     v = _meta(f, key, default, required)
     if isinstance(v, np.ndarray):
         if v.ndim != 1 or v.size != n_layer or v.dtype.kind not in "iu":
             raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer or {n_layer} integers, "
                             f"got {_show(v)}")
-        if len(set(v.tolist())) != 1:
+        if not varying and len(set(v.tolist())) != 1:
             raise UnsupportedArchitectureError(
                 f"per-layer {key} {v.tolist()[:8]}... is not supported (must be uniform)")
-        v = int(v[0])
+        v = int(v.max(initial=0))
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 1 <= int(v) <= MAX_DIM:
         raise GGUFError(f"{f.path}: metadata '{f.architecture}.{key}' must be an integer in [1, {MAX_DIM}], "
                         f"got {_show(v)}")
@@ -127,14 +129,17 @@ class HParams(Config):
     final_softcap: float
 
 
-def read_hparams(f: GGUFFile) -> HParams:
+def read_hparams(f: GGUFFile, varying: tuple[str, ...] = ()) -> HParams:
     """Common hyperparameters; every value type- and range-checked (GGUFError naming the key, never a
-    stray ValueError or an allocation sized by a corrupt count)."""
+    stray ValueError or an allocation sized by a corrupt count). ``varying``: the keys among
+    ``attention.head_count_kv`` and ``feed_forward_length`` that the architecture allows per layer
+    (their largest value is given here)."""
     n_layer = meta_int(f, "block_count", required=True, hi=MAX_LAYERS)
     n_embd = meta_int(f, "embedding_length", required=True)
     n_head = _per_layer(f, "attention.head_count", n_layer, required=True)
-    n_head_kv = _per_layer(f, "attention.head_count_kv", n_layer, default=n_head)
-    n_ff = _per_layer(f, "feed_forward_length", n_layer, required=True)
+    n_head_kv = _per_layer(f, "attention.head_count_kv", n_layer, default=n_head,
+                           varying="attention.head_count_kv" in varying)
+    n_ff = _per_layer(f, "feed_forward_length", n_layer, required=True, varying="feed_forward_length" in varying)
     if n_head % n_head_kv:
         raise GGUFError(f"{f.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     head_dim_k = meta_int(f, "attention.key_length", max(1, n_embd // n_head))

@@ -168,12 +168,12 @@ class NativeBackend(Backend):
             log.info("native decode layers unavailable for this model (%s); decode runs layer by layer", e)
 
     def decode_layers(self, model: Any, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
-                      tables: Any) -> bool:
+                      tables: Any, per_layer: np.ndarray | None = None) -> bool:
         """Run every layer of a decode step natively (x updated in place); False when not prepared."""
         stack = getattr(model, "native_stack", None)
         if stack is None or len(caches) > 16:
             return False
-        stack.run(x, caches, list(tables), threads=self.threads)
+        stack.run(x, caches, list(tables), threads=self.threads, per_layer=per_layer)
         return True
 
     def matmul(self, x: np.ndarray, lin: Any) -> np.ndarray:

@@ -136,9 +136,10 @@ class Backend:
 
     # -- whole-pass hooks ------------------------------------------------------------------------------
     def decode_layers(self, model: Any, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
-                      tables: Sequence[tuple[np.ndarray, np.ndarray]]) -> bool:
+                      tables: Sequence[tuple[np.ndarray, np.ndarray]], per_layer: np.ndarray | None = None) -> bool:
         """Every layer of a decode step (one token per sequence) in one call, x (n_seq, d) in place;
-        ``tables``: (cos, sin) for each of ``model.ropes``. False: not prepared for it."""
+        ``tables``: (cos, sin) for each of ``model.ropes``; ``per_layer``: the per-layer inputs
+        (n_seq, n_layer, width) of a model that has them. False: not prepared for it."""
         return False
 
     def forward(self, model: Any, tokens: np.ndarray, segments: Sequence[Any]) -> list[np.ndarray | None] | None:

@@ -933,8 +933,11 @@ _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
 def _block_weights(b: Any) -> dict[str, Any]:
-    a, m = b.attn, b.mlp
-    return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate, "up": m.up, "down": m.down}
+    """The block's matrices by their ``mr_layer`` field (None: absent: no gate, a layer reading
+    another's K/V, no per-layer input)."""
+    a, m, g = b.attn, b.mlp, b.per_layer
+    return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate, "up": m.up, "down": m.down,
+            "pl_gate": g.gate if g is not None else None, "pl_proj": g.proj if g is not None else None}
 
 
 def layer_unsupported(b: Any) -> str | None:
@@ -948,6 +951,11 @@ def layer_unsupported(b: Any) -> str | None:
         return f"activation {m.act!r}"
     if a.sinks is not None:
         return "attention sinks"
+    if a.v_norm is not None and (a.v_norm.kind != "rms" or a.v_norm.weight is not None):
+        return "a value norm other than RMSNorm without gains"
+    g = b.per_layer
+    if g is not None and (g.act not in _ACTS or g.post_norm.bias is not None or g.post_norm.kind != "rms"):
+        return "a per-layer input gate other than SiLU / GELU with an RMSNorm"
     if not a.causal:
         return "non-causal attention"
     if b.norm_residual:
@@ -959,7 +967,7 @@ def layer_unsupported(b: Any) -> str | None:
         return "RMSNorm and LayerNorm in one block"
     if any(n.bias is not None for n in (b.post_attn_norm, b.post_ffn_norm) if n is not None):
         return "post-norms with a bias"
-    qk = [n for n in (a.q_norm, a.k_norm) if n is not None]
+    qk = [n for n in (a.q_norm, a.k_norm, a.v_norm, g.post_norm if g is not None else None) if n is not None]
     if any(n.kind != "rms" or n.bias is not None for n in qk):
         return "LayerNorm q/k norms"
     if len({float(n.eps) for n in block_norms + qk}) > 1:
@@ -983,9 +991,11 @@ class LayerStack:
         self._layers = ffi.new("mr_layer[]", self.n_layer)
         self._isa = _isa_id(isa)
         # what every cache and RoPE table handed to run() must match (checked there, not in C)
-        self._kv_heads = {int(b.attn.n_head_kv) for b in blocks}
-        self._dk = {int(b.attn.head_dim_k) for b in blocks}
-        self._dv = {int(b.attn.head_dim_v) for b in blocks}
+        # a cache's (n_head_kv, head_dim_k, head_dim_v): the largest over the layers (layers of other
+        # sizes have their rows at the front of their slot, see minirt.kv_cache)
+        self._kv_max = tuple(max((int(getattr(b.attn, k)) for b in blocks), default=0)
+                             for k in ("n_head_kv", "head_dim_k", "head_dim_v"))
+        self._n_pl = max((b.per_layer.gate.out_features for b in blocks if b.per_layer is not None), default=0)
         self._half_rope = {}
         for i, b in enumerate(blocks):  # before anything reads a block's MLP
             why = layer_unsupported(b)
@@ -1000,6 +1010,12 @@ class LayerStack:
                 raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
             self._check_block(i, b)
             a, m = b.attn, b.mlp
+            src = a.kv_source
+            if src is not None and not (0 <= src < i and blocks[src].attn.kv_source is None and
+                                        (blocks[src].attn.n_head_kv, blocks[src].attn.head_dim_k) ==
+                                        (a.n_head_kv, a.head_dim_k)):
+                raise InvalidRequestError(f"layer {i}: reads the KV cache of layer {src}, which is not an earlier "
+                                          "layer with a cache of its own of the same shape")
             L = self._layers[i]
             L.n_embd, L.n_ff = m.down.out_features, m.down.in_features
             L.n_head, L.n_head_kv, L.head_dim_k, L.head_dim_v = a.n_head, a.n_head_kv, a.head_dim_k, a.head_dim_v
@@ -1014,6 +1030,17 @@ class LayerStack:
             for j, v in enumerate(m.act_params[:4]):
                 L.act_params[j] = float(v)
             L.qk_norm_after_rope = int(bool(a.qk_norm_after_rope))
+            L.kv_layer = -1 if a.kv_source is None else int(a.kv_source)
+            L.v_norm = int(a.v_norm is not None)
+            L.out_scale = float(b.out_scale)
+            g = b.per_layer
+            L.n_pl = 0 if g is None else int(g.gate.out_features)
+            L.pl_act = 0 if g is None else _ACTS[g.act]
+            if g is not None:  # a norm without gains still normalizes: pass ones
+                pw = g.post_norm.weight
+                L.pl_post_norm = self._f32(ffi, pw if pw is not None else np.ones(L.n_embd, _F32))
+            else:
+                L.pl_post_norm = ffi.NULL
             L.rope_table = int(ri) if a.rope is not None else -1
             if a.rope is not None:
                 self._half_rope[int(ri)] = max(self._half_rope.get(int(ri), 0), a.rope.dim // 2)
@@ -1070,8 +1097,10 @@ class LayerStack:
         if a.rope is not None and (not _positive_int(a.rope.dim) or a.rope.dim % 2 or a.rope.dim > a.head_dim_k):
             raise InvalidRequestError(f"layer {i}: rope dim {a.rope.dim!r} must be even and in 1..{a.head_dim_k}")
         d, ff, hk, hv = int(m.down.out_features), int(m.down.in_features), int(a.head_dim_k), int(a.head_dim_v)
+        E = b.per_layer.gate.out_features if b.per_layer is not None else 0
         shapes = {"wq": (a.n_head * hk, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
-                  "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+                  "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff),
+                  "pl_gate": (E, d), "pl_proj": (d, E)}
 
         def vec(arr: Any, n: int, what: str) -> None:
             if arr is None:
@@ -1091,6 +1120,8 @@ class LayerStack:
                 width = self._width(k, a, _Dims)
                 vec(n.weight, width, f"{k} weight")
                 vec(n.bias, width, f"{k} bias")
+        if b.per_layer is not None:
+            vec(b.per_layer.post_norm.weight, d, "per-layer post norm weight")
         for k, lin in _block_weights(b).items():
             if lin is None:
                 continue
@@ -1125,12 +1156,14 @@ class LayerStack:
         return self._ptr(ffi, "float[]", a)
 
     def run(self, x: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]],
-            tables: list[tuple[np.ndarray, np.ndarray]], threads: int | None = None) -> None:
+            tables: list[tuple[np.ndarray, np.ndarray]], threads: int | None = None,
+            per_layer: np.ndarray | None = None) -> None:
         """Every layer over x (n_seq, n_embd) float32, in place; token b is the next one of the
         sequence whose caches are ``caches[b] = (k, v, pos[, (type_k, type_v)])`` (k, v: (n_layer,
         n_head_kv, n_ctx, width) in their KV types, see :mod:`minirt.kv_types`; float32 / float16 arrays
         need no types; the new key/value go to position pos, quantized in place). tables: (cos, sin)
-        pairs (n_seq, rope_dim / 2), one per RoPE variant the layers index."""
+        pairs (n_seq, rope_dim / 2), one per RoPE variant the layers index. per_layer: the per-layer
+        inputs (n_seq, n_layer, n_pl) float32 when the layers have them."""
         ffi, lib = _lib()
         n = len(caches)
         x = _f32_array(x, "x", (2,))
@@ -1148,12 +1181,10 @@ class LayerStack:
                 raise InvalidRequestError("all caches of a decode step must have the same KV types")
             if not (k.flags.c_contiguous and v.flags.c_contiguous):
                 raise InvalidRequestError("caches must be C-contiguous arrays")
+            hkv, dk, dv = self._kv_max
             if (k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or k.shape[0] < self.n_layer
-                    or len(self._kv_heads) != 1 or k.shape[1] not in self._kv_heads
-                    or len(self._dk) != 1 or tk.head_dim(k.shape[3]) not in self._dk
-                    or k.shape[3] != tk.width(tk.head_dim(k.shape[3]))
-                    or len(self._dv) != 1 or tv.head_dim(v.shape[3]) not in self._dv
-                    or v.shape[3] != tv.width(tv.head_dim(v.shape[3]))):
+                    or k.shape[1] != hkv or tk.head_dim(k.shape[3]) != dk or k.shape[3] != tk.width(dk)
+                    or tv.head_dim(v.shape[3]) != dv or v.shape[3] != tv.width(dv)):
                 raise InvalidRequestError(f"cache of sequence {b}: k {k.shape} / v {v.shape} do not fit the layers")
             if not 0 <= int(pos) < k.shape[2]:
                 raise InvalidRequestError(f"cache of sequence {b}: position {pos} outside its {k.shape[2]} slots")
@@ -1177,8 +1208,19 @@ class LayerStack:
             cb, sb = ffi.from_buffer("float[]", c), ffi.from_buffer("float[]", sn)
             keep += [c, sn, cb, sb]
             cos_p[i], sin_p[i] = cb, sb
+        pl = ffi.NULL
+        if self._n_pl:
+            if per_layer is None:
+                raise InvalidRequestError("the layers have per-layer inputs and none were given")
+            per_layer = _f32_array(per_layer, "per_layer", (3,))
+            if per_layer.shape != (n, self.n_layer, self._n_pl):
+                raise InvalidRequestError(f"per-layer inputs of shape {per_layer.shape}, expected "
+                                          f"({n}, {self.n_layer}, {self._n_pl})")
+            per_layer = np.ascontiguousarray(per_layer)
+            pl = ffi.from_buffer("float[]", per_layer)
+            keep += [per_layer, pl]
         rc = lib.mr_decode_layers(self._layers, self.n_layer, ffi.from_buffer("float[]", x, require_writable=True), n,
-                                  seqs, kinds[0].ggml_id, kinds[1].ggml_id, cos_p, sin_p, len(tables),
+                                  seqs, kinds[0].ggml_id, kinds[1].ggml_id, cos_p, sin_p, len(tables), pl,
                                   _threads_arg(threads), self._isa)
         _after_call(lib, rc, "decode layers", self, (x, caches))
 

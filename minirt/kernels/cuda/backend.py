@@ -492,6 +492,8 @@ class CudaBackend(Backend):
             return "a logit scale"
         if desc.pos_embd is not None or desc.type_embd is not None or desc.embd_norm is not None:
             return "position / token-type embeddings or an embedding norm"
+        if desc.per_layer_inputs is not None or len({(b.attn.n_head_kv, b.attn.head_dim_k) for b in desc.blocks}) > 1:
+            return "per-layer inputs or layers with different KV shapes"
         b0 = desc.blocks[0]
         for i, b in enumerate(desc.blocks):
             a, m = b.attn, b.mlp
@@ -510,6 +512,8 @@ class CudaBackend(Backend):
                 return f"layer {i}: an MLP without gate or with activation {m.act!r}"
             if a.sinks is not None or a.qk_norm_after_rope:
                 return f"layer {i}: attention sinks or q/k norms after RoPE"
+            if a.kv_source is not None or a.v_norm is not None or b.per_layer is not None or b.out_scale != 1.0:
+                return f"layer {i}: KV shared with another layer, a value norm, per-layer inputs or an output scale"
             if not a.causal or b.norm_residual:
                 return f"layer {i}: non-causal attention or norms of the residual sum"
             if a.rope is not None and a.rope.mscale() != 1.0:
