@@ -25,6 +25,7 @@ unsigned long long mr_pool_steals(void);
 typedef struct {
     mr_mat m;
     mr_xact xa;
+    int fl; /* float weights (F32 / F16 / BF16): rows dequantized and dotted with the float x */
     const float *bias;
     float *y; /* (nt, ys) */
     int64_t ys, chunk, item0, nitems;
@@ -35,8 +36,35 @@ typedef struct {
     int nm;
     int act; /* >= 0: mm[0] = gate, mm[1] = up over the same rows; y of mm[0] receives act(g) * u */
     int64_t nt;
+    const float *x; /* (nt, cols) the float activations, for float weights */
     mj_mat mm[3];
 } mj_ctx;
+
+/* Weights without an integer kernel that the stack still runs: the float types, as the per-op float
+ * row-dot path of mr_matmul runs them for a few tokens (same dequantization, same dot_f32). */
+static int float_weight(const mr_kernels *K, const mr_mat *m) {
+    return !m->packed && (m->qtype == GT_F32 || m->qtype == GT_F16 || m->qtype == GT_BF16) && K->dq[m->qtype] &&
+           m->rb >= m->cols * mr_types[m->qtype].bytes;
+}
+
+/* rows r0..r1 of a float-weight matrix for nt tokens of x (stride = cols) into out (nt, r1 - r0) */
+static void float_rows(const mr_kernels *K, const mr_mat *m, const float *x, int64_t nt, int64_t r0, int64_t r1,
+                       float *out, float *rowbuf) {
+    const int64_t n = r1 - r0;
+    float o[MR_NT_INT];
+    for (int64_t r = r0; r < r1; r++) {
+        const float *wf = (const float *)(const void *)(m->w + r * m->rb);
+        if (m->qtype != GT_F32) {
+            K->dq[m->qtype](m->w + r * m->rb, rowbuf, m->cols);
+            wf = rowbuf;
+        }
+        for (int64_t t0 = 0; t0 < nt; t0 += MR_NT_INT) {
+            const int k = (int)(nt - t0 < MR_NT_INT ? nt - t0 : MR_NT_INT);
+            K->dot_f32(wf, x + t0 * m->cols, m->cols, m->cols, k, o);
+            for (int t = 0; t < k; t++) out[(t0 + t) * n + (r - r0)] = o[t];
+        }
+    }
+}
 
 static const mj_mat *mj_find(const mj_ctx *c, int64_t item, int64_t *r0, int64_t *r1) {
     int i = 0;
@@ -70,8 +98,13 @@ static void mj_task(const void *c_, int64_t item, int worker, float *buf) {
     const mj_mat *M = mj_find(c, item, &r0, &r1);
     const int64_t n = r1 - r0;
     float *out = buf ? buf : (float *)mr_scratch(worker, 4, (size_t)(n * c->nt * 2) * 4);
-    mr_mat_rows(c->K, &M->m, &M->xa, c->nt, r0, r1, out, n);
-    if (c->act >= 0) mr_mat_rows(c->K, &c->mm[1].m, &c->mm[1].xa, c->nt, r0, r1, out + c->nt * n, n);
+    float *rowbuf = NULL;
+    if (M->fl || (c->act >= 0 && c->mm[1].fl)) rowbuf = (float *)mr_scratch(worker, 0, (size_t)M->m.cols * 4); /* slot 0: the per-op row dots, not running now */
+    for (int j = 0; j < (c->act >= 0 ? 2 : 1); j++) {
+        const mj_mat *Mj = j ? &c->mm[1] : M;
+        if (Mj->fl) float_rows(c->K, &Mj->m, c->x, c->nt, r0, r1, out + j * c->nt * n, rowbuf);
+        else mr_mat_rows(c->K, &Mj->m, &Mj->xa, c->nt, r0, r1, out + j * c->nt * n, n);
+    }
     if (!buf) mj_commit(c_, item, out);
 }
 
@@ -94,19 +127,25 @@ static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const
     c.nm = act >= 0 ? 1 : n;
     c.act = act;
     c.nt = nt;
-    int layouts = 0;
+    c.x = x;
+    int layouts = 0, any_int = 0;
     mr_mat mats[3];
     for (int i = 0; i < n; i++) {
         mats[i] = weight_mat(w[i]);
         layouts |= mr_mat_xlayout(K, &mats[i]);
+        any_int |= !float_weight(K, &mats[i]);
     }
     mr_xacts xs;
-    const int rc = mr_prepare_x(K, x, nt, w[0]->cols, w[0]->cols, layouts, &xs);
-    if (rc != MR_OK) return rc;
+    memset(&xs, 0, sizeof xs);
+    if (any_int) { /* activations quantized once for the integer kernels */
+        const int rc = mr_prepare_x(K, x, nt, w[0]->cols, w[0]->cols, layouts, &xs);
+        if (rc != MR_OK) return rc;
+    }
     int64_t items = 0, bufn = 0;
     for (int i = 0; i < n; i++) {
         mj_mat *M = &c.mm[i];
         M->m = mats[i];
+        M->fl = float_weight(K, &mats[i]);
         M->xa = *mr_xact_for(&xs, mr_mat_xlayout(K, &mats[i]));
         M->bias = w[i]->bias;
         M->y = y[i];
@@ -169,7 +208,8 @@ int mr_layer_check(const mr_layer *L, int isa) {
         if (ws[i] == &L->gate && !gated) continue;
         if ((ws[i] == &L->wk || ws[i] == &L->wv) && L->kv_layer >= 0) continue; /* reads another layer's K/V */
         const mr_mat m = weight_mat(ws[i]);
-        if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i] || !mr_mat_xlayout(K, &m)) return MR_E_QTYPE;
+        if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i]) return MR_E_QTYPE;
+        if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
     }
     if (L->gate.bias || L->up.bias) return MR_E_SHAPE;
     if (L->n_head <= 0 || L->n_head_kv <= 0 || L->head_dim_k <= 0 || L->n_embd <= 0 || L->n_ff <= 0) return MR_E_SHAPE;
@@ -183,8 +223,9 @@ int mr_layer_check(const mr_layer *L, int isa) {
     if (L->n_pl < 0 || (L->n_pl > 0 && (L->pl_act < 0 || L->pl_act > 1))) return MR_E_SHAPE;
     if (L->n_pl > 0) {
         const mr_mat g = weight_mat(&L->pl_gate), pr = weight_mat(&L->pl_proj);
-        if (!L->pl_gate.data || L->pl_gate.rows != L->n_pl || L->pl_gate.cols != d || !mr_mat_xlayout(K, &g) ||
-            !L->pl_proj.data || L->pl_proj.rows != d || L->pl_proj.cols != L->n_pl || !mr_mat_xlayout(K, &pr))
+        if (!L->pl_gate.data || L->pl_gate.rows != L->n_pl || L->pl_gate.cols != d ||
+            (!mr_mat_xlayout(K, &g) && !float_weight(K, &g)) || !L->pl_proj.data || L->pl_proj.rows != d ||
+            L->pl_proj.cols != L->n_pl || (!mr_mat_xlayout(K, &pr) && !float_weight(K, &pr)))
             return MR_E_QTYPE;
         if (L->pl_gate.bias || L->pl_proj.bias) return MR_E_SHAPE;
     }

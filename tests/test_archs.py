@@ -94,7 +94,7 @@ def test_decode_steps_run_fused_and_match(arch, quant):
     ref = np.load(d / "ref.npz")
     tokens, n0 = ref["tokens"], 8
     path = d / meta["files"][quant]["file"]
-    if native.available() and quant != "f16":  # F16 matrices have no integer kernel: decode runs per op
+    if native.available():  # F16 matrices run there too (dequantized rows, float dots)
         with minirt.load(str(path), n_ctx=64, backend="native") as llm:
             # mixtures of experts decode layer by layer (per-op matmuls of the chosen experts only)
             moe = any(isinstance(b.mlp, MoE) for b in llm.model.desc.blocks)
@@ -110,3 +110,48 @@ def test_decode_steps_run_fused_and_match(arch, quant):
             rel_rms(ours[same], hf[same]), rel_rms(lc[same], hf[same]))
         return
     assert rel_rms(ours, hf) <= rel_rms(lc, hf), (rel_rms(ours, hf), rel_rms(lc, hf))
+
+
+def _as_bf16(src, dst) -> None:
+    """A copy of a GGUF with every F16 tensor stored as BF16 (gguf-py's own conversion)."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        data, qt = np.asarray(t.data), t.tensor_type
+        if qt == gguf.GGMLQuantizationType.F16:
+            data, qt = gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.BF16), \
+                gguf.GGMLQuantizationType.BF16
+        w.add_tensor(t.name, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4"])
+def test_float_weight_files_decode_fused(arch, tmp_path):
+    """F16 and BF16 files decode through the fused native step too (rows dequantized, float dots, as the
+    per-op float path computes them): the same logits as the per-op reference backend."""
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    ref = np.load(ARCH_DIR / arch / "ref.npz")
+    bf16 = tmp_path / "model-bf16.gguf"
+    _as_bf16(ARCH_DIR / arch / "model-f16.gguf", bf16)
+    for path in (ARCH_DIR / arch / "model-f16.gguf", bf16):
+        with minirt.load(str(path), n_ctx=64, backend="native") as llm:
+            assert llm.model.native_stack is not None, path.name
+            assert {lin.qtype for lin in llm.model.desc.linears()} == {"BF16" if path == bf16 else "F16"}
+        ours = decode_logits(path, ref["tokens"][:1], 8)
+        per_op = decode_logits(path, ref["tokens"][:1], 8, backend="reference")
+        assert rel_rms(ours, per_op) < 1e-5, (path.name, rel_rms(ours, per_op))
+        assert rel_rms(ours, ref["hf"][:1, 7:-1]) < 0.02  # BF16's 8-bit mantissa: ~0.7 % off transformers
