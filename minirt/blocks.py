@@ -231,6 +231,35 @@ class Attention:
 
 
 @dataclass
+class ShortConv:
+    """LFM2's gated short convolution, a block's mixer in place of attention::
+
+        B, C, x = split(in_proj(h), 3)                       (T, d) each
+        y[t] = C[t] · sum_j weight[:, j] · (B · x)[t − taps + 1 + j]    (causal; zeros before position 0)
+        out = out_proj(y)
+
+    The cache keeps ``B · x`` of every position, split into ``cache_heads`` rows of d / cache_heads
+    (the layer's cache shape, see :meth:`ModelDesc.kv_layers`), so prefix reuse, state files, batching
+    and context shift treat these rows as they treat keys; they are stored in the K cache type."""
+
+    in_proj: Linear  # (3d, d)
+    out_proj: Linear  # (d, d)
+    weight: np.ndarray  # (d, taps) float32
+    cache_heads: int = 1
+    rope = None  # what generic code reads of a mixer: no positions, own cache, causal
+    kv_source = None
+    causal = True
+
+    @property
+    def taps(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def n_embd(self) -> int:
+        return int(self.weight.shape[0])
+
+
+@dataclass
 class MLP:
     """``down(act(gate(x)) · up(x))``, or ``down(act(up(x)))`` when ``gate`` is None.
 
@@ -356,7 +385,7 @@ class Block:
     ``out_scale`` (Gemma 4's ``layer_output_scale``).
     """
 
-    attn: Attention
+    attn: Attention | ShortConv
     mlp: MLP | MoE
     attn_norm: Norm | None = None
     post_attn_norm: Norm | None = None
@@ -435,7 +464,10 @@ class ModelDesc:
         out = [self.output]
         for b in self.blocks:
             a, m = b.attn, b.mlp
-            out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
+            if isinstance(a, ShortConv):
+                out += [a.in_proj, a.out_proj]
+            else:
+                out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
             if isinstance(m, MoE):
                 out += m.linears()
             else:
@@ -453,8 +485,12 @@ class ModelDesc:
     def kv_layers(self) -> list[tuple[int, int, int] | None]:
         """Per layer, the (n_head_kv, head_dim_k, head_dim_v) of its own cache; None for a layer that
         reads another's (``kv_source``)."""
-        return [None if b.attn.kv_source is not None else (b.attn.n_head_kv, b.attn.head_dim_k, b.attn.head_dim_v)
-                for b in self.blocks]
+        def one(a: Attention | ShortConv) -> tuple[int, int, int] | None:
+            if isinstance(a, ShortConv):  # B·x rows as keys, no values
+                return a.cache_heads, a.n_embd // a.cache_heads, 0
+            return None if a.kv_source is not None else (a.n_head_kv, a.head_dim_k, a.head_dim_v)
+
+        return [one(b.attn) for b in self.blocks]
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(n_head_kv, head_dim_k, head_dim_v) of the cache: the layers' own, or each the largest

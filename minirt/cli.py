@@ -219,9 +219,11 @@ def model_summary(path_or_name: str) -> dict[str, Any]:
             info.update(context_length=cfg.n_ctx_train, layers=cfg.n_layer, embedding=cfg.n_embd,
                         heads=cfg.n_head, kv_heads=cfg.n_head_kv, head_dim=cfg.head_dim_k, ffn=cfg.n_ff,
                         supported=True)
-            if cfg.kv_layers is not None:  # head sizes per layer; layers reading another's KV
+            if cfg.kv_layers is not None:  # head sizes per layer; layers reading another's KV; conv layers
                 own = [s for s in cfg.kv_layers if s is not None]
-                info.update(head_dims=sorted({s[1] for s in own}), kv_layers=len(own))
+                attn = [s for s in own if s[2]]  # no values: a convolution layer's rows (LFM2)
+                info.update(head_dims=sorted({s[1] for s in attn}), kv_layers=len(attn),
+                            conv_layers=len(own) - len(attn))
         except MinirtError as e:
             info["config_error"] = str(e)
             info["supported"] = False
@@ -254,7 +256,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"parameters    {info['parameters'] / 1e6:.1f} M in {info['tensors']} tensors")
     if "layers" in info:
         dims = "/".join(map(str, info.get("head_dims", [info["head_dim"]])))
-        own = f", {info['kv_layers']} with a KV cache of their own" if "kv_layers" in info else ""
+        own = ""
+        if info.get("conv_layers"):
+            own = f" ({info['conv_layers']} short-convolution, {info['kv_layers']} attention)"
+        elif "kv_layers" in info and info["kv_layers"] < info["layers"]:
+            own = f", {info['kv_layers']} with a KV cache of their own"
         print(f"shape         {info['layers']} layers{own}, n_embd {info['embedding']}, {info['heads']} heads "
               f"({info['kv_heads']} KV) of {dims}, ffn {info['ffn']}")
         print(f"context       {info['context_length']} tokens (trained)")

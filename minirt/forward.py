@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .blocks import Block, Linear, ModelDesc, MoE, Norm, Rope, activation, apply_rope
+from .blocks import Block, Linear, ModelDesc, MoE, Norm, Rope, ShortConv, activation, apply_rope
 from .errors import ContextOverflowError
 from .kv_cache import KVCache
 
@@ -47,8 +47,9 @@ def config_of(desc: ModelDesc) -> Config:
     hkv, dk, dv = desc.kv_shape()
     b0 = desc.blocks[0]
     layers = tuple(desc.kv_layers())
+    n_head = next((b.attn.n_head for b in desc.blocks if not isinstance(b.attn, ShortConv)), 0)
     return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.n_ff,
-                  n_head=b0.attn.n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
+                  n_head=n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
                   n_ctx_train=desc.n_ctx_train,
                   kv_layers=None if all(s == (hkv, dk, dv) for s in layers) else layers)
 
@@ -143,8 +144,10 @@ class Transformer:
         """q (T, H, Dk), k (T, Hkv, Dk) (None: a layer reading another's keys) through their norms,
         per head or over the whole projection."""
         def one(x: np.ndarray | None, n: Norm | None) -> np.ndarray | None:
-            if x is None or a.qk_norm_per_head:
-                return None if x is None else self.norm(x, n)
+            if x is None:
+                return None
+            if a.qk_norm_per_head:
+                return self.norm(x, n)
             return self.norm(x.reshape(x.shape[0], -1), n).reshape(x.shape)
 
         return one(q, a.q_norm), one(k, a.k_norm)
@@ -158,8 +161,35 @@ class Transformer:
             return self.mm(m.down, activation(m.act, u, m.act_params))
         return self.mm(m.down, self.backend.act_mul(self.mm(m.gate, h), u, m.act))
 
+    def short_conv(self, i: int, c: ShortConv, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
+        """LFM2's gated short convolution of the normed input h (T, d) → (T, d); each segment's
+        ``B·x`` rows are appended to its cache (layer i) and the convolution reads the ``taps − 1``
+        before them from there."""
+        T, d = h.shape
+        bcx = self.mm(c.in_proj, h)
+        B, C, x = bcx[:, :d], bcx[:, d:2 * d], bcx[:, 2 * d:]
+        bx = B * x
+        H, L = c.cache_heads, c.taps
+        y = np.empty((T, d), dtype=np.float32)
+        w = c.weight.T  # (taps, d): tap j multiplies position t − taps + 1 + j
+        for seg, s0, p0 in ctx.spans:
+            n = seg.n_tokens
+            cache = seg.cache
+            cache.store(i, p0, bx[s0:s0 + n].reshape(n, H, d // H).transpose(1, 0, 2), None)
+            lo = max(0, p0 - (L - 1))
+            rows = cache.read(i, lo, p0 + n)[0].transpose(1, 0, 2).reshape(-1, d)  # (p0 + n − lo, d)
+            if lo > p0 - (L - 1):  # zeros before position 0
+                rows = np.concatenate([np.zeros((lo - (p0 - (L - 1)), d), np.float32), rows])
+            acc = np.zeros((n, d), dtype=np.float32)
+            for j in range(L):
+                acc += rows[j:j + n] * w[j]
+            y[s0:s0 + n] = C[s0:s0 + n] * acc
+        return self.mm(c.out_proj, y)
+
     def attention(self, i: int, b: Block, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         """Projections, q/k norms, RoPE, cache append and attention of the normed input h (T, d) → (T, d)."""
+        if isinstance(b.attn, ShortConv):
+            return self.short_conv(i, b.attn, h, ctx)
         a, T = b.attn, h.shape[0]
         q = self.mm(a.wq, h).reshape(T, a.n_head, a.head_dim_k)
         k = v = None  # a layer with kv_source reads what that layer stored for these positions

@@ -118,8 +118,9 @@ class KVCache:
         if self.layers is not None:
             if len(self.layers) != n_layer:
                 raise ValueError(f"{len(self.layers)} layer shapes for {n_layer} layers")
+            # head_dim_v 0: a layer without values (LFM2's convolution rows are its keys)
             self._views = [None if s is None else (self._carve(self.k[i], s[0], self.kt.width(s[1])),
-                                                   self._carve(self.v[i], s[0], self.vt.width(s[2])))
+                                                   self._carve(self.v[i], s[0], self.vt.width(s[2]) if s[2] else 0))
                            for i, s in enumerate(self.layers)]
         self.n_past = 0
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
@@ -146,13 +147,14 @@ class KVCache:
         kc, vc = self.layer(i)
         if k is not None:
             kc[:, p0:p0 + k.shape[1]] = quantize_rows(k, self.kt)
-        if v is not None:
+        if v is not None and vc.shape[-1]:
             vc[:, p0:p0 + v.shape[1]] = quantize_rows(v, self.vt)
 
     def read(self, i: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 keys (Hkv, p1-p0, Dk) and values (Hkv, p1-p0, Dv) of layer ``i``, positions p0..p1-1."""
         kc, vc = self.layer(i)
-        return dequantize_rows(kc[:, p0:p1], self.kt), dequantize_rows(vc[:, p0:p1], self.vt)
+        v = dequantize_rows(vc[:, p0:p1], self.vt) if vc.shape[-1] else np.zeros(vc[:, p0:p1].shape, np.float32)
+        return dequantize_rows(kc[:, p0:p1], self.kt), v
 
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) arrays (Hkv, n_ctx, width) of layer ``i``."""

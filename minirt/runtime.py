@@ -216,7 +216,8 @@ class Model:
             cfg = read_config(self.file)
             for _, dk, dv in {s for s in cfg.kv_layers or [(0, cfg.head_dim_k, cfg.head_dim_v)] if s is not None}:
                 kv_types.get(self.cache_types[0]).check_dim(dk)
-                kv_types.get(self.cache_types[1]).check_dim(dv)
+                if dv:  # 0: a layer without values
+                    kv_types.get(self.cache_types[1]).check_dim(dv)
             self._check_cache_types_device()  # sizes the context before the weights are prepared
             if self.tokenizer.n_vocab > cfg.n_vocab:
                 raise TokenizerError(f"the vocabulary has {self.tokenizer.n_vocab} tokens but the model only "
@@ -261,7 +262,8 @@ class Model:
     def _kv_bytes_per_token(self, cfg: Any) -> int:
         tk, tv = kv_types.get(self.cache_types[0]), kv_types.get(self.cache_types[1])
         if cfg.kv_layers is not None:  # layers of their own shapes, some without a cache
-            return sum(h * (tk.row_bytes(dk) + tv.row_bytes(dv)) for h, dk, dv in filter(None, cfg.kv_layers))
+            return sum(h * (tk.row_bytes(dk) + (tv.row_bytes(dv) if dv else 0))  # dv 0: no values
+                       for h, dk, dv in filter(None, cfg.kv_layers))
         return cfg.n_layer * cfg.n_head_kv * (tk.row_bytes(cfg.head_dim_k) + tv.row_bytes(cfg.head_dim_v))
 
     def _pick_n_ctx(self, n_ctx: int | None, cfg: Any) -> int:

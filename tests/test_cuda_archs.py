@@ -67,6 +67,7 @@ HOST_PATH = {
     "olmo2": "a block without pre-norms",
     "phi3": "RoPE with a magnitude factor",
     "gemma4": "per-layer inputs or layers with different KV shapes",
+    "lfm2": "a short convolution mixer",
     # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)
     "gpt_oss": "a mixture-of-experts feed-forward",
     "granitemoe": "a logit scale",
@@ -124,7 +125,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
         return default if f is None else f.contents()
 
     d0, h0 = int(orig("embedding_length")), int(orig("attention.head_count"))
-    hkv0 = int(orig("attention.head_count_kv", h0))
+    hkv0 = orig("attention.head_count_kv", h0)
+    hkv0 = int(max(hkv0) if isinstance(hkv0, list) else hkv0)
     dk0 = int(orig("attention.key_length", d0 // h0))
     dk_swa0 = int(orig("attention.key_length_swa", dk0))
     n_layer = int(orig("block_count"))
@@ -151,6 +153,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
         short = key[len(arch) + 1:] if key.startswith(arch + ".") else None
         if short == "feed_forward_length" and isinstance(val, list):  # per layer (Gemma 4's double-wide MLPs)
             val = [F * (int(x) // f0) for x in val]
+        elif short == "attention.head_count_kv" and isinstance(val, list):  # 0: LFM2's convolution layers
+            val = [hkv if int(x) else 0 for x in val]
         elif short in sizes:
             val = [sizes[short]] * len(val) if isinstance(val, list) else sizes[short]
         sub = f.types[1] if f.types[0] == VT.ARRAY else None
@@ -180,6 +184,10 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
             return (E, D) if kind == "inp_gate" else (D, E)
         if kind == "layer_output_scale":
             return (1,)
+        if kind == "shortconv.conv":  # (d, taps)
+            return (D, shape0[1])
+        if kind in ("shortconv.in_proj", "shortconv.out_proj"):
+            return (3 * D if kind.endswith("in_proj") else D, D)
         if kind.endswith("_norm"):
             return (D,)
         if kind == "attn_sinks":
@@ -206,7 +214,9 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     for name, shape0 in tensors.items():
         shape = shape_of(name, shape0)
         kind = name.rsplit(".", 2)[-2]
-        if len(shape) == 3 or (len(shape) == 2 and "bias" not in name):
+        if "shortconv.conv." in name:  # the convolution taps stay F32, as the converter writes them
+            w.add_tensor(name, (rng.normal(size=shape) * 0.5).astype(np.float32))
+        elif len(shape) == 3 or (len(shape) == 2 and "bias" not in name):
             arr = rng.normal(0.0, 1.0 if kind in ("token_embd", "output") else shape[-1] ** -0.5, shape)
             w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), QT.Q8_0), raw_dtype=QT.Q8_0)
         else:

@@ -392,9 +392,9 @@ def post_norm_block(f: GGUFFile, i: int, hp: HParams, rope: Rope | None, **attn:
 
 
 def decoder(f: GGUFFile, hp: HParams, blocks: list[Block], *, embed_scale: float = 1.0, logit_scale: float = 1.0,
-            output_norm: str = "rms", **extra: Any) -> ModelDesc:
-    """The description around the blocks: embedding, final norm, output head (tied to the embedding
-    when ``output.weight`` is absent)."""
+            output_norm: str = "rms", output_norm_name: str = "output_norm", **extra: Any) -> ModelDesc:
+    """The description around the blocks: embedding, final norm (``output_norm_name``), output head
+    (tied to the embedding when ``output.weight`` is absent)."""
     tok = tensor(f, "token_embd.weight", (hp.n_vocab, hp.n_embd))
     Linear(tok)  # validates that its type can be dequantized (names the tensor if not)
     out = f.tensors.get("output.weight")
@@ -407,7 +407,7 @@ def decoder(f: GGUFFile, hp: HParams, blocks: list[Block], *, embed_scale: float
 
     pooling = pooling_from_meta(f, hp, softmax=hp.arch in ("qwen3", "qwen3vl"), causal=True)  # as llama.cpp
     return ModelDesc(arch=hp.arch, n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_ctx_train=hp.n_ctx_train, tok_embd=tok,
-                     blocks=blocks, output=output, output_norm=norm(f, "output_norm", hp.n_embd, eps, output_norm),
+                     blocks=blocks, output=output, output_norm=norm(f, output_norm_name, hp.n_embd, eps, output_norm),
                      embed_scale=embed_scale, logit_scale=logit_scale, final_softcap=hp.final_softcap, pooling=pooling,
                      extra=dict(extra))
 

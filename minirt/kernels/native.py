@@ -943,6 +943,8 @@ def _block_weights(b: Any) -> dict[str, Any]:
 def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
     a, m = b.attn, b.mlp
+    if not hasattr(a, "wq"):
+        return "a short convolution mixer (LFM2; it runs layer by layer)"
     if not hasattr(m, "down") or isinstance(m.down, list):
         return "a mixture-of-experts feed-forward (decode runs it layer by layer, reading only the chosen experts)"
     if (m.gate is None) != (m.act == "xielu"):
@@ -991,16 +993,16 @@ class LayerStack:
         self._layers = ffi.new("mr_layer[]", self.n_layer)
         self._isa = _isa_id(isa)
         # what every cache and RoPE table handed to run() must match (checked there, not in C)
+        self._half_rope = {}
+        for i, b in enumerate(blocks):  # before anything reads a block's mixer or MLP
+            why = layer_unsupported(b)
+            if why is not None:
+                raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         # a cache's (n_head_kv, head_dim_k, head_dim_v): the largest over the layers (layers of other
         # sizes have their rows at the front of their slot, see minirt.kv_cache)
         self._kv_max = tuple(max((int(getattr(b.attn, k)) for b in blocks), default=0)
                              for k in ("n_head_kv", "head_dim_k", "head_dim_v"))
         self._n_pl = max((b.per_layer.gate.out_features for b in blocks if b.per_layer is not None), default=0)
-        self._half_rope = {}
-        for i, b in enumerate(blocks):  # before anything reads a block's MLP
-            why = layer_unsupported(b)
-            if why is not None:
-                raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
         if len(rope_index) != self.n_layer:
             raise InvalidRequestError(f"{len(rope_index)} RoPE table indices for {self.n_layer} layers")

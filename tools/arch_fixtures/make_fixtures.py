@@ -256,6 +256,16 @@ ARCHS: dict[str, dict[str, Any]] = {
                     rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 4096,
                                      "rope_theta": 150000.0})),
+    "lfm2": dict(
+        config="Lfm2Config", model="Lfm2ForCausalLM", tokenizer="bpe", pre="lfm2",
+        features="6 layers conv, conv, full, conv, full, conv: gated short convolutions (3 taps) between GQA 4/2 "
+                 "attention layers with per-head q/k RMSNorm, FFN auto-adjusted (768 -> 512, multiple of 256), "
+                 "tied, BPE vocab",
+        kwargs=dict(_common(layers=6, tied=True), intermediate_size=768, norm_eps=1e-5, conv_L_cache=3,
+                    conv_bias=False, block_auto_adjust_ff_dim=True, block_multiple_of=256,
+                    block_ffn_dim_multiplier=1.0,
+                    layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "gemma4": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         # attention scale is 1 (q/k are RMS-normed): q/k norm weights ~1/3 keep q.k ~ N(0, 1) instead of a

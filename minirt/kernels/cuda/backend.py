@@ -492,6 +492,8 @@ class CudaBackend(Backend):
             return "a logit scale"
         if desc.pos_embd is not None or desc.type_embd is not None or desc.embd_norm is not None:
             return "position / token-type embeddings or an embedding norm"
+        if any(not hasattr(b.attn, "wq") for b in desc.blocks):
+            return "a short convolution mixer"
         if desc.per_layer_inputs is not None or len({(b.attn.n_head_kv, b.attn.head_dim_k) for b in desc.blocks}) > 1:
             return "per-layer inputs or layers with different KV shapes"
         b0 = desc.blocks[0]
