@@ -164,7 +164,7 @@ class Transformer:
     def short_conv(self, i: int, c: ShortConv, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         """LFM2's gated short convolution of the normed input h (T, d) → (T, d); each segment's
         ``B·x`` rows are appended to its cache (layer i) and the convolution reads the ``taps − 1``
-        before them from there."""
+        rows before the segment from there (in the cache's K type; its own rows exact)."""
         T, d = h.shape
         bcx = self.mm(c.in_proj, h)
         B, C, x = bcx[:, :d], bcx[:, d:2 * d], bcx[:, 2 * d:]
@@ -177,9 +177,10 @@ class Transformer:
             cache = seg.cache
             cache.store(i, p0, bx[s0:s0 + n].reshape(n, H, d // H).transpose(1, 0, 2), None)
             lo = max(0, p0 - (L - 1))
-            rows = cache.read(i, lo, p0 + n)[0].transpose(1, 0, 2).reshape(-1, d)  # (p0 + n − lo, d)
-            if lo > p0 - (L - 1):  # zeros before position 0
-                rows = np.concatenate([np.zeros((lo - (p0 - (L - 1)), d), np.float32), rows])
+            # the rows before this call as stored, this call's own exact (as the fused decode step reads them)
+            before = cache.read(i, lo, p0)[0].transpose(1, 0, 2).reshape(-1, d)
+            pad = np.zeros((lo - (p0 - (L - 1)), d), np.float32)  # zeros before position 0
+            rows = np.concatenate([pad, before, bx[s0:s0 + n]])  # (taps − 1 + n, d)
             acc = np.zeros((n, d), dtype=np.float32)
             for j in range(L):
                 acc += rows[j:j + n] * w[j]

@@ -81,6 +81,12 @@ typedef struct {
     int pl_act;                 /* its activation: 0 SiLU, 1 GELU (tanh) */
     mr_weight pl_gate, pl_proj; /* (n_pl, n_embd), (n_embd, n_pl) */
     const float *pl_post_norm;  /* (n_embd,) gains or NULL (no norm) */
+    int mixer;                  /* 0: attention; 1: gated short convolution (LFM2): wq = in_proj (3 n_embd, n_embd),
+                                   wo = out_proj, y = C * conv(B * x); the B * x rows of each position go to the
+                                   K cache as n_head_kv rows of head_dim_k (= n_embd / n_head_kv), no values */
+    long long conv_taps;        /* its causal depthwise convolution: conv_w (n_embd, conv_taps), the last tap
+                                   multiplies the new position */
+    const float *conv_w;
 } mr_layer;
 
 typedef struct {

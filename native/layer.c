@@ -204,9 +204,20 @@ int mr_layer_check(const mr_layer *L, int isa) {
     const int gated = L->act != 2;
     if (gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU runs without gate, the others with one */
     if (L->kv_layer < -1 || (L->v_norm != 0 && L->v_norm != 1) || !(L->out_scale == L->out_scale)) return MR_E_SHAPE;
+    if (L->mixer != 0 && L->mixer != 1) return MR_E_SHAPE;
+    const int conv = L->mixer == 1;
+    if (conv && (!L->conv_w || L->conv_taps < 2 || L->conv_taps > 64 || L->kv_layer != -1 || L->n_head != L->n_head_kv ||
+                 L->n_head_kv * L->head_dim_k != d || L->rope_table != -1))
+        return MR_E_SHAPE;
     for (int i = 0; i < 7; i++) {
         if (ws[i] == &L->gate && !gated) continue;
-        if ((ws[i] == &L->wk || ws[i] == &L->wv) && L->kv_layer >= 0) continue; /* reads another layer's K/V */
+        if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv)) continue; /* no K/V projections */
+        if (ws[i] == &L->wq && conv) { /* in_proj: B, C, x */
+            const mr_mat m = weight_mat(ws[i]);
+            if (!ws[i]->data || ws[i]->rows != 3 * d || ws[i]->cols != d) return MR_E_QTYPE;
+            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+            continue;
+        }
         const mr_mat m = weight_mat(ws[i]);
         if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i]) return MR_E_QTYPE;
         if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
@@ -287,6 +298,47 @@ MR_INLINE void residual(const mr_kernels *K, const mr_layer *L, float *x, float 
     for (int64_t i = 0; i < B * d; i++) x[i] += s == 1.0f ? o[i] : s * o[i];
 }
 
+/* LFM2's gated short convolution for one decode step of B sequences: bcx = in_proj h (B x 3 n_embd);
+ * the new B * x goes to position pos of layer l's cache (n_head_kv rows of head_dim_k, type_k) and the
+ * convolution reads the conv_taps - 1 stored rows before it (zeros before position 0), the new row
+ * exact; y = C * conv (B x n_embd). bx, row: scratch of B x n_embd floats each. Caller holds the lock. */
+static int short_conv(const mr_kernels *K, const mr_layer *L, long long l, const float *h, float *bcx, float *y,
+                      float *bx, float *row, int64_t B, const mr_kvseq *seqs, int type_k, int threads) {
+    const int64_t d = L->n_embd, Hc = L->n_head_kv, Dh = L->head_dim_k, T = L->conv_taps;
+    {
+        const mr_weight *w[1] = {&L->wq};
+        float *yy[1] = {bcx};
+        const int rc = run_mats(K, w, yy, 1, -1, h, B, threads);
+        if (rc != MR_OK) return rc;
+    }
+    const int64_t rb = mr_kv_row_bytes(type_k, Dh);
+    for (int64_t b = 0; b < B; b++) {
+        const mr_kvseq *s = &seqs[b];
+        const float *Bv = bcx + b * 3 * d, *Cv = Bv + d, *Xv = Bv + 2 * d;
+        float *yb = y + b * d, *xb = bx + b * d, *rw = row + b * d;
+        uint8_t *base = (uint8_t *)s->k + l * s->layer_stride_k;
+        for (int64_t i = 0; i < d; i++) xb[i] = Bv[i] * Xv[i];
+        for (int64_t i = 0; i < Hc; i++) mr_kv_store(type_k, xb + i * Dh, Dh, base + (i * s->n_ctx + s->pos) * rb);
+        /* taps oldest first, as the per-op path sums them; tap j reads position pos - (T - 1 - j) */
+        for (int64_t i = 0; i < d; i++) yb[i] = 0.0f;
+        for (int64_t j = 0; j < T; j++) {
+            const int64_t p = s->pos - (T - 1 - j);
+            if (p < 0) continue;
+            const float *r = xb;
+            if (j < T - 1) {
+                for (int64_t i = 0; i < Hc; i++) {
+                    const int rc = mr_kv_dequantize(type_k, base + (i * s->n_ctx + p) * rb, Dh, rw + i * Dh);
+                    if (rc != MR_OK) return rc;
+                }
+                r = rw;
+            }
+            for (int64_t i = 0; i < d; i++) yb[i] += L->conv_w[i * T + j] * r[i];
+        }
+        for (int64_t i = 0; i < d; i++) yb[i] *= Cv[i];
+    }
+    return MR_OK;
+}
+
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int type_k,
                      int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables, const float *pl_in,
                      int threads, int isa) {
@@ -316,6 +368,10 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         if (L->n_head_kv * L->head_dim_k > kd) kd = L->n_head_kv * L->head_dim_k;
         if (L->n_ff > ff) ff = L->n_ff;
         if (L->n_pl > ff) ff = L->n_pl; /* the per-layer gate's output goes to a */
+        if (L->mixer == 1) { /* short convolution: in_proj's B, C, x go to q; B * x and a stored row to v, k */
+            if (3 * d > qd) qd = 3 * d;
+            if (d > kd) kd = d;
+        }
     }
     mr_call_lock();
     int rc = MR_OK;
@@ -342,50 +398,57 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         pre_norm(K, L, x, L->attn_norm, L->attn_norm_b, h, B, d);
         const int own_kv = L->kv_layer < 0;
         const long long kvl = own_kv ? l : L->kv_layer; /* the layer whose cache attention reads */
-        {
-            const mr_weight *w[3] = {&L->wq, &L->wk, &L->wv};
-            float *y[3] = {q, k, v};
-            rc = run_mats(K, w, y, own_kv ? 3 : 1, -1, h, B, threads);
+        if (L->mixer == 1) {
+            rc = short_conv(K, L, l, h, q, att, v, k, B, seqs, type_k, threads);
             steals += mr_pool_steals();
-        }
-        if (rc != MR_OK) break;
-        PROF(0);
-        for (int64_t b = 0; b < B; b++) {
-            const mr_kvseq *s = &seqs[b];
-            float *qb = q + b * H * D, *kb = k + b * Hkv * D, *vb = v + b * Hkv * D;
-            const int64_t nk = own_kv ? Hkv : 0; /* k heads to normalize and rotate */
-            if (!L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
-            if (cs && half > 0) {
-                for (int64_t i = 0; i < H; i++) mr_rope_row(qb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
-                for (int64_t i = 0; i < nk; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+            if (rc != MR_OK) break;
+            PROF(2);
+        } else { /* attention */
+            {
+                const mr_weight *w[3] = {&L->wq, &L->wk, &L->wv};
+                float *y[3] = {q, k, v};
+                rc = run_mats(K, w, y, own_kv ? 3 : 1, -1, h, B, threads);
+                steals += mr_pool_steals();
             }
-            if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
-            if (!own_kv) continue;
-            if (L->v_norm)
-                for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(vb + i * D, NULL, L->eps, D, vb + i * D);
-            const int64_t rbk = mr_kv_row_bytes(type_k, D), rbv = mr_kv_row_bytes(type_v, D);
-            for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos, quantized in place */
-                const int64_t row = i * s->n_ctx + s->pos;
-                mr_kv_store(type_k, kb + i * D, D, (uint8_t *)s->k + l * s->layer_stride_k + row * rbk);
-                mr_kv_store(type_v, vb + i * D, D, (uint8_t *)s->v + l * s->layer_stride_v + row * rbv);
-            }
-        }
-        PROF(1);
-        {
-            const void *kp[MR_PACKED_INT_MAX], *vp[MR_PACKED_INT_MAX];
-            int64_t nc[MR_PACKED_INT_MAX], st[MR_PACKED_INT_MAX], en[MR_PACKED_INT_MAX];
+            if (rc != MR_OK) break;
+            PROF(0);
             for (int64_t b = 0; b < B; b++) {
-                kp[b] = (const uint8_t *)seqs[b].k + kvl * seqs[b].layer_stride_k;
-                vp[b] = (const uint8_t *)seqs[b].v + kvl * seqs[b].layer_stride_v;
-                nc[b] = seqs[b].n_ctx;
-                en[b] = seqs[b].pos + 1;
-                st[b] = L->window > 0 && en[b] > L->window ? en[b] - L->window : 0;
+                const mr_kvseq *s = &seqs[b];
+                float *qb = q + b * H * D, *kb = k + b * Hkv * D, *vb = v + b * Hkv * D;
+                const int64_t nk = own_kv ? Hkv : 0; /* k heads to normalize and rotate */
+                if (!L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
+                if (cs && half > 0) {
+                    for (int64_t i = 0; i < H; i++) mr_rope_row(qb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+                    for (int64_t i = 0; i < nk; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
+                }
+                if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
+                if (!own_kv) continue;
+                if (L->v_norm)
+                    for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(vb + i * D, NULL, L->eps, D, vb + i * D);
+                const int64_t rbk = mr_kv_row_bytes(type_k, D), rbv = mr_kv_row_bytes(type_v, D);
+                for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos, quantized in place */
+                    const int64_t row = i * s->n_ctx + s->pos;
+                    mr_kv_store(type_k, kb + i * D, D, (uint8_t *)s->k + l * s->layer_stride_k + row * rbk);
+                    mr_kv_store(type_v, vb + i * D, D, (uint8_t *)s->v + l * s->layer_stride_v + row * rbv);
+                }
             }
-            rc = mr_attention_decode_batch(K, q, att, B, kp, vp, nc, st, en, H, Hkv, D, type_k, type_v, L->attn_scale,
-                                           L->softcap, threads);
+            PROF(1);
+            {
+                const void *kp[MR_PACKED_INT_MAX], *vp[MR_PACKED_INT_MAX];
+                int64_t nc[MR_PACKED_INT_MAX], st[MR_PACKED_INT_MAX], en[MR_PACKED_INT_MAX];
+                for (int64_t b = 0; b < B; b++) {
+                    kp[b] = (const uint8_t *)seqs[b].k + kvl * seqs[b].layer_stride_k;
+                    vp[b] = (const uint8_t *)seqs[b].v + kvl * seqs[b].layer_stride_v;
+                    nc[b] = seqs[b].n_ctx;
+                    en[b] = seqs[b].pos + 1;
+                    st[b] = L->window > 0 && en[b] > L->window ? en[b] - L->window : 0;
+                }
+                rc = mr_attention_decode_batch(K, q, att, B, kp, vp, nc, st, en, H, Hkv, D, type_k, type_v, L->attn_scale,
+                                               L->softcap, threads);
+            }
+            if (rc != MR_OK) break;
+            PROF(2);
         }
-        if (rc != MR_OK) break;
-        PROF(2);
         {
             const mr_weight *w[1] = {&L->wo};
             float *y[1] = {o};

@@ -36,7 +36,6 @@ def test_description_and_cache_layout(q8_path):
         # conv rows: 2 rows of 128 (d / the attention layers' KV heads), no values
         assert d.kv_layers() == [(2, 128, 0), (2, 128, 0), (2, 64, 64), (2, 128, 0), (2, 64, 64), (2, 128, 0)]
         assert llm.kv_bytes_per_token == 4 * 256 * 2 + 2 * 2 * (64 + 64) * 2  # f16: conv rows + attention K/V
-        assert llm.model.native_stack is None  # decode runs layer by layer (no fused short convolution)
 
 
 def _logits(m, ids):
@@ -67,6 +66,29 @@ def test_batched_and_stepwise_passes_agree(q8_path):
         m.forward(b[:5], [Segment(c2, 5, "none")])
         both = m.forward(np.array([a[10], b[5]]), [Segment(c1, 1, "last"), Segment(c2, 1, "last")])
         assert rel_rms(both[0], alone[0][10]) < 1e-4 and rel_rms(both[1], alone[1][5]) < 1e-4
+
+
+@pytest.mark.parametrize("t", ["f16", "q8_0"])
+def test_fused_decode_matches_the_per_op_path(q8_path, t, monkeypatch):
+    """The native decode step's short convolution (rows stored in the K type, the taps before the new
+    position read back from the cache, summed oldest first) gives the per-op path's logits over 20
+    steps, with the same kernels (MINIRT_NATIVE_LAYERS=0: the per-op path)."""
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    ids = np.load(LF / "ref.npz")["tokens"][0]
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setenv("MINIRT_NATIVE_LAYERS", "1" if fused else "0")
+        with minirt.load(q8_path, n_ctx=64, backend="native", cache_type_k=t, cache_type_v=t) as llm:
+            m = llm.model
+            assert (m.native_stack is not None) == fused
+            cache = kv_cache_for(m.cfg, 64, t, t)
+            rows = [m.forward(ids[:8], [Segment(cache, 8, "last")])[0].copy()]
+            rows += [m.forward(np.array([x]), [Segment(cache, 1, "last")])[0].copy() for x in ids[8:28]]
+            out[fused] = np.stack(rows)
+    assert rel_rms(out[True], out[False]) < 1e-6
 
 
 @pytest.mark.parametrize("t", ["f16", "q8_0", "f32"])

@@ -47,10 +47,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from ..blocks import ShortConv
 from ..errors import BackendError, InvalidRequestError, UnsupportedQuantError
 
 log = logging.getLogger(__name__)
@@ -932,19 +934,35 @@ _NORM_KINDS = {"rms": 0, "layer": 1}
 _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
+def _mixer(b: Any) -> Any:
+    """The block's mixer as ``mr_layer`` sees it: its attention, or a short convolution (LFM2) as an
+    attention-shaped view (in_proj as wq, out_proj as wo; its cache rows as n_head_kv heads of
+    head_dim_k; no RoPE, norms or values)."""
+    a = b.attn
+    if not isinstance(a, ShortConv):
+        return a
+    h, d = a.cache_heads, a.n_embd
+    return SimpleNamespace(n_head=h, n_head_kv=h, head_dim_k=d // h, head_dim_v=d // h, wq=a.in_proj, wk=None,
+                           wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None, k_norm=None, v_norm=None,
+                           qk_norm_per_head=True, qk_norm_after_rope=False, softcap=0.0, window=0, sinks=None,
+                           causal=True, kv_source=None, conv=a)
+
+
 def _block_weights(b: Any) -> dict[str, Any]:
     """The block's matrices by their ``mr_layer`` field (None: absent: no gate, a layer reading
-    another's K/V, no per-layer input)."""
-    a, m, g = b.attn, b.mlp, b.per_layer
+    another's K/V or a convolution, no per-layer input)."""
+    a, m, g = _mixer(b), b.mlp, b.per_layer
     return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate, "up": m.up, "down": m.down,
             "pl_gate": g.gate if g is not None else None, "pl_proj": g.proj if g is not None else None}
 
 
 def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
-    a, m = b.attn, b.mlp
-    if not hasattr(a, "wq"):
-        return "a short convolution mixer (LFM2; it runs layer by layer)"
+    a, m = _mixer(b), b.mlp
+    c = getattr(a, "conv", None)
+    if c is not None and (c.weight.dtype != np.float32 or c.weight.ndim != 2 or not 2 <= c.taps <= 64
+                          or c.n_embd % c.cache_heads):
+        return "a short convolution of other than 2..64 float32 taps per channel"
     if not hasattr(m, "down") or isinstance(m.down, list):
         return "a mixture-of-experts feed-forward (decode runs it layer by layer, reading only the chosen experts)"
     if (m.gate is None) != (m.act == "xielu"):
@@ -1000,8 +1018,8 @@ class LayerStack:
                 raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         # a cache's (n_head_kv, head_dim_k, head_dim_v): the largest over the layers (layers of other
         # sizes have their rows at the front of their slot, see minirt.kv_cache)
-        self._kv_max = tuple(max((int(getattr(b.attn, k)) for b in blocks), default=0)
-                             for k in ("n_head_kv", "head_dim_k", "head_dim_v"))
+        shapes = [(m.n_head_kv, m.head_dim_k, 0 if hasattr(m, "conv") else m.head_dim_v) for m in map(_mixer, blocks)]
+        self._kv_max = tuple(max((int(s[j]) for s in shapes), default=0) for j in range(3))
         self._n_pl = max((b.per_layer.gate.out_features for b in blocks if b.per_layer is not None), default=0)
         self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
         if len(rope_index) != self.n_layer:
@@ -1011,7 +1029,7 @@ class LayerStack:
             if why is not None:
                 raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
             self._check_block(i, b)
-            a, m = b.attn, b.mlp
+            a, m = _mixer(b), b.mlp
             src = a.kv_source
             if src is not None and not (0 <= src < i and blocks[src].attn.kv_source is None and
                                         (blocks[src].attn.n_head_kv, blocks[src].attn.head_dim_k) ==
@@ -1044,6 +1062,10 @@ class LayerStack:
             else:
                 L.pl_post_norm = ffi.NULL
             L.rope_table = int(ri) if a.rope is not None else -1
+            c = getattr(a, "conv", None)
+            L.mixer = 0 if c is None else 1
+            L.conv_taps = 0 if c is None else c.taps
+            L.conv_w = ffi.NULL if c is None else self._f32(ffi, c.weight)
             if a.rope is not None:
                 self._half_rope[int(ri)] = max(self._half_rope.get(int(ri), 0), a.rope.dim // 2)
             kinds = {n.kind for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None}
@@ -1086,7 +1108,7 @@ class LayerStack:
         """Every size C will trust, checked against the block's dimensions before any pointer is
         taken: C sees bare pointers, so a short norm, bias or weight would be read past its end and
         a zero head count would divide by zero (raises InvalidRequestError naming the tensor)."""
-        a, m = b.attn, b.mlp
+        a, m = _mixer(b), b.mlp
         dims = {"n_head": a.n_head, "n_head_kv": a.n_head_kv, "head_dim_k": a.head_dim_k,
                 "head_dim_v": a.head_dim_v, "n_embd": m.down.out_features, "n_ff": m.down.in_features}
         for k, v in dims.items():
@@ -1100,7 +1122,8 @@ class LayerStack:
             raise InvalidRequestError(f"layer {i}: rope dim {a.rope.dim!r} must be even and in 1..{a.head_dim_k}")
         d, ff, hk, hv = int(m.down.out_features), int(m.down.in_features), int(a.head_dim_k), int(a.head_dim_v)
         E = b.per_layer.gate.out_features if b.per_layer is not None else 0
-        shapes = {"wq": (a.n_head * hk, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
+        q_rows = 3 * d if hasattr(a, "conv") else a.n_head * hk  # a short convolution's in_proj: B, C, x
+        shapes = {"wq": (q_rows, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
                   "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff),
                   "pl_gate": (E, d), "pl_proj": (d, E)}
 
