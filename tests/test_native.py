@@ -762,13 +762,18 @@ def test_layer_stack_refuses_unsupported(nat, tiny_quant):
         view = lin.rows(0, lin.out_features, "all")
         setattr(plain.attn, lin_name, view)
     native.LayerStack([plain], [0])
-    bad = dataclasses.replace(plain, attn=dataclasses.replace(plain.attn))
+    floats = dataclasses.replace(plain, attn=dataclasses.replace(plain.attn))
     f32 = object.__new__(Linear)
     for k in Linear.__slots__:
         setattr(f32, k, getattr(plain.attn.wq, k))
     f32.w, f32.qtype = np.zeros((plain.attn.wq.out_features, 128 * 4), np.uint8), "F32"
-    bad.attn.wq = f32
-    with pytest.raises(minirt.BackendError, match="layer 0"):
+    floats.attn.wq = f32
+    native.LayerStack([floats], [0])  # float weights run too (dequantized rows, float dots)
+    bad = dataclasses.replace(plain, mlp=dataclasses.replace(plain.mlp))
+    gate = plain.mlp.gate.rows(0, plain.mlp.gate.out_features, "biased")
+    gate.bias = np.zeros(gate.out_features, np.float32)
+    bad.mlp.gate = gate  # a gate bias: C refuses it (mr_layer_check)
+    with pytest.raises(minirt.BackendError, match="layer 0 cannot run in the native decode step"):
         native.LayerStack([bad], [0])
     no_gate = dataclasses.replace(plain, mlp=dataclasses.replace(plain.mlp, gate=None))
     with pytest.raises(minirt.BackendError, match="layer 0 .*without gate"):
