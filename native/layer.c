@@ -352,7 +352,8 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         if (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0)
             return MR_E_QTYPE;
         const long long src = layers[l].kv_layer;
-        if (src >= 0 && (src >= l || layers[src].kv_layer != -1 || layers[src].n_head_kv != layers[l].n_head_kv ||
+        if (src >= 0 && (src >= l || layers[src].kv_layer != -1 || layers[src].mixer != 0 ||
+                         layers[src].n_head_kv != layers[l].n_head_kv ||
                          layers[src].head_dim_k != layers[l].head_dim_k))
             return MR_E_SHAPE; /* a shared cache is an earlier layer's own, of the same shape */
         if (layers[l].n_pl != layers[0].n_pl || (layers[l].n_pl > 0 && !pl_in)) return MR_E_SHAPE;

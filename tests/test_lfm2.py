@@ -128,3 +128,25 @@ def test_context_shift_moves_the_convolution_rows(q8_path):
             np.testing.assert_array_equal(cache.read(i, 0, 20)[0], rows[:, keep])
         out = m.forward(ids[:1], [Segment(cache, 1, "last")])[0]
         assert np.isfinite(out).all()
+
+
+def test_layer_stack_checks_what_c_will_trust(q8_path):
+    """Shapes C reads through bare pointers are checked before: convolution taps that do not match
+    n_embd, a layer reading the cache of a later layer or of a convolution layer."""
+    import dataclasses
+
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    with minirt.load(q8_path, n_ctx=64, backend="native") as llm:
+        blocks = llm.model.desc.blocks
+        index = [0 if b.attn.rope is not None else -1 for b in blocks]
+        short = dataclasses.replace(blocks[0], attn=dataclasses.replace(blocks[0].attn,
+                                                                        weight=blocks[0].attn.weight[:128]))
+        with pytest.raises(minirt.InvalidRequestError, match="convolution taps"):
+            native.LayerStack([short] + blocks[1:], index)
+        for src in (4, 1):  # a later layer; a convolution layer
+            bad = dataclasses.replace(blocks[2], attn=dataclasses.replace(blocks[2].attn, kv_source=src))
+            with pytest.raises(minirt.InvalidRequestError, match="reads the KV cache of layer"):
+                native.LayerStack(blocks[:2] + [bad] + blocks[3:], index)

@@ -1031,9 +1031,9 @@ class LayerStack:
             self._check_block(i, b)
             a, m = _mixer(b), b.mlp
             src = a.kv_source
-            if src is not None and not (0 <= src < i and blocks[src].attn.kv_source is None and
-                                        (blocks[src].attn.n_head_kv, blocks[src].attn.head_dim_k) ==
-                                        (a.n_head_kv, a.head_dim_k)):
+            srcm = _mixer(blocks[src]) if src is not None and 0 <= src < i else None
+            if src is not None and not (srcm is not None and not hasattr(srcm, "conv") and srcm.kv_source is None
+                                        and (srcm.n_head_kv, srcm.head_dim_k) == (a.n_head_kv, a.head_dim_k)):
                 raise InvalidRequestError(f"layer {i}: reads the KV cache of layer {src}, which is not an earlier "
                                           "layer with a cache of its own of the same shape")
             L = self._layers[i]
@@ -1147,6 +1147,10 @@ class LayerStack:
                 vec(n.bias, width, f"{k} bias")
         if b.per_layer is not None:
             vec(b.per_layer.post_norm.weight, d, "per-layer post norm weight")
+        c = getattr(a, "conv", None)
+        if c is not None and (c.weight.shape != (d, c.taps) or c.cache_heads * hk != d):
+            raise InvalidRequestError(f"layer {i}: convolution taps of shape {c.weight.shape} for n_embd {d} "
+                                      f"in {c.cache_heads} cache rows")
         for k, lin in _block_weights(b).items():
             if lin is None:
                 continue
