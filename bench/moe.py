@@ -8,7 +8,8 @@ llama.cpp on it with ``bench/compare.py`` (decode and prefill, side by side in o
     python bench/moe.py ... --tiny --quick --llama-repack 0 -- -t 2 -p 32 -g 8   # smoke run: a few-MB model
 
 The default shape is a Qwen3-MoE (``qwen3moe``) with hidden 2048, 16 layers, 32 experts of width
-768, top-4, 16 query / 4 KV heads of 128: 2.7 B parameters, about 1.6 GB at Q4_K_M. Weights are
+768, top-4, 16 query / 4 KV heads of 128: 2.7 B parameters, about 1.6 GB at Q4_K_M. ``--shape
+lfm2-350m`` builds an LFM2 of LFM2-350M's proportions instead (the short-convolution hybrid). Weights are
 N(0, 0.02), seeded; the router is scaled so that routing is decisive. The files are cached in
 ``--work`` (made once per shape). Everything after ``--`` goes to bench/compare.py.
 """
@@ -23,34 +24,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+_QWEN3MOE = dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tied=False,
+                 extra=dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6))
+_LFM2 = dict(config="Lfm2Config", model="Lfm2ForCausalLM", tied=True,
+             extra=dict(norm_eps=1e-5, conv_L_cache=3, conv_bias=False, block_auto_adjust_ff_dim=True,
+                        block_multiple_of=256, block_ffn_dim_multiplier=1.0))
+# name -> (family, transformers config sizes)
 SHAPES = {
-    "default": dict(hidden_size=2048, num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
-                    moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=16,
-                    num_key_value_heads=4, head_dim=128),
-    "tiny": dict(hidden_size=256, num_hidden_layers=2, num_experts=16, num_experts_per_tok=2,
-                 moe_intermediate_size=256, intermediate_size=512, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64),
+    "default": (_QWEN3MOE, dict(hidden_size=2048, num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
+                                moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=16,
+                                num_key_value_heads=4, head_dim=128)),
+    "tiny": (_QWEN3MOE, dict(hidden_size=256, num_hidden_layers=2, num_experts=16, num_experts_per_tok=2,
+                             moe_intermediate_size=256, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64)),
+    # LFM2-350M's proportions (the hybrid of issue 17): 10 short-convolution and 6 attention layers,
+    # FFN 6656 auto-adjusted to 4608 as the released model has it
+    "lfm2-350m": (_LFM2, dict(hidden_size=1024, num_hidden_layers=16, intermediate_size=6656, num_attention_heads=16,
+                              num_key_value_heads=8,
+                              layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention",
+                                           "conv", "conv", "full_attention", "conv", "full_attention", "conv",
+                                           "full_attention", "conv", "full_attention", "conv"])),
 }
 
-# Run by --ref-python: writes a seeded random Qwen3-MoE checkpoint (bfloat16, parameters filled one
-# at a time so that memory stays near one copy) with a tiny byte-level BPE tokenizer.
+# Run by --ref-python: writes a seeded random checkpoint of the shape's family (bfloat16, parameters
+# filled one at a time so that memory stays near one copy) with a tiny byte-level BPE tokenizer.
 _BUILD = r"""
 import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch, transformers
 from make_fixtures import write_bpe
-out, shape, seed = Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+out, shape, seed, fam = Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
 out.mkdir(parents=True, exist_ok=True)
 specials = write_bpe(out, 512)
-cfg = transformers.Qwen3MoeConfig(vocab_size=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                                  norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
-                                  mlp_only_layers=[], bos_token_id=specials["bos"], eos_token_id=specials["eos"],
-                                  pad_token_id=specials["pad"],
-                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **shape)
+cfg = getattr(transformers, fam["config"])(vocab_size=512, max_position_embeddings=32768,
+                                            tie_word_embeddings=fam["tied"], bos_token_id=specials["bos"],
+                                            eos_token_id=specials["eos"], pad_token_id=specials["pad"],
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                            **fam["extra"], **shape)
 torch.manual_seed(seed)
 with torch.device("meta"):
-    model = transformers.Qwen3MoeForCausalLM(cfg)
+    model = getattr(transformers, fam["model"])(cfg)
 model = model.to_empty(device="cpu").to(torch.bfloat16)
 gen = torch.Generator().manual_seed(seed)
 with torch.no_grad():
@@ -71,17 +85,17 @@ def run(cmd: list[str], what: str) -> None:
 
 def build(args: argparse.Namespace) -> Path:
     """The Q4_K_M (``--quant``) GGUF of the chosen shape, made once in ``--work``."""
-    shape = SHAPES["tiny" if args.tiny else "default"]
-    tag = "tiny" if args.tiny else "default"
-    work = Path(args.work) / f"qwen3moe-{tag}-s{args.seed}"
+    tag = "tiny" if args.tiny else args.shape
+    fam, shape = SHAPES[tag]
+    work = Path(args.work) / (f"qwen3moe-{tag}-s{args.seed}" if fam is _QWEN3MOE else f"{tag}-s{args.seed}")
     gguf = work / f"model-{args.quant.lower()}.gguf"
     if gguf.is_file():
         return gguf
     hf, f16 = work / "hf", work / "model-bf16.gguf"
     llama = Path(args.llama_cpp)
-    print(f"building {tag} Qwen3-MoE in {work} ...", flush=True)
+    print(f"building {tag} ({fam['model']}) in {work} ...", flush=True)
     run([args.ref_python, "-c", _BUILD, str(ROOT / "tools" / "arch_fixtures"), str(hf), json.dumps(shape),
-         str(args.seed)], "building the checkpoint")
+         str(args.seed), json.dumps(fam)], "building the checkpoint")
     # the tiny vocabulary matches no known pre-tokenizer hash: name one (as tools/arch_fixtures does)
     from importlib.util import module_from_spec, spec_from_file_location
 
@@ -115,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", default="Q4_K_M")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tiny", action="store_true", help="a few-MB model (smoke runs)")
+    ap.add_argument("--shape", choices=sorted(k for k in SHAPES if k != "tiny"), default="default",
+                    help="default: the Qwen3-MoE below; lfm2-350m: LFM2-350M's proportions (a hybrid)")
     ap.add_argument("--quick", action="store_true", help="bench/compare.py --quick")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the bf16 GGUF")
     ap.add_argument("--build-only", action="store_true")
