@@ -229,6 +229,11 @@ class Attention:
     v_norm: Norm | None = None  # per-head norm of the values (Gemma 4: RMSNorm without gains)
     kv_source: int | None = None  # a layer that reuses layer kv_source's cached keys/values (no K/V of its own)
 
+    @property
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        """(n_head_kv, head_dim_k, head_dim_v) of this layer's own cache; None when it reads another's."""
+        return None if self.kv_source is not None else (self.n_head_kv, self.head_dim_k, self.head_dim_v)
+
 
 @dataclass
 class ShortConv:
@@ -257,6 +262,11 @@ class ShortConv:
     @property
     def n_embd(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """Its cache: the B·x rows as ``cache_heads`` keys of n_embd / cache_heads, no values."""
+        return self.cache_heads, self.n_embd // self.cache_heads, 0
 
 
 @dataclass
@@ -485,12 +495,7 @@ class ModelDesc:
     def kv_layers(self) -> list[tuple[int, int, int] | None]:
         """Per layer, the (n_head_kv, head_dim_k, head_dim_v) of its own cache; None for a layer that
         reads another's (``kv_source``)."""
-        def one(a: Attention | ShortConv) -> tuple[int, int, int] | None:
-            if isinstance(a, ShortConv):  # B·x rows as keys, no values
-                return a.cache_heads, a.n_embd // a.cache_heads, 0
-            return None if a.kv_source is not None else (a.n_head_kv, a.head_dim_k, a.head_dim_v)
-
-        return [one(b.attn) for b in self.blocks]
+        return [b.attn.kv_shape for b in self.blocks]
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(n_head_kv, head_dim_k, head_dim_v) of the cache: the layers' own, or each the largest

@@ -1018,7 +1018,7 @@ class LayerStack:
                 raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         # a cache's (n_head_kv, head_dim_k, head_dim_v): the largest over the layers (layers of other
         # sizes have their rows at the front of their slot, see minirt.kv_cache)
-        shapes = [(m.n_head_kv, m.head_dim_k, 0 if hasattr(m, "conv") else m.head_dim_v) for m in map(_mixer, blocks)]
+        shapes = [s for s in (b.attn.kv_shape for b in blocks) if s is not None]
         self._kv_max = tuple(max((int(s[j]) for s in shapes), default=0) for j in range(3))
         self._n_pl = max((b.per_layer.gate.out_features for b in blocks if b.per_layer is not None), default=0)
         self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0

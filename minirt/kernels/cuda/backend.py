@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ...blocks import MoE
+from ...blocks import MoE, ShortConv
 from ...errors import BackendError
 from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
@@ -492,7 +492,7 @@ class CudaBackend(Backend):
             return "a logit scale"
         if desc.pos_embd is not None or desc.type_embd is not None or desc.embd_norm is not None:
             return "position / token-type embeddings or an embedding norm"
-        if any(not hasattr(b.attn, "wq") for b in desc.blocks):
+        if any(isinstance(b.attn, ShortConv) for b in desc.blocks):
             return "a short convolution mixer"
         if desc.per_layer_inputs is not None or len({(b.attn.n_head_kv, b.attn.head_dim_k) for b in desc.blocks}) > 1:
             return "per-layer inputs or layers with different KV shapes"
