@@ -12,7 +12,7 @@ per depth, like minirt's side: one child process per depth and type, so each RSS
 
 Quality helpers (no timing):
 
-    python bench/context_sweep.py --quality -m gemma3-270m       # q8_0 vs f16 teacher-forced argmax
+    python bench/context_sweep.py --quality -m gemma3-270m --types q8_0 q4_0   # vs the f32 cache, and llama.cpp's
     python bench/context_sweep.py --perplexity TEXT.txt --types f16 q8_0   # vs llama-perplexity
 
 The llama.cpp binaries are found through ``$MINIRT_LLAMA_BIN`` (a build/bin folder) or PATH. The
@@ -213,30 +213,80 @@ def plot(rows: list[dict[str, Any]], a: argparse.Namespace, png: Path) -> bool:
 
 # ------------------------------------------------------------------------------------------- quality
 
-def quality(a: argparse.Namespace) -> dict[str, Any]:
-    """Teacher-forced argmax agreement with the float32 reference on the reference prompts
-    (tests/data/reference), per cache type; llama.cpp's greedy continuation is fed back."""
+_REF_NAMES = {"qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b", "gemma3-270m": "gemma3-270m"}
+_GGML_IDS = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "bf16": 30}
+
+
+def _reference_prompts(model: str) -> list[list[int]]:
+    """The reference prompts with llama.cpp's greedy continuation appended (tests/data/reference)."""
+    key = _REF_NAMES.get(model)
+    if key is None:
+        raise SystemExit(f"--quality knows the reference models only: {', '.join(_REF_NAMES)}")
+    ref_dir = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference"
+    recs = [json.loads(x) for x in (ref_dir / f"{key}.greedy.jsonl").read_text().splitlines() if x.strip()]
+    return [[len(r["prompt_ids"])] + r["prompt_ids"] + r["greedy_ids"] for r in recs]
+
+
+def _agreement(base: list[Any], other: list[Any]) -> dict[str, float]:
+    """Teacher-forced argmax agreement and logits rel-RMS of ``other`` against ``base`` (per prompt
+    (n_positions, n_vocab) logits)."""
     import numpy as np
 
-    import minirt
+    a, b = np.concatenate(base), np.concatenate(other)
+    return {"agreement": float(np.mean(a.argmax(-1) == b.argmax(-1))),
+            "rel_rms": float(np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2)))}
 
-    ref_dir = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference"
-    names = {"qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b", "gemma3-270m": "gemma3-270m"}
-    key = names.get(a.model)
-    if key is None:
-        raise SystemExit(f"--quality knows the reference models only: {', '.join(names)}")
-    recs = [json.loads(x) for x in (ref_dir / f"{key}.greedy.jsonl").read_text().splitlines() if x.strip()]
-    tf = json.loads(str(np.load(ref_dir / f"{key}.float_ref.npz")["tf_argmax"]))
-    out: dict[str, Any] = {"model": a.model}
-    for t in a.types:
-        with minirt.load(a.model, n_ctx=512, cache_type_k=t, cache_type_v=t, threads=a.threads) as llm:
-            hits = []
-            for r, want in zip(recs, tf):
-                p, g = r["prompt_ids"], r["greedy_ids"]
-                am = llm.logits(p + g).argmax(-1)[len(p) - 1:len(p) - 1 + len(g)]
-                hits.append(am == np.array(want[:len(g)]))
-            out[t] = float(np.mean(np.concatenate(hits)))
+
+def quality(a: argparse.Namespace) -> dict[str, Any]:
+    """Per cache type (K and V alike, plus q8_0 values alone), teacher-forced argmax agreement and
+    logits rel-RMS against the f32 cache on the reference prompts (llama.cpp's greedy continuations
+    fed back); with ``$MINIRT_LLAMA_PYTHON`` (a Python with the llama_cpp binding) llama.cpp's
+    own, against its f16 cache, on the same file (a child process, ``--llama-quality``)."""
+    import minirt
+    from minirt import registry
+
+    prompts = _reference_prompts(a.model)
+    out: dict[str, Any] = {"model": a.model, "positions": sum(len(p) - 1 - p[0] for p in prompts)}
+    mine: dict[str, list[Any]] = {}
+    for t in ["f32", *a.types, "f16/q8_0"]:
+        tk, _, tv = t.partition("/")
+        with minirt.load(a.model, n_ctx=512, cache_type_k=tk, cache_type_v=tv or tk, threads=a.threads) as llm:
+            mine[t] = [llm.logits(p[1:])[p[0] - 1:-1] for p in prompts]
+    out["minirt"] = {t: _agreement(mine["f32"], v) for t, v in mine.items() if t != "f32"}
+    py = os.environ.get("MINIRT_LLAMA_PYTHON")
+    if not py:
+        out["llama.cpp"] = "skipped: set MINIRT_LLAMA_PYTHON to a Python with the llama_cpp binding"
+        return out
+    cmd = [py, __file__, "--llama-quality", "-m", str(registry.resolve(a.model)), "--ref-model", a.model,
+           "-t", str(a.threads), "--types", *a.types]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    if res.returncode:
+        out["llama.cpp"] = f"failed: {res.stderr.strip()[-400:]}"
+    else:
+        out["llama.cpp"] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
+
+
+def llama_quality(a: argparse.Namespace) -> dict[str, Any]:
+    """llama.cpp's side of :func:`quality` (run under the binding's Python): its own agreement and
+    logits rel-RMS against its f16 cache, flash attention on (quantized V needs it)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    prompts = _reference_prompts(a.ref_model)
+    logits: dict[str, list[Any]] = {}
+    for t in ["f16", *[x for x in a.types if x != "f16"], "f16/q8_0"]:
+        tk, _, tv = t.partition("/")
+        llm = Llama(a.model, n_ctx=512, logits_all=True, type_k=_GGML_IDS[tk], type_v=_GGML_IDS[tv or tk],
+                    flash_attn=True, n_threads=a.threads, verbose=False)
+        rows = []
+        for p in prompts:
+            llm.reset()
+            llm.eval(p[1:])
+            rows.append(np.array(llm.scores[:len(p) - 1])[p[0] - 1:-1])
+        logits[t] = rows
+        del llm
+    return {t: _agreement(logits["f16"], v) for t, v in logits.items() if t != "f16"}
 
 
 def perplexity(a: argparse.Namespace) -> dict[str, Any]:
@@ -302,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--ctk", default="f16", help=argparse.SUPPRESS)
     p.add_argument("--ctv", default="f16", help=argparse.SUPPRESS)
+    p.add_argument("--llama-quality", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ref-model", default="", help=argparse.SUPPRESS)
     return p
 
 
@@ -309,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.worker:
         print(json.dumps(worker(a)))
+        return 0
+    if a.llama_quality:
+        print(json.dumps(llama_quality(a)))
         return 0
     if a.quality:
         print(json.dumps(quality(a), indent=1))

@@ -234,6 +234,30 @@ class Attention:
         """(n_head_kv, head_dim_k, head_dim_v) of this layer's own cache; None when it reads another's."""
         return None if self.kv_source is not None else (self.n_head_kv, self.head_dim_k, self.head_dim_v)
 
+    # its cached rows are keys and values: a block-quantized cache may store them Hadamard-rotated
+    # (KVCache.rotation), attention rotating its queries alike
+    kv_rotate = True
+
+    def key_offset(self, n_positions: int) -> np.ndarray | None:
+        """A constant (n_head_kv, head_dim_k) a block-quantized cache subtracts from every key it stores
+        (adding it back when it reads them), or None.
+
+        Softmax ignores a shift of all of one query's scores, and q·(k − c) = q·k − q·c shifts them all
+        by the same q·c: attention over keys minus any constant c is exactly attention over the keys.
+        A K bias b (Qwen2 / 2.5: up to 145 in its first layer) is such a near-constant part of every
+        key, and the largest values of a q8_0 block set its step, so storing keys without it loses
+        far less: c is b after RoPE averaged over positions 0..n_positions-1 (the least-squares
+        constant; the low-frequency channels where the large bias values sit barely turn). Not where
+        the shift does not cancel: score soft-capping, attention sinks, a K norm after the bias."""
+        bias = None if self.wk is None or self.kv_source is not None else self.wk.bias
+        if bias is None or self.k_norm is not None or self.softcap or self.sinks is not None:
+            return None
+        c = np.asarray(bias, dtype=np.float32).reshape(1, self.n_head_kv, self.head_dim_k).copy()
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(np.arange(max(1, n_positions)))
+            apply_rope(c, cos.mean(0, keepdims=True), sin.mean(0, keepdims=True), self.rope.neox, self.rope.dim)
+        return c[0]
+
 
 @dataclass
 class ShortConv:
@@ -254,6 +278,11 @@ class ShortConv:
     rope = None  # what generic code reads of a mixer: no positions, own cache, causal
     kv_source = None
     causal = True
+    kv_rotate = False  # its rows are convolution inputs, stored as they are
+
+    def key_offset(self, n_positions: int) -> None:
+        """No constant is taken off its rows (see :meth:`Attention.key_offset`)."""
+        return None
 
     @property
     def taps(self) -> int:
@@ -496,6 +525,17 @@ class ModelDesc:
         """Per layer, the (n_head_kv, head_dim_k, head_dim_v) of its own cache; None for a layer that
         reads another's (``kv_source``)."""
         return [b.attn.kv_shape for b in self.blocks]
+
+    def key_offsets(self) -> list[np.ndarray | None]:
+        """Per layer, :meth:`Attention.key_offset` over the training context (at most 32768 positions),
+        None for layers without one."""
+        n = min(self.n_ctx_train or 4096, 32768)
+        return [b.attn.key_offset(n) for b in self.blocks]
+
+    def kv_rotate(self) -> list[bool]:
+        """Per layer, whether its cache rows are attention keys / values (rotatable, see
+        :meth:`minirt.kv_cache.KVCache.rotation`)."""
+        return [b.attn.kv_rotate for b in self.blocks]
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(n_head_kv, head_dim_k, head_dim_v) of the cache: the layers' own, or each the largest

@@ -39,6 +39,11 @@ class Config:
     # per layer (n_head_kv, head_dim_k, head_dim_v) of its own cache, None for a layer reading another's;
     # None: every layer has the shape above
     kv_layers: tuple[tuple[int, int, int] | None, ...] | None = field(default=None, kw_only=True)
+    # per layer whether its cache rows are attention keys / values (KVCache's rotate); None: every layer
+    kv_rotate: tuple[bool, ...] | None = field(default=None, kw_only=True)
+    # per layer the (n_head_kv, head_dim_k) constant a block-quantized cache takes off its keys
+    # (Attention.key_offset), None for none; None: no layer has one
+    kv_offsets: tuple[np.ndarray | None, ...] | None = field(default=None, kw_only=True, compare=False)
 
 
 def config_of(desc: ModelDesc) -> Config:
@@ -47,17 +52,21 @@ def config_of(desc: ModelDesc) -> Config:
     hkv, dk, dv = desc.kv_shape()
     b0 = desc.blocks[0]
     layers = tuple(desc.kv_layers())
+    rot = tuple(desc.kv_rotate())
+    offsets = tuple(desc.key_offsets())
     n_head = next((b.attn.n_head for b in desc.blocks if not isinstance(b.attn, ShortConv)), 0)
     return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.n_ff,
                   n_head=n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
                   n_ctx_train=desc.n_ctx_train,
-                  kv_layers=None if all(s == (hkv, dk, dv) for s in layers) else layers)
+                  kv_layers=None if all(s == (hkv, dk, dv) for s in layers) else layers,
+                  kv_rotate=None if all(rot) else rot,
+                  kv_offsets=None if all(o is None for o in offsets) else offsets)
 
 
 def kv_cache_for(cfg: Config, n_ctx: int, type_k: str | None = None, type_v: str | None = None) -> KVCache:
     """An empty cache of ``n_ctx`` positions laid out for the model ``cfg`` summarises."""
     return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, n_ctx, type_k=type_k, type_v=type_v,
-                   layers=cfg.kv_layers)
+                   layers=cfg.kv_layers, rotate=cfg.kv_rotate, key_offsets=cfg.kv_offsets)
 
 
 @dataclass
@@ -216,14 +225,16 @@ class Transformer:
             cache = seg.cache
             if k is not None:
                 cache.store(i, p0, k[s0:s0 + n].transpose(1, 0, 2), v[s0:s0 + n].transpose(1, 0, 2))
-            kc, vc = cache.layer(i if a.kv_source is None else a.kv_source)
+            src = i if a.kv_source is None else a.kv_source
+            kc, vc = cache.layer(src)
+            qs = cache.rotate_queries(src, q[s0:s0 + n])  # the basis the stored keys are in
             if a.sinks is not None:
-                out[s0:s0 + n] = self.backend.attention_sinks(q[s0:s0 + n], kc, vc, p0, a.scale, a.window,
-                                                              a.softcap, a.sinks, kv_types=cache.types)
-                continue
-            # causal False: the whole sequence is in this call (checked by encode)
-            out[s0:s0 + n] = self.backend.attention(q[s0:s0 + n], kc, vc, p0, a.scale, a.window, a.softcap,
-                                                    causal=a.causal, kv_types=cache.types)
+                o = self.backend.attention_sinks(qs, kc, vc, p0, a.scale, a.window, a.softcap, a.sinks,
+                                                 kv_types=cache.types)
+            else:  # causal False: the whole sequence is in this call (checked by encode)
+                o = self.backend.attention(qs, kc, vc, p0, a.scale, a.window, a.softcap, causal=a.causal,
+                                           kv_types=cache.types)
+            out[s0:s0 + n] = cache.unrotate_output(src, o)
         return self.mm(a.wo, out)
 
     # -- the whole pass ----------------------------------------------------------------------------

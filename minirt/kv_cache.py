@@ -96,11 +96,16 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int, n_ctx: int,
                  dtype: np.dtype | type | None = None, type_k: str | None = None, type_v: str | None = None,
-                 layers: Sequence[tuple[int, int, int] | None] | None = None) -> None:
+                 layers: Sequence[tuple[int, int, int] | None] | None = None,
+                 rotate: Sequence[bool] | None = None,
+                 key_offsets: Sequence[np.ndarray | None] | None = None) -> None:
         """``type_k`` / ``type_v``: KV element type names (default f32); ``dtype`` (float32 or float16)
         is the older way to ask for f32 / f16 of both. ``layers``: per layer (n_head_kv, head_dim_k,
         head_dim_v), or None for a layer without a cache of its own; the other sizes are then the
-        largest of these."""
+        largest of these. ``rotate``: per layer whether its rows are attention keys and values, which
+        block-quantized types store under a Hadamard rotation (:meth:`rotation`); default every layer.
+        ``key_offsets``: per layer a constant (n_head_kv, head_dim_k) that a block-quantized K type
+        stores its keys less (:meth:`minirt.blocks.Attention.key_offset`), or None."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if dtype is not None:
@@ -122,6 +127,13 @@ class KVCache:
             self._views = [None if s is None else (self._carve(self.k[i], s[0], self.kt.width(s[1])),
                                                    self._carve(self.v[i], s[0], self.vt.width(s[2]) if s[2] else 0))
                            for i, s in enumerate(self.layers)]
+        if rotate is not None and len(rotate) != n_layer:
+            raise ValueError(f"{len(rotate)} rotation flags for {n_layer} layers")
+        self._rotatable = [True] * n_layer if rotate is None else [bool(r) for r in rotate]
+        self._rot = [self.rotation_for(i, self.kt, self.vt) for i in range(n_layer)]
+        if key_offsets is not None and len(key_offsets) != n_layer:
+            raise ValueError(f"{len(key_offsets)} key offsets for {n_layer} layers")
+        self._offsets = [None] * n_layer if key_offsets is None else list(key_offsets)
         self.n_past = 0
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
         # repetition penalties see the history
@@ -141,20 +153,73 @@ class KVCache:
         """(type_k, type_v) names, as llama.cpp calls them."""
         return self.kt.name, self.vt.name
 
+    def rotation_for(self, i: int, kt: kv_types.KVType, vt: kv_types.KVType) -> tuple[int, int]:
+        """(keys, values) Hadamard rotation sizes (0: none) that layer ``i`` of a cache of types kt / vt
+        stores its rows under (:meth:`minirt.kv_types.KVType.rotation`)."""
+        if not self._rotatable[i]:
+            return 0, 0
+        shape = self.layers[i] if self.layers is not None else (0, self.head_dim_k, self.head_dim_v)
+        if shape is None:  # reads another layer's cache
+            return 0, 0
+        _, dk, dv = shape
+        return kt.rotation(dk, keys=True), vt.rotation(dv, keys=False) if dv else 0
+
+    def rotation(self, i: int) -> tuple[int, int]:
+        """(keys, values) rotation sizes of layer ``i``'s stored rows. Attention over them rotates its
+        queries by the keys' (:meth:`rotate_queries`) and, where values are rotated, its output
+        back (:meth:`unrotate_output`); :meth:`store` and :meth:`read` take and give plain rows."""
+        return self._rot[i]
+
+    def key_offset(self, i: int, kt: kv_types.KVType | None = None) -> np.ndarray | None:
+        """The constant (Hkv, Dk) layer ``i``'s keys are stored less of in a cache of K type ``kt``
+        (default this cache's): block types only, where the layer has one."""
+        return self._offsets[i] if (kt or self.kt).quantized else None
+
+    @property
+    def transformed(self) -> bool:
+        """Whether any layer's rows are stored less a key offset or rotated (state files record it)."""
+        return any(nk or nv for nk, nv in self._rot) or any(self.key_offset(i) is not None for i in range(self.n_layer))
+
+    def to_plain(self, i: int, k: np.ndarray, v: np.ndarray, kt: kv_types.KVType | None = None,
+                 vt: kv_types.KVType | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized rows k (Hkv, n, Dk), v (Hkv, n, Dv) of layer ``i`` as a cache of types kt / vt
+        (default this cache's) stores them → the plain keys and values (rotation undone, offset added)."""
+        kt, vt = kt or self.kt, vt or self.vt
+        nk, nv = self.rotation_for(i, kt, vt)
+        k = kv_types.rotate(k, nk)
+        off = self.key_offset(i, kt)
+        if off is not None:
+            k = k + off[:, None, :]
+        return k, kv_types.rotate(v, nv)
+
+    def rotate_queries(self, i: int, q: np.ndarray) -> np.ndarray:
+        """Queries q (T, H, Dk) for attention over layer ``i``'s stored keys (q itself when unrotated)."""
+        return kv_types.rotate(q, self._rot[i][0])
+
+    def unrotate_output(self, i: int, o: np.ndarray) -> np.ndarray:
+        """Attention output o (T, H·Dv) over layer ``i``'s stored values back to the plain basis."""
+        return kv_types.rotate(o, self._rot[i][1])
+
     def store(self, i: int, p0: int, k: np.ndarray | None, v: np.ndarray | None) -> None:
         """Write float32 keys k (Hkv, n, Dk) and values v (Hkv, n, Dv) of layer ``i`` at positions
-        p0..p0+n-1, quantized to the cache types (None: leave that half alone)."""
+        p0..p0+n-1, rotated (:meth:`rotation`) and quantized to the cache types (None: leave that
+        half alone)."""
         kc, vc = self.layer(i)
+        nk, nv = self._rot[i]
         if k is not None:
-            kc[:, p0:p0 + k.shape[1]] = quantize_rows(k, self.kt)
+            off = self.key_offset(i)
+            if off is not None:
+                k = k - off[:, None, :]
+            kc[:, p0:p0 + k.shape[1]] = quantize_rows(kv_types.rotate(k, nk), self.kt)
         if v is not None and vc.shape[-1]:
-            vc[:, p0:p0 + v.shape[1]] = quantize_rows(v, self.vt)
+            vc[:, p0:p0 + v.shape[1]] = quantize_rows(kv_types.rotate(v, nv), self.vt)
 
     def read(self, i: int, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
-        """float32 keys (Hkv, p1-p0, Dk) and values (Hkv, p1-p0, Dv) of layer ``i``, positions p0..p1-1."""
+        """float32 keys (Hkv, p1-p0, Dk) and values (Hkv, p1-p0, Dv) of layer ``i``, positions p0..p1-1
+        (plain: :meth:`to_plain`)."""
         kc, vc = self.layer(i)
         v = dequantize_rows(vc[:, p0:p1], self.vt) if vc.shape[-1] else np.zeros(vc[:, p0:p1].shape, np.float32)
-        return dequantize_rows(kc[:, p0:p1], self.kt), v
+        return self.to_plain(i, dequantize_rows(kc[:, p0:p1], self.kt), v)
 
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) arrays (Hkv, n_ctx, width) of layer ``i``."""
@@ -182,15 +247,21 @@ class KVCache:
             v[i, :vc.shape[0], :, :vc.shape[2]] = vc[:, :n]
         return k, v
 
-    def import_rows(self, k: np.ndarray, v: np.ndarray, n: int, float_rows: bool = False) -> None:
+    def import_rows(self, k: np.ndarray, v: np.ndarray, n: int, float_rows: bool = False,
+                    stored_as: tuple[kv_types.KVType, kv_types.KVType] | None = None) -> None:
         """Fill positions 0..n-1 from arrays shaped as :meth:`export` gives them: stored rows of this
-        cache's types, or float32 rows (n_layer, n_head_kv, n, head_dim) with ``float_rows`` (quantized here)."""
+        cache's types and rotation, or float32 rows (n_layer, n_head_kv, n, head_dim) with ``float_rows``
+        (quantized here); ``stored_as``: the (type_k, type_v) of a cache whose stored form (key offset,
+        rotation) such float rows are still in (dequantized from a state file of those types), undone first."""
         for i in self._own_layers():
             kc, vc = self.layer(i)
             if float_rows:
                 hk, dk, dv = (self.layers[i] if self.layers is not None
                               else (kc.shape[0], self.head_dim_k, self.head_dim_v))
-                self.store(i, 0, k[i, :hk, :, :dk], v[i, :hk, :, :dv])
+                ki, vi = k[i, :hk, :, :dk], v[i, :hk, :, :dv]
+                if stored_as is not None:
+                    ki, vi = self.to_plain(i, ki, vi, *stored_as)
+                self.store(i, 0, ki, vi)
             else:
                 kc[:, :n] = k[i, :kc.shape[0], :, :kc.shape[2]]
                 vc[:, :n] = v[i, :vc.shape[0], :, :vc.shape[2]]

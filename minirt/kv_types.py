@@ -48,6 +48,25 @@ class KVType:
             raise InvalidRequestError(f"KV cache type {self.name} needs a head size that is a multiple of "
                                       f"{self.block}, this model's is {head_dim}")
 
+    def rotation(self, head_dim: int, keys: bool) -> int:
+        """Size of the Walsh-Hadamard rotation rows of this type are stored under, 0 for none.
+
+        llama.cpp (``attn_rot_k`` / ``attn_rot_v`` in llama-kv-cache.cpp) rotates queries and keys
+        (and values, rotating the attention output back) by an orthonormal Hadamard matrix before a
+        block-quantized cache stores them: dot products are unchanged, and a channel of very large
+        magnitude (Qwen2.5's K bias) is spread over its block instead of flattening the other 31
+        values. Its rule: quantized types and head sizes that are multiples of 64; keys use the
+        largest power of two (≥ 64) dividing the head size, values 64. native/kvcache.c
+        (``mr_kv_rotation``) applies the same rule."""
+        if not self.quantized or head_dim % 64:
+            return 0
+        if not keys:
+            return 64
+        n = 64
+        while head_dim % (2 * n) == 0:
+            n *= 2
+        return n
+
     def head_dim(self, width: int) -> int:
         """Inverse of :meth:`width`."""
         return width * self.dtype.itemsize // self.type_size * self.block
@@ -75,6 +94,53 @@ class KVType:
         blocks = raw.reshape(-1, self.type_size)
         out = spec.dequantize_blocks(blocks).astype(np.float32, copy=False)
         return out.reshape(*raw.shape[:-1], raw.shape[-1] // self.type_size * self.block)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix of size n (a power of two) in natural (Sylvester)
+    order, as llama.cpp builds it: H[i, j] = (-1)^popcount(i & j) / sqrt(n); symmetric, H @ H = I."""
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
+    return _hadamard(n)
+
+
+_HADAMARD: dict[int, np.ndarray] = {}
+
+
+def _hadamard(n: int) -> np.ndarray:
+    h = _HADAMARD.get(n)
+    if h is None:
+        i = np.arange(n)
+        bits = np.bitwise_and.outer(i, i)
+        parity = np.zeros_like(bits)
+        while bits.any():
+            parity ^= bits & 1
+            bits >>= 1
+        h = _HADAMARD[n] = ((1 - 2 * parity) / np.sqrt(n)).astype(np.float32)
+        h.setflags(write=False)
+    return h
+
+
+def rotate(x: np.ndarray, n: int) -> np.ndarray:
+    """x (..., D) with each run of n values along the last axis multiplied by :func:`hadamard` (n);
+    its own inverse. n = 0: x unchanged. Returns a new float32 array (x when n = 0).
+
+    Computed by the fast Walsh-Hadamard butterflies in the order native/kvcache.c's mr_kv_rotate
+    runs them (then one scale), so rows rotated here and in the fused decode step are the same floats."""
+    if not n:
+        return x
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % n or n & (n - 1):
+        raise ValueError(f"rows of {x.shape[-1]} values cannot be rotated in runs of {n}")
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        z = y.reshape(y.shape[0], n // (2 * h), 2, h)
+        a, b = z[:, :, 0], z[:, :, 1]
+        y = np.stack((a + b, a - b), axis=2).reshape(-1, n)
+        h *= 2
+    y *= np.float32(1.0) / np.sqrt(np.float32(n))
+    return y.reshape(x.shape)
 
 
 _TYPES = {t.name: t for t in (

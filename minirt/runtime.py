@@ -904,7 +904,8 @@ class Model:
         n = cache.n_past
         header = {"format": STATE_FORMAT, "minirt": __version__, "model": self.fingerprint(),
                   "arch": self.arch, "n_tokens": n, "kv_dtype": str(cache.k.dtype),
-                  "cache_type_k": cache.types[0], "cache_type_v": cache.types[1]}
+                  "cache_type_k": cache.types[0], "cache_type_v": cache.types[1],
+                  "kv_basis": int(cache.transformed)}
         path = os.fspath(path)
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         k, v = cache.export(n)

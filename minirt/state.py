@@ -1,9 +1,12 @@
 """KV-cache state files (:meth:`minirt.Model.save_state` / :meth:`~minirt.Model.load_state`).
 
 A state file is a ``.npz`` archive (``np.savez``) of four members: ``header`` (a JSON string:
-format, minirt version, model fingerprint, ``n_tokens``, ``cache_type_k`` / ``cache_type_v``),
-``tokens`` (``(n,)`` int32 ids), ``k`` and ``v`` (``(n_layer, n_head_kv, n, width)``, stored rows of
-those KV element types; a model with other cache types converts them through float32).
+format, minirt version, model fingerprint, ``n_tokens``, ``cache_type_k`` / ``cache_type_v``,
+``kv_basis``), ``tokens`` (``(n,)`` int32 ids), ``k`` and ``v`` (``(n_layer, n_head_kv, n, width)``,
+stored rows of those KV element types; ``kv_basis`` 1: in the form block-quantized caches store them
+(keys less their layer's constant offset, keys and values Hadamard-rotated: :class:`minirt.kv_cache.KVCache`),
+0 or absent (files written before that field): plain rows; a model with other cache types, or a file
+of the other basis, converts them through float32).
 
 Reading one is hostile-input work: it ends up in the prefix cache, where a wrong value would
 silently change every later request sharing its tokens. So :func:`read_state` checks everything
@@ -105,16 +108,19 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
                             int(np.prod(want_k)) * tk.dtype.itemsize)
             v = _read_array(name, zf, member["v"], _exactly(tv.dtype, want_v),
                             int(np.prod(want_v)) * tv.dtype.itemsize)
-    if (tk.name, tv.name) == cache.types:
+    basis = header.get("kv_basis", 0)
+    if basis not in (0, 1) or isinstance(basis, bool):
+        raise StateError(f"{name}: unknown kv_basis {str(basis)[:40]!r} (expected 0 or 1)")
+    if (tk.name, tv.name) == cache.types and bool(basis) == cache.transformed:
         _finite(name, "k", k if not tk.quantized else dequantize_rows(k, tk))
         _finite(name, "v", v if not tv.quantized else dequantize_rows(v, tv))
         cache.import_rows(k, v, n)
-    else:  # saved with other cache types: converted (through float32) to this model's
-        log.info("%s: converting a %s/%s KV state to %s/%s", name, tk.name, tv.name, *cache.types)
+    else:  # saved with other cache types (or rotation): converted (through float32) to this model's
+        log.info("%s: converting a %s/%s KV state (basis %d) to %s/%s", name, tk.name, tv.name, basis, *cache.types)
         kf, vf = dequantize_rows(k, tk), dequantize_rows(v, tv)
         _finite(name, "k", kf)
         _finite(name, "v", vf)
-        cache.import_rows(kf, vf, n, float_rows=True)
+        cache.import_rows(kf, vf, n, float_rows=True, stored_as=(tk, tv) if basis else None)
     cache.tokens[:n] = tokens
     cache.n_past = n
     return tokens.tolist()

@@ -87,6 +87,8 @@ typedef struct {
     long long conv_taps;        /* its causal depthwise convolution: conv_w (n_embd, conv_taps), the last tap
                                    multiplies the new position */
     const float *conv_w;
+    const float *k_offset;      /* (n_head_kv, head_dim_k) or NULL: a block-quantized K cache stores keys less
+                                   this constant (softmax ignores the shift q . offset; Attention.key_offset) */
 } mr_layer;
 
 typedef struct {
@@ -155,6 +157,9 @@ int mr_logit_stats(const float *x, long long n, int k, float *out_max, double *o
  * converting a tile of at most a few hundred rows at a time. */
 int mr_kv_type_ok(int type);
 long long mr_kv_row_bytes(int type, long long n);
+/* Block-quantized caches store attention rows Hadamard-rotated, as llama.cpp does: the run length
+ * rows of head_dim values of this type are rotated in (keys != 0: keys, else values), 0 = none. */
+int mr_kv_rotation(int type, long long head_dim, int keys);
 int mr_kv_quantize(int type, const float *x, long long n, unsigned char *dst);
 int mr_kv_dequantize(int type, const unsigned char *src, long long n, float *dst);
 

@@ -261,6 +261,8 @@ int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, i
  * mr_kv_store writes n values (a multiple of the block) as ggml's reference quantizer does;
  * mr_kv_rows returns nrows rows of D values from row0 of `base` as float32 (into scratch unless f32). */
 void mr_kv_store(int type, const float *x, int64_t n, void *dst);
+/* runs of n values of x (len) through the orthonormal Hadamard rotation, in place (mr_kv_rotation) */
+void mr_kv_rotate(float *x, int64_t len, int64_t n);
 const float *mr_kv_rows(const mr_kernels *K, int type, const void *base, int64_t row0, int64_t nrows, int64_t D,
                         float *scratch);
 void mr_rope_row(float *v, long long n_rot, const float *cs, const float *sn, int neox);

@@ -26,6 +26,36 @@ long long mr_kv_row_bytes(int type, long long n) {
     return n / mr_types[type].block * mr_types[type].bytes;
 }
 
+/* The Hadamard rotation a block-quantized cache stores attention rows under (llama.cpp's
+ * attn_rot_k / attn_rot_v; the rule and its reason: KVType.rotation in minirt/kv_types.py): keys
+ * in runs of the largest power of two >= 64 dividing head_dim, values in runs of 64; 0 = none. */
+int mr_kv_rotation(int type, long long head_dim, int keys) {
+    if (!mr_kv_type_ok(type) || mr_types[type].block == 1 || head_dim <= 0 || head_dim % 64) return 0;
+    if (!keys) return 64;
+    int n = 64;
+    while (head_dim % (2 * n) == 0) n *= 2;
+    return n;
+}
+
+/* x (len floats, len a multiple of n, n a power of two): each run of n values multiplied by the
+ * orthonormal Walsh-Hadamard matrix in natural order, in place (its own inverse). The butterflies
+ * and the final scale are those of kv_types.rotate, so both give the same floats. */
+void mr_kv_rotate(float *x, int64_t len, int64_t n) {
+    if (n <= 1) return;
+    const float s = 1.0f / sqrtf((float)n);
+    for (int64_t r = 0; r + n <= len; r += n) {
+        float *y = x + r;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t i = 0; i < n; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        for (int64_t j = 0; j < n; j++) y[j] *= s;
+    }
+}
+
 MR_INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays a (quiet) NaN, as ggml */
     uint32_t u;
     memcpy(&u, &f, 4);

@@ -405,6 +405,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             if (rc != MR_OK) break;
             PROF(2);
         } else { /* attention */
+            const int64_t rot_k = mr_kv_rotation(type_k, D, 1), rot_v = mr_kv_rotation(type_v, D, 0);
             {
                 const mr_weight *w[3] = {&L->wq, &L->wk, &L->wv};
                 float *y[3] = {q, k, v};
@@ -423,9 +424,15 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                     for (int64_t i = 0; i < nk; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
                 }
                 if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
+                /* a block-quantized cache holds rotated keys: queries turn with them (dots unchanged) */
+                mr_kv_rotate(qb, H * D, rot_k);
                 if (!own_kv) continue;
+                if (L->k_offset && mr_types[type_k].block > 1)
+                    for (int64_t j = 0; j < Hkv * D; j++) kb[j] -= L->k_offset[j];
+                mr_kv_rotate(kb, Hkv * D, rot_k);
                 if (L->v_norm)
                     for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(vb + i * D, NULL, L->eps, D, vb + i * D);
+                mr_kv_rotate(vb, Hkv * D, rot_v);
                 const int64_t rbk = mr_kv_row_bytes(type_k, D), rbv = mr_kv_row_bytes(type_v, D);
                 for (int64_t i = 0; i < Hkv; i++) { /* the new key / value at position pos, quantized in place */
                     const int64_t row = i * s->n_ctx + s->pos;
@@ -448,6 +455,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                                                L->softcap, threads);
             }
             if (rc != MR_OK) break;
+            mr_kv_rotate(att, B * H * D, rot_v); /* rotated values: the output back to the plain basis */
             PROF(2);
         }
         {

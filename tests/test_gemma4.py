@@ -97,9 +97,12 @@ def test_copy_prefix_export_import_round_trip():
         for a, b in ((dst.layer(i), src.layer(i)), (back.layer(i), src.layer(i))):
             np.testing.assert_array_equal(a[0][:, :120], b[0][:, :120])
             np.testing.assert_array_equal(a[1][:, :120], b[1][:, :120])
-    # float rows of another type: stored (quantized) layer by layer at each layer's own size
+    # float rows of another type: stored layer by layer at each layer's own size, each layer's
+    # rotation (of its own head size) undone
+    q8 = kv_types.get("q8_0")
+    assert [src.rotation(i) for i in range(4)] == [(64, 64), (128, 64), (64, 64), (128, 64)]
     f = KVCache(6, 2, 128, 128, 4096, layers=LAYERS)
-    f.import_rows(*(kv_types.get("q8_0").dequantize(a) for a in (k, v)), 120, float_rows=True)
+    f.import_rows(*(q8.dequantize(a) for a in (k, v)), 120, float_rows=True, stored_as=(q8, q8))
     for i in range(4):
         np.testing.assert_allclose(f.read(i, 0, 120)[0], src.read(i, 0, 120)[0], rtol=0, atol=1e-6)
 

@@ -223,6 +223,8 @@ def test_state_round_trip_per_type(tiny_path, tmp_path, t):
         first = m.generate("the capital of France is", max_tokens=6, temperature=0.0, ignore_eos=True)
         saved = m.save_state(st)
         k_saved = m.cache_pool.most_recent().k[:, :, :len(saved)].copy()
+        # the keys themselves (block types store them rotated, less any offset)
+        k_plain = np.stack([m.cache_pool.most_recent().read(i, 0, len(saved))[0] for i in range(k_saved.shape[0])])
         follow = saved + first.token_ids[-1:]
         want = m.generate(follow, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids
     with minirt.load(tiny_path, n_ctx=96, cache_type_k=t, cache_type_v="f16") as m2:
@@ -235,8 +237,9 @@ def test_state_round_trip_per_type(tiny_path, tmp_path, t):
         assert m3.load_state(st) == saved
         cache = m3.cache_pool.most_recent()
         assert cache.types == ("f32", "f32")
-        np.testing.assert_array_equal(cache.k[:, :, :len(saved)], kv_types.get(t).dequantize(k_saved)
-                                      if t != "f16" else k_saved.astype(np.float32))
+        np.testing.assert_array_equal(cache.k[:, :, :len(saved)], k_plain)
+        if t in ("f16", "bf16"):  # stored as they are
+            np.testing.assert_array_equal(k_plain, kv_types.get(t).dequantize(k_saved))
 
 
 @pytest.mark.parametrize("t", ["q8_0", "bf16"])
@@ -280,8 +283,10 @@ def test_real_models_teacher_forced_agreement_per_type(key):
     """Both real models, llama.cpp's greedy continuations fed back: with an f16 cache the argmax at
     each position agrees with the f32 cache's and the float32 reference (transformers) as well as
     the f32 cache does, within a point; q8_0 values cost nothing measurable either. q8_0 keys cost
-    more on Qwen2.5, whose keys have a few channels of very large magnitude (the K bias): a block
-    holding one flattens the others (measured 93.5% agreement, 99.7% with q8_0 values alone)."""
+    more on Qwen2.5, whose keys have a few channels of very large magnitude (the K bias): stored as
+    they are, a block holding one flattens the others (93.5% agreement); rotated as llama.cpp does
+    98.1%, and less their constant offset too 99.2% (Gemma3 99.4%). llama.cpp 0.3.36 on the same
+    prompts and files: 97.4% (Qwen) and 97.4% (Gemma) of its q8_0 cache's argmax agree with its f16's."""
     import json
 
     from tests.conftest import MODEL_NAMES, reference_jsonl, reference_npz
@@ -304,7 +309,164 @@ def test_real_models_teacher_forced_agreement_per_type(key):
         print(f"{key} {t}: agreement with f32 cache {agree(am[t], am['f32']):.4f}, with the float32 reference "
               f"{agree(am[t], ref):.4f} (f32 cache {base:.4f})")
         if t == "q8_0":
-            assert agree(am[t], am["f32"]) >= 0.9
+            assert agree(am[t], am["f32"]) >= 0.985
         else:
             assert agree(am[t], am["f32"]) >= 0.98
             assert agree(am[t], ref) >= base - 0.01
+
+
+# ------------------------------------------------------------------- rotation and key offset of block types
+
+
+def test_hadamard_rotation_and_llama_cpp_rule(nat):
+    """The rotation is the orthonormal Walsh-Hadamard matrix llama.cpp builds (Sylvester order, here by
+    Kronecker products), applied in runs along the head; its own inverse. Which rows rotate follows
+    llama.cpp's rule (llama-kv-cache.cpp: block types only, head sizes multiple of 64; keys in runs of the
+    largest power of two dividing the head size, values of 64), in numpy and in C alike."""
+    h2 = np.array([[1.0, 1.0], [1.0, -1.0]]) / np.sqrt(2.0)
+    rng = np.random.default_rng(3)
+    for n in (64, 128, 256, 512):
+        h = np.ones((1, 1))
+        while h.shape[0] < n:
+            h = np.kron(h, h2)
+        np.testing.assert_allclose(kv_types.hadamard(n), h, rtol=0, atol=1e-7)
+        x = rng.standard_normal((3, 2, 2 * n)).astype(np.float32)
+        y = kv_types.rotate(x, n)
+        np.testing.assert_allclose(y, (x.reshape(-1, n).astype(np.float64) @ h).reshape(x.shape), rtol=0, atol=2e-6)
+        np.testing.assert_allclose(kv_types.rotate(y, n), x, rtol=0, atol=2e-6)
+    assert kv_types.rotate(x, 0) is x
+    with pytest.raises(ValueError):
+        kv_types.rotate(x, 96)
+
+    def llama_cpp_k(hd: int) -> int:  # build_input_k_rot's loop
+        nrot = 64
+        while True:
+            nrot *= 2
+            if hd % nrot:
+                break
+        return nrot // 2
+
+    ffi, lib = native._lib()
+    for name in kv_types.CACHE_TYPES:
+        t = kv_types.get(name)
+        for hd in (32, 64, 96, 128, 192, 256, 320, 512):
+            want = (llama_cpp_k(hd), 64) if t.quantized and hd % 64 == 0 else (0, 0)
+            assert (t.rotation(hd, keys=True), t.rotation(hd, keys=False)) == want, (name, hd)
+            assert (lib.mr_kv_rotation(t.ggml_id, hd, 1), lib.mr_kv_rotation(t.ggml_id, hd, 0)) == want, (name, hd)
+
+
+@pytest.fixture(scope="module")
+def biased_path(tmp_path_factory):
+    """A tiny model whose keys carry a large bias on two channels, as Qwen2.5's first layer (up to 145)."""
+    path = tmp_path_factory.mktemp("kvt") / "biased.gguf"
+    write_tiny(path, TinySpec(**{**SPEC.__dict__, "weights": {}, "bias": True, "k_bias_outlier": 40.0}))
+    return str(path)
+
+
+def test_key_offset_is_the_mean_rotated_bias(biased_path):
+    """The constant taken off the keys is the K bias after RoPE, averaged over the training context's
+    positions (computed here position by position); f16 caches store keys as they are."""
+    from minirt.blocks import apply_rope
+
+    with minirt.load(biased_path, n_ctx=64, cache_type_k="q8_0", cache_type_v="f16") as m:
+        a, n = m.model.desc.blocks[0].attn, m.model.desc.n_ctx_train
+        b = np.asarray(a.wk.bias, np.float64).reshape(1, a.n_head_kv, a.head_dim_k)
+        acc = np.zeros_like(b)
+        for p0 in range(0, n, 64):
+            pos = np.arange(p0, min(n, p0 + 64))
+            cos, sin = a.rope.cos_sin(pos)
+            x = np.repeat(b, len(pos), axis=0)
+            apply_rope(x, cos.astype(np.float64), sin.astype(np.float64), a.rope.neox, a.rope.dim)
+            acc += x.sum(0, keepdims=True)
+        np.testing.assert_allclose(m.model.cfg.kv_offsets[0], acc[0] / n, rtol=0, atol=1e-3)
+        assert np.abs(m.model.cfg.kv_offsets[0]).max() > 30  # the outlier channels turn slowly
+        cache = m._new_cache(32)
+        assert cache.key_offset(0) is not None and cache.rotation(0) == (64, 0)
+        assert cache.transformed
+    with minirt.load(biased_path, n_ctx=64) as m:
+        c16 = m._new_cache(32)
+        assert c16.key_offset(0) is None and c16.rotation(0) == (0, 0) and not c16.transformed
+
+
+@pytest.mark.parametrize("t", ["q8_0", "q4_0"])
+def test_rotation_and_offset_cut_the_error_of_biased_keys(biased_path, monkeypatch, t):
+    """Keys with large bias channels: stored rotated and less their offset, the logits of a block-typed
+    cache are at least twice as close to the f32 cache's than with the keys stored as they are (the
+    plain storage measured by switching both off); prefill here, decode steps below."""
+    from minirt import kv_cache
+
+    ids = [1] + np.random.default_rng(5).integers(3, 290, 40).tolist()
+
+    def logits(ct: str) -> np.ndarray:
+        with minirt.load(biased_path, n_ctx=64, backend="reference", cache_type_k=ct, cache_type_v=ct) as m:
+            return m.logits(ids)
+
+    ref, got = logits("f32"), logits(t)
+    monkeypatch.setattr(kv_cache.KVCache, "rotation_for", lambda self, i, kt, vt: (0, 0))
+    monkeypatch.setattr(kv_cache.KVCache, "key_offset", lambda self, i, kt=None: None)
+    plain = logits(t)
+
+    def rel(x: np.ndarray) -> float:
+        return float(np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref ** 2)))
+
+    print(f"{t}: logits rel-RMS vs f32 cache {rel(got):.4f}, keys stored plain {rel(plain):.4f}")
+    assert rel(got) * 2 < rel(plain)  # measured 4.5x (q8_0), 2.3x (q4_0)
+
+
+@pytest.mark.parametrize("t", ["q8_0", "q4_1"])
+def test_fused_decode_stores_rotated_offset_keys(nat, biased_path, t):
+    """The native decode step rotates and offsets keys, values and queries as the per-op path does: a
+    prefill stored by one and decode steps by the other give the per-op logits (a step storing or
+    reading rows in another form would be off by the bias itself), and the rows the step wrote are the
+    rows KVCache.store writes for the same keys."""
+    ids = [1] + np.random.default_rng(7).integers(3, 290, 30).tolist()
+    out, caches = {}, {}
+    for backend in ("native", "reference"):
+        with minirt.load(biased_path, n_ctx=64, backend=backend, cache_type_k=t, cache_type_v=t) as m:
+            assert (m.model.native_stack is not None) == (backend == "native")
+            cache = m._new_cache(64)
+            rows = [m.model.forward(np.array(ids[:20]), [Segment(cache, 20, "last")])[0]]
+            rows += [m.model.forward(np.array([tok]), [Segment(cache, 1, "last")])[0] for tok in ids[20:]]
+            out[backend], caches[backend] = np.stack(rows), cache
+    ref = out["reference"]
+    assert np.sqrt(np.mean((out["native"] - ref) ** 2) / np.mean(ref ** 2)) < 2e-3
+    for i in range(2):  # positions 20.. written by the fused step vs by the per-op path's store
+        kn, vn = caches["native"].read(i, 20, len(ids))
+        kr, vr = caches["reference"].read(i, 20, len(ids))
+        k32 = np.sqrt(np.mean(kr ** 2))
+        assert np.sqrt(np.mean((kn - kr) ** 2)) < 0.05 * k32 and np.sqrt(np.mean((vn - vr) ** 2)) < 0.05 * np.sqrt(
+            np.mean(vr ** 2))
+
+
+def test_biased_keys_state_and_shift(biased_path, tmp_path):
+    """A q8_0 state of the biased model loads into an f32 model as its plain keys (offset added back,
+    rotation undone), and a context shift re-rotates plain keys (within two storage errors of keys
+    computed fresh at the new positions)."""
+    st = tmp_path / "b.state"
+    with minirt.load(biased_path, n_ctx=96, cache_type_k="q8_0", cache_type_v="q8_0") as m:
+        m.generate("the capital of France is", max_tokens=6, temperature=0.0, ignore_eos=True)
+        saved = m.save_state(st)
+        c = m.cache_pool.most_recent()
+        plain = [c.read(i, 0, len(saved)) for i in range(2)]
+    with minirt.load(biased_path, n_ctx=96, cache_type_k="f32", cache_type_v="f32") as m32:
+        assert m32.load_state(st) == saved
+        c32 = m32.cache_pool.most_recent()
+        for i in range(2):
+            np.testing.assert_array_equal(c32.k[i, :, :len(saved)], plain[i][0])
+            np.testing.assert_array_equal(c32.v[i, :, :len(saved)], plain[i][1])
+        assert np.abs(plain[0][0]).max() > 20  # the bias is there, as the keys have it
+    ids = [1] + np.random.default_rng(9).integers(3, 290, 19).tolist()
+    kept = ids[:2] + ids[7:]
+    with minirt.load(biased_path, n_ctx=64, cache_type_k="f32", cache_type_v="f32") as m32:
+        fresh = m32._new_cache(32)
+        m32.model.forward(np.array(kept), [Segment(fresh, len(kept), "none")])
+    with minirt.load(biased_path, n_ctx=64, cache_type_k="q8_0", cache_type_v="q8_0") as m:
+        cache = m._new_cache(32)
+        m.model.forward(np.array(ids), [Segment(cache, len(ids), "none")])
+        cache.tokens[:20] = ids
+        m.model.shift_cache(cache, n_keep=2, n_discard=5)
+        k, fk = cache.read(0, 0, 15)[0], fresh.read(0, 0, 15)[0]
+        off = cache.key_offset(0)[:, None, :]
+        # the storage error is that of the keys less their offset, rotated (what the cache quantizes)
+        stored = kv_types.rotate(fk - off, 64)
+        assert 0 < np.sqrt(np.mean((k - fk) ** 2) / np.mean((fk - off) ** 2)) <= 2.5 * _rel_err("q8_0", stored)

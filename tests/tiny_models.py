@@ -51,6 +51,7 @@ class TinySpec:
     freq_factors: bool = False  # llama3-style rope_freqs.weight
     tied: bool = False
     bias: bool = False
+    k_bias_outlier: float = 0.0  # with bias: the last two channels of each K head's bias get this value (Qwen2.5-like)
     seed: int = 0
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # float32 as stored (after quant round trip)
     specials: tuple[str, ...] = ()  # user-defined tokens appended to the vocabulary
@@ -100,7 +101,10 @@ def write_tiny(path: Path, spec: TinySpec) -> TinySpec:
         add(p + "attn_v.weight", rng.normal(0, 0.2, (Hkv * hd, d)), spec.qtype)
         if spec.bias:
             add(p + "attn_q.bias", rng.normal(0, 0.1, H * hd))
-            add(p + "attn_k.bias", rng.normal(0, 0.1, Hkv * hd))
+            kb = rng.normal(0, 0.1, (Hkv, hd))
+            if spec.k_bias_outlier:
+                kb[:, -2:] = spec.k_bias_outlier
+            add(p + "attn_k.bias", kb.reshape(-1))
             add(p + "attn_v.bias", rng.normal(0, 0.1, Hkv * hd))
         add(p + "attn_output.weight", rng.normal(0, 0.2, (d, H * hd)), spec.qtype)
         add(p + "ffn_norm.weight", 1 + 0.1 * rng.normal(size=d))

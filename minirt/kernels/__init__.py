@@ -163,7 +163,7 @@ class NativeBackend(Backend):
         keys = [r.key() for r in model.ropes]
         index = [keys.index(b.attn.rope.key()) if b.attn.rope is not None else -1 for b in desc.blocks]
         try:
-            model.native_stack = self._mod.LayerStack(desc.blocks, index)
+            model.native_stack = self._mod.LayerStack(desc.blocks, index, key_offsets=model.cfg.kv_offsets)
         except (BackendError, InvalidRequestError) as e:
             log.info("native decode layers unavailable for this model (%s); decode runs layer by layer", e)
 

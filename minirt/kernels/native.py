@@ -46,6 +46,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -1001,10 +1002,13 @@ class LayerStack:
 
     ``rope_index[i]``: which of the cos/sin table pairs handed to :meth:`run` block i reads (-1: a
     NoPE layer). A weight whose ``backend_data`` is a :class:`PackedMatrix` is read packed; the
-    others in their ggml layout. Raises :class:`BackendError` when a block cannot run natively here.
+    others in their ggml layout. ``key_offsets``: per layer the (n_head_kv, head_dim_k) constant a
+    block-quantized cache stores keys less of (the caches' own, ``Config.kv_offsets``), or None.
+    Raises :class:`BackendError` when a block cannot run natively here.
     """
 
-    def __init__(self, blocks: list[Any], rope_index: list[int], isa: str | None = None) -> None:
+    def __init__(self, blocks: list[Any], rope_index: list[int], isa: str | None = None,
+                 key_offsets: Sequence[np.ndarray | None] | None = None) -> None:
         ffi, lib = _lib()
         self._keep: list[Any] = []
         self.n_layer = len(blocks)
@@ -1024,6 +1028,8 @@ class LayerStack:
         self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
         if len(rope_index) != self.n_layer:
             raise InvalidRequestError(f"{len(rope_index)} RoPE table indices for {self.n_layer} layers")
+        if key_offsets is not None and len(key_offsets) != self.n_layer:
+            raise InvalidRequestError(f"{len(key_offsets)} key offsets for {self.n_layer} layers")
         for i, (b, ri) in enumerate(zip(blocks, rope_index)):
             why = layer_unsupported(b)
             if why is not None:
@@ -1066,6 +1072,11 @@ class LayerStack:
             L.mixer = 0 if c is None else 1
             L.conv_taps = 0 if c is None else c.taps
             L.conv_w = ffi.NULL if c is None else self._f32(ffi, c.weight)
+            off = None if key_offsets is None else key_offsets[i]
+            if off is not None and (c is not None or np.shape(off) != (a.n_head_kv, a.head_dim_k)):
+                raise InvalidRequestError(f"layer {i}: a key offset of shape {np.shape(off)} for keys of "
+                                          f"{a.n_head_kv} x {a.head_dim_k}")
+            L.k_offset = ffi.NULL if off is None else self._f32(ffi, off)
             if a.rope is not None:
                 self._half_rope[int(ri)] = max(self._half_rope.get(int(ri), 0), a.rope.dim // 2)
             kinds = {n.kind for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None}
