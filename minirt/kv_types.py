@@ -126,12 +126,21 @@ def rotate(x: np.ndarray, n: int) -> np.ndarray:
     its own inverse. n = 0: x unchanged. Returns a new float32 array (x when n = 0).
 
     Computed by the fast Walsh-Hadamard butterflies in the order native/kvcache.c's mr_kv_rotate
-    runs them (then one scale), so rows rotated here and in the fused decode step are the same floats."""
+    runs them (then one scale), so rows rotated here and in the fused decode step are the same floats;
+    by those kernels when they are loaded (a few times faster), else in numpy."""
     if not n:
         return x
     x = np.asarray(x, dtype=np.float32)
     if x.shape[-1] % n or n & (n - 1):
         raise ValueError(f"rows of {x.shape[-1]} values cannot be rotated in runs of {n}")
+    from .kernels import native
+
+    if native.loaded():
+        return native.kv_rotate(x, n)
+    return _rotate_numpy(x, n)
+
+
+def _rotate_numpy(x: np.ndarray, n: int) -> np.ndarray:
     y = x.reshape(-1, n)
     h = 1
     while h < n:

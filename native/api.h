@@ -160,6 +160,9 @@ long long mr_kv_row_bytes(int type, long long n);
 /* Block-quantized caches store attention rows Hadamard-rotated, as llama.cpp does: the run length
  * rows of head_dim values of this type are rotated in (keys != 0: keys, else values), 0 = none. */
 int mr_kv_rotation(int type, long long head_dim, int keys);
+/* x (len floats, len a multiple of n, n a power of two up to 4096): each run of n values through that
+ * rotation (the orthonormal Walsh-Hadamard matrix in natural order), in place. Returns 0 or < 0. */
+int mr_kv_rotate_rows(float *x, long long len, long long n);
 int mr_kv_quantize(int type, const float *x, long long n, unsigned char *dst);
 int mr_kv_dequantize(int type, const unsigned char *src, long long n, float *dst);
 

@@ -56,6 +56,12 @@ void mr_kv_rotate(float *x, int64_t len, int64_t n) {
     }
 }
 
+int mr_kv_rotate_rows(float *x, long long len, long long n) {
+    if (!x || len < 0 || n < 1 || n > 4096 || (n & (n - 1)) || len % n) return MR_E_SHAPE;
+    mr_kv_rotate(x, len, n);
+    return MR_OK;
+}
+
 MR_INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays a (quiet) NaN, as ggml */
     uint32_t u;
     memcpy(&u, &f, 4);

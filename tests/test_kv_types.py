@@ -334,6 +334,8 @@ def test_hadamard_rotation_and_llama_cpp_rule(nat):
         y = kv_types.rotate(x, n)
         np.testing.assert_allclose(y, (x.reshape(-1, n).astype(np.float64) @ h).reshape(x.shape), rtol=0, atol=2e-6)
         np.testing.assert_allclose(kv_types.rotate(y, n), x, rtol=0, atol=2e-6)
+        # the kernels' rotation (what the fused decode step applies) gives the numpy butterflies' floats
+        np.testing.assert_array_equal(native.kv_rotate(x, n), kv_types._rotate_numpy(x, n))
     assert kv_types.rotate(x, 0) is x
     with pytest.raises(ValueError):
         kv_types.rotate(x, 96)

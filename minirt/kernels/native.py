@@ -1638,6 +1638,18 @@ def _bytes_of(ffi: Any, a: np.ndarray) -> Any:
     return ffi.from_buffer("char[]", a.reshape(-1).view(np.uint8))
 
 
+def kv_rotate(x: np.ndarray, n: int) -> np.ndarray:
+    """x (..., D) with each run of n values along the last axis Hadamard-rotated (a new float32
+    array; the same floats as :func:`minirt.kv_types.rotate` and the fused decode step)."""
+    ffi, lib = _lib()
+    y = np.array(x, dtype=_F32, order="C", copy=True)
+    if y.ndim < 1 or y.shape[-1] % n:
+        raise InvalidRequestError(f"rows of {y.shape[-1] if y.ndim else 0} values cannot be rotated in runs of {n}")
+    if y.size:
+        _check_rc(lib.mr_kv_rotate_rows(ffi.from_buffer("float[]", y, require_writable=True), y.size, n), "kv_rotate")
+    return y
+
+
 def kv_quantize(x: np.ndarray, kv_type: str) -> np.ndarray:
     """float32 rows x (..., head_dim) → the stored rows (..., width) of KV type ``kv_type``, as the
     decode step writes them (ggml's reference quantizers)."""
