@@ -13,7 +13,7 @@ per depth, like minirt's side: one child process per depth and type, so each RSS
 Quality helpers (no timing):
 
     python bench/context_sweep.py --quality -m gemma3-270m --types q8_0 q4_0   # vs the f32 cache, and llama.cpp's
-    python bench/context_sweep.py --perplexity TEXT.txt --types f16 q8_0   # vs llama-perplexity
+    python bench/context_sweep.py --perplexity bench/data/kjv_genesis_1-5.txt --types f16 q8_0   # vs llama-perplexity
 
 The llama.cpp binaries are found through ``$MINIRT_LLAMA_BIN`` (a build/bin folder) or PATH. The
 plot needs matplotlib (the ``bench`` extra); without it the table is still written.
@@ -302,7 +302,9 @@ def perplexity(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": a.model, "text": a.perplexity, "ctx": n}
     for t in a.types:
         with minirt.load(a.model, n_ctx=n, cache_type_k=t, cache_type_v=t, threads=a.threads) as llm:
-            toks = llm.tokenize(text, add_special=False)
+            # as llama-perplexity: the whole text with the model's special tokens (BOS where it adds one),
+            # then each chunk's first token replaced by BOS
+            toks = llm.tokenize(text, add_special=True)
             bos = llm.tokenizer.bos_id if getattr(llm.tokenizer, "add_bos", False) else None
             nll, cnt = 0.0, 0
             for s in range(0, len(toks) - n + 1, n):

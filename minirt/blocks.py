@@ -532,6 +532,17 @@ class ModelDesc:
         n = min(self.n_ctx_train or 4096, 32768)
         return [b.attn.key_offset(n) for b in self.blocks]
 
+    def kv_windows(self) -> list[int]:
+        """Per layer the window of a causal sliding-window layer with a cache of its own, else 0: the
+        rows such a layer's cache must keep (:meth:`minirt.kv_cache.KVCache.release_stale`)."""
+        w = [int(getattr(b.attn, "window", 0)) if b.attn.causal else 0 for b in self.blocks]
+        for j, b in enumerate(self.blocks):  # a layer reading another's cache needs those rows too
+            s = b.attn.kv_source
+            if s is not None:
+                w[s] = max(w[s], w[j]) if w[s] and w[j] else 0
+                w[j] = 0
+        return w
+
     def kv_rotate(self) -> list[bool]:
         """Per layer, whether its cache rows are attention keys / values (rotatable, see
         :meth:`minirt.kv_cache.KVCache.rotation`)."""

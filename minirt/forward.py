@@ -44,6 +44,8 @@ class Config:
     # per layer the (n_head_kv, head_dim_k) constant a block-quantized cache takes off its keys
     # (Attention.key_offset), None for none; None: no layer has one
     kv_offsets: tuple[np.ndarray | None, ...] | None = field(default=None, kw_only=True, compare=False)
+    # per layer the window of a causal sliding-window layer (0: full context); None: no such layer
+    kv_windows: tuple[int, ...] | None = field(default=None, kw_only=True)
 
 
 def config_of(desc: ModelDesc) -> Config:
@@ -54,19 +56,21 @@ def config_of(desc: ModelDesc) -> Config:
     layers = tuple(desc.kv_layers())
     rot = tuple(desc.kv_rotate())
     offsets = tuple(desc.key_offsets())
+    windows = tuple(desc.kv_windows())
     n_head = next((b.attn.n_head for b in desc.blocks if not isinstance(b.attn, ShortConv)), 0)
     return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.n_ff,
                   n_head=n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
                   n_ctx_train=desc.n_ctx_train,
                   kv_layers=None if all(s == (hkv, dk, dv) for s in layers) else layers,
                   kv_rotate=None if all(rot) else rot,
-                  kv_offsets=None if all(o is None for o in offsets) else offsets)
+                  kv_offsets=None if all(o is None for o in offsets) else offsets,
+                  kv_windows=windows if any(windows) else None)
 
 
 def kv_cache_for(cfg: Config, n_ctx: int, type_k: str | None = None, type_v: str | None = None) -> KVCache:
     """An empty cache of ``n_ctx`` positions laid out for the model ``cfg`` summarises."""
     return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, n_ctx, type_k=type_k, type_v=type_v,
-                   layers=cfg.kv_layers, rotate=cfg.kv_rotate, key_offsets=cfg.kv_offsets)
+                   layers=cfg.kv_layers, rotate=cfg.kv_rotate, key_offsets=cfg.kv_offsets, windows=cfg.kv_windows)
 
 
 @dataclass
@@ -257,6 +261,7 @@ class Transformer:
                 x = self.block(i, x, ctx)
         for seg in segments:
             seg.cache.n_past += seg.n_tokens
+            seg.cache.release_stale()  # sliding-window layers: rows no query reads any more
         # only rows whose logits were asked for go through the (large) output matmul
         rows = logit_rows(ctx.spans)
         logits = self.head(x[rows]) if rows else None
@@ -362,6 +367,7 @@ class Transformer:
             vc[:, n_keep:n_keep + n_move] = vc[:, src0:n_past].copy()
         cache.tokens[n_keep:n_keep + n_move] = cache.tokens[src0:n_past].copy()
         cache.n_past = n_keep + n_move
+        cache.stale_after_shift(n_keep, n_discard)
 
 
 def batch_spans(segments: Sequence[Segment]) -> list[tuple[Segment, int, int]]:

@@ -318,6 +318,7 @@ class Sequence:
         """Give the sequence its KV cache, whose first ``n_reused`` positions hold the prompt's prefix."""
         self.cache = cache
         self.n_prefilled = self.n_reused = n_reused
+        cache.keep_rows = max(cache.keep_rows, self.n_keep)  # rows a context shift keeps stay resident
 
     # -- output ----------------------------------------------------------------------------------
     def _emit(self, ev: TokenEvent) -> None:

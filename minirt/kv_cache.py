@@ -38,23 +38,27 @@ def _anon_map(a: np.ndarray) -> mmap.mmap | None:
     return b if isinstance(b, mmap.mmap) else None
 
 
-def drop_positions(a: np.ndarray, n: int) -> int:
-    """Give the pages of positions ``n..`` of a C-contiguous (..., n_ctx, dim) array carved from a
-    :func:`lazy_zeros` mapping (a whole (layers, heads, n_ctx, dim) cache array or one layer's
-    (heads, n_ctx, dim) view of it) back to the OS (MADV_DONTNEED: they read as zeros again and are
-    resident no more). Returns the bytes released; 0 for numpy memory (small caches, under 4 MiB)."""
+def drop_positions(a: np.ndarray, n: int, end: int | None = None) -> int:
+    """Give the pages of positions ``n..end-1`` (default: to the end) of a C-contiguous (..., n_ctx, dim)
+    array carved from a :func:`lazy_zeros` mapping (a whole (layers, heads, n_ctx, dim) cache array or
+    one layer's (heads, n_ctx, dim) view of it) back to the OS (MADV_DONTNEED: they read as zeros again
+    and are resident no more); only pages wholly inside each head's range go, so rows sharing a page
+    with a kept one stay intact. Returns the bytes released; 0 for numpy memory (small caches, under 4 MiB)."""
     m = _anon_map(a)
     if m is None or not hasattr(mmap, "MADV_DONTNEED") or a.ndim < 2 or not a.flags.c_contiguous or a.size == 0:
         return 0
     n_ctx, d = a.shape[-2:]
+    end = n_ctx if end is None else min(end, n_ctx)
+    if end <= n:
+        return 0
     rows = a.size // (n_ctx * d)
     base = a.ctypes.data - np.frombuffer(m, dtype=np.uint8).ctypes.data  # where a starts in the mapping
-    row, keep = n_ctx * d * a.itemsize, n * d * a.itemsize
+    row, lo_b, hi_b = n_ctx * d * a.itemsize, n * d * a.itemsize, end * d * a.itemsize
     page, freed = mmap.PAGESIZE, 0
-    if keep == 0:
+    if lo_b == 0 and end == n_ctx:
         spans = [(base, base + rows * row)]  # the whole array at once
     else:
-        spans = [(base + r * row + keep, base + (r + 1) * row) for r in range(rows)]
+        spans = [(base + r * row + lo_b, base + r * row + hi_b) for r in range(rows)]
     for lo, hi in spans:
         lo, hi = -(-lo // page) * page, hi // page * page  # whole pages inside the span only
         if hi > lo:
@@ -98,14 +102,17 @@ class KVCache:
                  dtype: np.dtype | type | None = None, type_k: str | None = None, type_v: str | None = None,
                  layers: Sequence[tuple[int, int, int] | None] | None = None,
                  rotate: Sequence[bool] | None = None,
-                 key_offsets: Sequence[np.ndarray | None] | None = None) -> None:
+                 key_offsets: Sequence[np.ndarray | None] | None = None,
+                 windows: Sequence[int] | None = None) -> None:
         """``type_k`` / ``type_v``: KV element type names (default f32); ``dtype`` (float32 or float16)
         is the older way to ask for f32 / f16 of both. ``layers``: per layer (n_head_kv, head_dim_k,
         head_dim_v), or None for a layer without a cache of its own; the other sizes are then the
         largest of these. ``rotate``: per layer whether its rows are attention keys and values, which
         block-quantized types store under a Hadamard rotation (:meth:`rotation`); default every layer.
         ``key_offsets``: per layer a constant (n_head_kv, head_dim_k) that a block-quantized K type
-        stores its keys less (:meth:`minirt.blocks.Attention.key_offset`), or None."""
+        stores its keys less (:meth:`minirt.blocks.Attention.key_offset`), or None. ``windows``: per
+        layer the window of a causal sliding-window layer (0: it sees its whole context); such a layer
+        keeps only recent rows resident (:meth:`release_stale`)."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if dtype is not None:
@@ -134,6 +141,12 @@ class KVCache:
         if key_offsets is not None and len(key_offsets) != n_layer:
             raise ValueError(f"{len(key_offsets)} key offsets for {n_layer} layers")
         self._offsets = [None] * n_layer if key_offsets is None else list(key_offsets)
+        if windows is not None and len(windows) != n_layer:
+            raise ValueError(f"{len(windows)} windows for {n_layer} layers")
+        self.windows = [0] * n_layer if windows is None else [max(0, int(w)) for w in windows]
+        # per windowed layer, positions [lo, hi) whose rows were given back (zeros now); see release_stale
+        self._stale = [(0, 0)] * n_layer
+        self.keep_rows = 0  # positions never given back (a context shift's n_keep keeps them in use)
         self.n_past = 0
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
         # repetition penalties see the history
@@ -265,6 +278,7 @@ class KVCache:
             else:
                 kc[:, :n] = k[i, :kc.shape[0], :, :kc.shape[2]]
                 vc[:, :n] = v[i, :vc.shape[0], :, :vc.shape[2]]
+        self._stale_after_import(n)
 
     @property
     def nbytes(self) -> int:
@@ -282,9 +296,69 @@ class KVCache:
         """Ids of the cached positions (a view)."""
         return self.tokens[: self.n_past]
 
+    # a windowed layer gives back rows older than its window plus STALE_SLACK positions (so editing or
+    # regenerating the last turn still reuses the cache), STALE_STEP positions at a time
+    STALE_SLACK = 1024
+    STALE_STEP = 512
+
+    def release_stale(self) -> int:
+        """Give back the pages of rows no query can read any more: in a causal sliding-window layer, the
+        positions older than its window (plus :attr:`STALE_SLACK`) — so its resident rows stay about
+        window + slack at any context length, as llama.cpp's SWA cache. Called after each forward
+        step; returns the bytes released. Prefix reuse then checks :meth:`valid_prefix`."""
+        freed = 0
+        for i in self._own_layers():
+            w = self.windows[i]
+            if not w:
+                continue
+            lo, hi = self._stale[i]
+            if hi <= lo:
+                lo = hi = self.keep_rows
+            new_hi = self.n_past - w - self.STALE_SLACK
+            if new_hi - hi < self.STALE_STEP:
+                continue
+            for a in self.layer(i):
+                if a.shape[-1]:
+                    # from the range's start: pages straddling the previous end go once wholly inside
+                    got = drop_positions(a, lo, new_hi)
+                    if _anon_map(a) is None:  # a small cache in numpy memory: zeroed, so it behaves the same
+                        a[:, hi:new_hi] = 0
+                    freed += got
+            self._stale[i] = (lo, new_hi)
+        return freed
+
+    def valid_prefix(self, n: int, keep: int = 0) -> int:
+        """The longest prefix of at most ``n`` positions a request may keep and continue from: every
+        windowed layer must still hold the rows its queries at position n will read, and the first
+        ``keep`` rows (what a context shift of that request keeps). Where a given-back range
+        (:meth:`release_stale`) is in the way: the start of that range, whose rows before it are all there."""
+        changed = True
+        while changed:
+            changed = False
+            for i, (lo, hi) in enumerate(self._stale):
+                if hi > lo and lo < n and (n < hi + self.windows[i] or lo < keep):
+                    n, changed = lo, True
+        return n
+
+    def stale_after_shift(self, n_keep: int, n_discard: int) -> None:
+        """Update the given-back ranges after a context shift moved positions n_keep + n_discard.. down
+        by n_discard (the rows before n_keep stay, the discarded ones are gone)."""
+        src0, out = n_keep + n_discard, []
+        for lo, hi in self._stale:
+            lo, hi = max(lo, src0) - n_discard, hi - n_discard
+            out.append((lo, hi) if hi > lo else (0, 0))
+        self._stale = out
+
+    def _stale_after_import(self, n: int) -> None:
+        # a state file's rows may include given-back (zero) ones it does not mark: claim, as given
+        # back, every row no query from position n on reads (a superset of what the writer gave back)
+        self._stale = [(0, n - w - 1) if w and n - w - 1 > 0 else (0, 0) for w in self.windows]
+
     def clear(self) -> None:
         """Forget every position; their pages go back to the OS (address space stays reserved)."""
         self.n_past = 0
+        self._stale = [(0, 0)] * self.n_layer
+        self.keep_rows = 0
         self._drop(0)
 
     def truncate(self, n: int) -> None:
@@ -294,6 +368,7 @@ class KVCache:
         if not 0 <= n <= self.n_past:
             raise ValueError(f"cannot truncate a cache of {self.n_past} positions to {n}")
         self.n_past = n
+        self._stale = [(min(lo, n), min(hi, n)) for lo, hi in self._stale]
         self._drop(n)
 
     def _drop(self, n: int) -> None:
@@ -322,6 +397,7 @@ class KVCache:
                     dst[:, :n] = src[:, :n]
         self.tokens[:n] = other.tokens[:n]
         self.n_past = n
+        self._stale = [(min(lo, n), min(hi, n)) for lo, hi in other._stale]
 
     def release(self) -> None:
         """Drop the arrays so their memory returns to the OS now rather than at garbage collection."""

@@ -69,8 +69,9 @@ class CachePool:
         self.hits = 0
         self.reused_tokens = 0
 
-    def acquire(self, prompt_ids: np.ndarray) -> tuple[KVCache, int]:
-        """A cache for ``prompt_ids`` and how many of its leading positions are already valid."""
+    def acquire(self, prompt_ids: np.ndarray, keep: int = 0) -> tuple[KVCache, int]:
+        """A cache for ``prompt_ids`` and how many of its leading positions are already valid (``keep``:
+        the request's context-shift n_keep, rows it needs intact)."""
         with self._lock:
             best, best_n = None, 0
             for c in self._idle:
@@ -78,7 +79,7 @@ class CachePool:
                 if n <= best_n:
                     continue
                 same = c.tokens[:n] == prompt_ids[:n]
-                n = int(n if same.all() else np.argmin(same))
+                n = c.valid_prefix(int(n if same.all() else np.argmin(same)), keep)
                 if n > best_n:
                     best, best_n = c, n
             if best is not None:
@@ -507,7 +508,7 @@ class Model:
 
     def attach_cache(self, seq: Sequence) -> None:
         """Give a sequence a KV cache, reusing the longest cached prefix of its prompt."""
-        cache, n_reused = self.cache_pool.acquire(seq.prompt_ids)
+        cache, n_reused = self.cache_pool.acquire(seq.prompt_ids, seq.n_keep)
         seq.attach_cache(cache, n_reused)
 
     def release_cache(self, seq: Sequence) -> None:
