@@ -137,7 +137,8 @@ def test_stream_equals_decode_random_text(request, key, s):
     ids = tok.encode(s)
     deltas = stream(tok, ids)
     assert "".join(deltas) == tok.decode(ids)
-    assert not any("\ufffd" in d for d in deltas)
+    if "\ufffd" not in tok.decode(ids):  # text holding U+FFFD itself streams it, as it should
+        assert not any("\ufffd" in d for d in deltas)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=_HC)
