@@ -24,8 +24,8 @@ import json, sys, time
 import numpy as np
 import minirt
 from minirt.forward import Segment
-name, n_prompt, n_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-llm = minirt.load(name, n_ctx=n_prompt + n_steps + 16, threads=2)
+name, n_prompt, n_steps, ctype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+llm = minirt.load(name, n_ctx=n_prompt + n_steps + 16, threads=2, cache_type_k=ctype, cache_type_v=ctype)
 m = llm.model
 rng = np.random.default_rng(0)
 V = llm.n_vocab
@@ -48,9 +48,9 @@ print(json.dumps({"prefill_min_ms": min(pp) * 1e3, "step_min_ms": float(ts.min()
 """
 
 
-def run_one(checkout: Path, model: str, n_prompt: int, n_steps: int) -> dict[str, float]:
+def run_one(checkout: Path, model: str, n_prompt: int, n_steps: int, ctype: str = "f16") -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    r = subprocess.run([sys.executable, "-c", _CHILD, model, str(n_prompt), str(n_steps)], cwd=checkout, env=env,
+    r = subprocess.run([sys.executable, "-c", _CHILD, model, str(n_prompt), str(n_steps), ctype], cwd=checkout, env=env,
                        capture_output=True, text=True, timeout=1800, check=False)
     if r.returncode != 0:
         raise SystemExit(f"{checkout}: {r.stderr[-2000:]}")
@@ -65,13 +65,15 @@ def main() -> int:
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-steps", type=int, default=110)
+    ap.add_argument("--cache-type", default="f16", help="KV cache type of keys and values (f16, q8_0, ...)")
     a = ap.parse_args()
     models = a.model or ["qwen2.5-coder-0.5b-instruct", "gemma3-270m"]
     got: dict[tuple[str, str], list[dict[str, float]]] = {}
     for rnd in range(a.rounds):
         for model in models:
             for side, path in (("before", a.before), ("after", a.after)):
-                got.setdefault((model, side), []).append(run_one(path.resolve(), model, a.n_prompt, a.n_steps))
+                got.setdefault((model, side), []).append(run_one(path.resolve(), model, a.n_prompt, a.n_steps,
+                                                                     a.cache_type))
                 print(f"round {rnd + 1} {model} {side}: {got[(model, side)][-1]}", file=sys.stderr)
     print("| model | statistic | before | after | after / before |\n|---|---|---:|---:|---:|")
     for model in models:
