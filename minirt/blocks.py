@@ -126,6 +126,9 @@ class Norm:
     bias: np.ndarray | None = None  # (n,) LayerNorm only
 
 
+_MEAN_COS_SIN: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # Rope.mean_cos_sin, per table and length
+
+
 @dataclass
 class Rope:
     """Rotary embedding of the first ``dim`` dims of each head, as ggml's ``rope_ext``.
@@ -184,6 +187,16 @@ class Rope:
         ang = np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq()[None, :]
         m = self.mscale() if magnitude else 1.0
         return (m * np.cos(ang)).astype(np.float32), (m * np.sin(ang)).astype(np.float32)
+
+    def mean_cos_sin(self, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos / sin tables (1, dim/2) averaged over positions 0..n_positions-1 (what a constant vector
+        turns into on average); computed once per distinct table and length, shared by the layers."""
+        k = (self.key(), n_positions)
+        got = _MEAN_COS_SIN.get(k)
+        if got is None:
+            cos, sin = self.cos_sin(np.arange(max(1, n_positions)))
+            got = _MEAN_COS_SIN[k] = (cos.mean(0, keepdims=True), sin.mean(0, keepdims=True))
+        return got
 
     def key(self) -> tuple:
         """Identity of the tables this RoPE produces (layers with equal keys share one table)."""
@@ -254,8 +267,7 @@ class Attention:
             return None
         c = np.asarray(bias, dtype=np.float32).reshape(1, self.n_head_kv, self.head_dim_k).copy()
         if self.rope is not None:
-            cos, sin = self.rope.cos_sin(np.arange(max(1, n_positions)))
-            apply_rope(c, cos.mean(0, keepdims=True), sin.mean(0, keepdims=True), self.rope.neox, self.rope.dim)
+            apply_rope(c, *self.rope.mean_cos_sin(n_positions), self.rope.neox, self.rope.dim)
         return c[0]
 
 
