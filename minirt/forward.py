@@ -121,8 +121,8 @@ class Transformer:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """(T,) token ids → (T, d) float32, dequantizing only the rows used."""
-        t = self.desc.tok_embd
-        x = self.backend.dequantize_rows(t.data[ids], t.qtype, self.desc.n_embd)
+        t, out = self.desc.tok_embd, self.desc.output
+        x = self.backend.embedding_rows(t.data, t.qtype, self.desc.n_embd, ids, out if out.name == t.name else None)
         if self.desc.embed_scale != 1.0:
             x *= np.float32(self.desc.embed_scale)
         return x

@@ -41,6 +41,9 @@ int mr_pack(int qtype, const unsigned char *w, long long rows, long long cols, l
             unsigned char *dst, int threads);
 int mr_unpack(int qtype, const unsigned char *src, long long rows, long long cols, unsigned char *w,
               long long row_bytes);
+/* Rows ids[0..n) of a packed matrix dequantized to float32 (n x cols), as mr_dequantize gives them. */
+int mr_pack_rows(int qtype, const unsigned char *src, long long rows, long long cols, const long long *ids,
+                 long long n, float *out);
 int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long long cols,
                      const float *x, long long n_tokens, long long x_stride,
                      float *y, long long y_stride, int threads, int isa);

@@ -287,6 +287,39 @@ int mr_unpack(int qtype, const unsigned char *src, long long rows, long long col
     return MR_OK;
 }
 
+/* Dequantized rows ids[0..n) of a packed matrix into out (n x cols float32, row i = matrix row ids[i]):
+ * the embedding lookup of a model whose output head is its embedding, so that the lookup reads the
+ * packed copy and the ggml copy's pages need not come back. The values equal those of mr_dequantize
+ * on the ggml rows, bit for bit (same products in the same order). The caller checks
+ * 0 <= ids[i] < rows; an id outside that range is MR_E_SHAPE. */
+int mr_pack_rows(int qtype, const unsigned char *src, long long rows, long long cols, const long long *ids,
+                 long long n, float *out) {
+    if (!mr_pack_supported(qtype, rows, cols) || n < 0) return MR_E_SHAPE;
+    const int kq = qtype == GT_Q4_K || qtype == GT_Q6_K;
+    const int64_t tc = mr_pack_tile_cols(qtype), ntiles = cols / tc, tb = mr_pack_tile_bytes(qtype);
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return MR_E_SHAPE;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t g = ids[i] / 4;
+        const int r = (int)(ids[i] % 4);
+        float *o = out + i * cols;
+        for (int64_t t = 0; t < ntiles; t++, o += tc) {
+            const uint8_t *tile = (const uint8_t *)src + (g * ntiles + t) * tb;
+            if (kq) {
+                for (int Q = 0; Q < 2; Q++)
+                    for (int k = 0; k < 4; k++)
+                        for (int j = 0; j < 32; j++)
+                            o[128 * Q + (qtype == GT_Q6_K ? elem_e6(k, j) : elem_e(k, j))] = pk_value(qtype, tile, r, Q, k, j);
+                continue;
+            }
+            for (int k = 0; k < 4; k++)
+                for (int j = 0; j < 32; j++)
+                    o[elem_e(k, j)] = mr_rdf16(tile + 2 * (4 * r + (j >> 3))) * (float)p32_value(qtype, tile, r, k, j);
+        }
+    }
+    return MR_OK;
+}
+
 /* Reference dequantizer of one tile: out[r * os + c] for the 4 rows, c = packed column (quads of
  * 32k + j positions). */
 void mr_pack_dq_tile(int qtype, const uint8_t *tile, float *out, int64_t os) {

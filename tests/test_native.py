@@ -601,6 +601,45 @@ def test_pack_roundtrip_and_matmul(nat, qtype):
 
 
 @pytest.mark.parametrize("qtype", PACKABLE)
+def test_packed_rows_equal_ggml_dequantize(nat, qtype):
+    """Rows read from the packed copy (the tied embedding lookup) are, bit for bit, gguf.quants'
+    dequantization of the same ggml rows: any id order, repeats, odd row counts, last partial group."""
+    rng = np.random.default_rng(31 + PACKABLE.index(qtype))
+    unit = _pack_unit(qtype)
+    for rows, nq in [(1, 1), (6, 2), (37, 3)]:
+        cols = nq * unit
+        w = random_weights(rng, qtype, rows, cols)
+        pm = native.pack(w, qtype)
+        ids = np.concatenate([rng.integers(0, rows, 50), [rows - 1, 0, rows - 1]])
+        ref = quants.dequantize(w[ids], GGMLQuantizationType[qtype]).reshape(len(ids), cols)
+        np.testing.assert_array_equal(native.packed_rows(pm, ids), ref.astype(np.float32))
+        assert native.packed_rows(pm, np.zeros(0, np.int64)).shape == (0, cols)
+        for bad in ([rows], [-1], [0, 2**40]):
+            with pytest.raises(minirt.InvalidRequestError, match="row ids"):
+                native.packed_rows(pm, np.array(bad))
+        with pytest.raises(minirt.InvalidRequestError, match="1-D"):
+            native.packed_rows(pm, np.zeros((2, 2), np.int64))
+
+
+def test_tied_embedding_reads_the_packed_copy(nat, gemma_path):
+    """Gemma 3's output head is its embedding: once packed, the lookup reads the packed copy (the
+    GGUF rows' pages were dropped and stay out of memory): the rows it returns do not depend on the
+    GGUF bytes, and equal their dequantization."""
+    llm = minirt.load(str(gemma_path), n_ctx=64, backend="native")
+    m = llm.model
+    t, out = m.desc.tok_embd, m.desc.output
+    assert out.name == t.name and isinstance(out.backend_data, native.PackedMatrix)
+    ids = np.array([0, 2, 1000, 262143, 2, 106])
+    ref = quants.dequantize(np.asarray(t.data[ids]), GGMLQuantizationType[t.qtype]).reshape(len(ids), -1)
+    got = m.backend.embedding_rows(np.zeros_like(t.data), t.qtype, m.desc.n_embd, ids, out)
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(m.embed(ids), ref * np.float32(m.desc.embed_scale))
+    # without the tie the GGUF bytes are read (zeros here)
+    assert not m.backend.embedding_rows(np.zeros_like(t.data), t.qtype, m.desc.n_embd, ids).any()
+    llm.close()
+
+
+@pytest.mark.parametrize("qtype", PACKABLE)
 def test_packed_int_batch_matches_each_token(nat, qtype):
     """The packed integer kernels give every token of a batch (5..16 tokens: one pass over each row
     group for all of them) bit for bit what it gets alone (1 token: the single-stream kernels)."""

@@ -48,6 +48,12 @@ class Backend:
 
         return dequantize(rows, qtype, (rows.shape[0], cols))
 
+    def embedding_rows(self, data: np.ndarray, qtype: str, cols: int, ids: np.ndarray, tied: Any = None) -> np.ndarray:
+        """Rows ``ids`` (T,) of the embedding ``data`` (n_vocab, row_bytes) ggml rows → float32 (T, cols).
+        ``tied``: the output head's Linear when it is this embedding; a backend that keeps its own
+        copy of that weight (``backend_data``) may read the rows from there instead."""
+        return self.dequantize_rows(data[ids], qtype, cols)
+
     def rms_norm(self, x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
         """RMSNorm over the last axis of x (..., n)."""
         return blocks.rms_norm(x, w, eps)

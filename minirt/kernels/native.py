@@ -715,6 +715,24 @@ def unpack(pm: PackedMatrix) -> np.ndarray:
     return out
 
 
+def packed_rows(pm: PackedMatrix, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` (n,) of a packed matrix dequantized to float32 (n, cols): the same values as
+    :func:`dequantize` of those ggml rows. The embedding lookup of a model whose output head is its
+    embedding reads these, so that the ggml copy (dropped after packing) stays out of memory."""
+    ffi, lib = _lib()
+    _, tid = _check_packed(pm, "pm")
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise InvalidRequestError(f"ids must be 1-D, got shape {ids.shape}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= pm.rows):
+        raise InvalidRequestError(f"row ids must be in [0, {pm.rows})")
+    out = np.empty((ids.size, pm.cols), dtype=np.float32)
+    _check_rc(lib.mr_pack_rows(tid, ffi.from_buffer("unsigned char[]", pm.data), pm.rows, pm.cols,
+                               ffi.cast("const long long *", ffi.from_buffer(ids)), ids.size,
+                               ffi.from_buffer("float[]", out, require_writable=True)), "pack_rows")
+    return out
+
+
 class PackCache:
     """Packed weights of one model kept in ``$MINIRT_HOME/packed/`` so that later loads map them
     (like the GGUF itself) instead of repacking.
@@ -1801,7 +1819,7 @@ def read_bandwidth(buf: np.ndarray, threads: int | None = None, reps: int = 5,
 
 __all__ = [
     "available", "info", "supported_isas", "set_threads", "get_threads", "set_isa", "matmul", "matmul_path",
-    "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "release_file_pages",
+    "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "packed_rows", "release_file_pages",
     "LayerStack", "ExpertSet", "moe_experts",
     "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul",
     "profile",
