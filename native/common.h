@@ -225,6 +225,8 @@ typedef struct {
      * S: scratch (nk, 16). NULL where the ISA has none (attn_block is used instead). */
     void (*attn_dec)(const float *Q, int g, const float *Kr, const float *Vr, int64_t D, int64_t nk, float softcap,
                      float *S, float *O, float *ml);
+    /* mr_kv_rotate for power-of-two n >= 16 (the same floats); NULL: the portable loop in kvcache.c. */
+    void (*fwht)(float *x, int64_t len, int64_t n);
 } mr_kernels;
 
 /* A weight matrix as the integer kernels see it (dispatch.c). */

@@ -831,6 +831,36 @@ static void hv_act_mul(const float *g, const float *u, float *out, int64_t n, in
     }
 }
 
+/* mr_kv_rotate for n >= 16: the same butterflies in the same order, so the same floats. Stages
+ * h = 1, 2, 4, 8 inside each 16-float vector: t = y with lanes j and j ^ h swapped, then lane j is
+ * t + y (= y[j] + y[j + h]) where bit h of j is clear and t - y (= y[j - h] - y[j]) where it is set;
+ * stages h >= 16 between vectors; then the scale. x: len floats, len a multiple of n. */
+static void hv_fwht(float *x, int64_t len, int64_t n) {
+    const float s = 1.0f / sqrtf((float)n);
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t r = 0; r + n <= len; r += n) {
+        float *y = x + r;
+        for (int64_t j = 0; j < n; j += 16) {
+            __m512 v = _mm512_loadu_ps(y + j);
+            v = _mm512_mask_sub_ps(_mm512_add_ps(_mm512_permute_ps(v, 0xB1), v), 0xAAAA, _mm512_permute_ps(v, 0xB1), v);
+            v = _mm512_mask_sub_ps(_mm512_add_ps(_mm512_permute_ps(v, 0x4E), v), 0xCCCC, _mm512_permute_ps(v, 0x4E), v);
+            __m512 t = _mm512_shuffle_f32x4(v, v, 0xB1);
+            v = _mm512_mask_sub_ps(_mm512_add_ps(t, v), 0xF0F0, t, v);
+            t = _mm512_shuffle_f32x4(v, v, 0x4E);
+            v = _mm512_mask_sub_ps(_mm512_add_ps(t, v), 0xFF00, t, v);
+            _mm512_storeu_ps(y + j, v);
+        }
+        for (int64_t h = 16; h < n; h *= 2)
+            for (int64_t i = 0; i < n; i += 2 * h)
+                for (int64_t j = i; j < i + h; j += 16) {
+                    const __m512 a = _mm512_loadu_ps(y + j), b = _mm512_loadu_ps(y + j + h);
+                    _mm512_storeu_ps(y + j, _mm512_add_ps(a, b));
+                    _mm512_storeu_ps(y + j + h, _mm512_sub_ps(a, b));
+                }
+        for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(y + j, _mm512_mul_ps(_mm512_loadu_ps(y + j), sv));
+    }
+}
+
 void mr_init_avx512(mr_kernels *k) {
     mr_fill_generic_avx512(k);
     k->dq[GT_F16] = hv_dq_f16;
@@ -857,6 +887,7 @@ void mr_init_avx512(mr_kernels *k) {
     k->vint[GT_IQ4_XS] = vint_iq4_xs;
     k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] = 1;
     k->quant_x = hv_quant_x;
+    k->fwht = hv_fwht;
     k->dot_f32 = hv_dot_f32;
     k->tile = hv_tile;
     k->pack = hv_pack;

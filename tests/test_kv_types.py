@@ -336,6 +336,10 @@ def test_hadamard_rotation_and_llama_cpp_rule(nat):
         np.testing.assert_allclose(kv_types.rotate(y, n), x, rtol=0, atol=2e-6)
         # the kernels' rotation (what the fused decode step applies) gives the numpy butterflies' floats
         np.testing.assert_array_equal(native.kv_rotate(x, n), kv_types._rotate_numpy(x, n))
+    # every run length the kernels take (the SIMD butterflies from 16 up, the loop below), odd row counts
+    for n in (2, 8, 16, 32, 4096):
+        x = (rng.standard_normal((5, 2 * max(n, 64))) * 10.0 ** rng.integers(-3, 4, (5, 1))).astype(np.float32)
+        np.testing.assert_array_equal(native.kv_rotate(x, n), kv_types._rotate_numpy(x, n), err_msg=str(n))
     assert kv_types.rotate(x, 0) is x
     with pytest.raises(ValueError):
         kv_types.rotate(x, 96)
@@ -363,6 +367,28 @@ def biased_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("kvt") / "biased.gguf"
     write_tiny(path, TinySpec(**{**SPEC.__dict__, "weights": {}, "bias": True, "k_bias_outlier": 40.0}))
     return str(path)
+
+
+def test_rotation_kernels_of_every_isa_agree(nat):
+    """Each ISA's rotation (AVX-512 butterflies, the portable loop elsewhere) gives the numpy
+    butterflies' floats: the cache rows a process stores do not depend on the CPU it ran on."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_native import isas_to_test
+
+    code = ("import numpy as np; from minirt import kv_types; from minirt.kernels import native\n"
+            "x = np.random.default_rng(5).standard_normal((7, 512)).astype(np.float32)\n"
+            "for n in (16, 32, 64, 128, 512):\n"
+            "    assert np.array_equal(native.kv_rotate(x, n), kv_types._rotate_numpy(x, n)), n\n"
+            "print(native.info()['isa'])")
+    repo = str(Path(__file__).resolve().parents[1])
+    for isa in isas_to_test():
+        env = dict(os.environ, MINIRT_ISA=isa, PYTHONPATH=repo)
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0 and res.stdout.strip() == isa, res.stderr[-2000:]
 
 
 def test_key_offset_is_the_mean_rotated_bias(biased_path):
