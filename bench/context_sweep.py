@@ -237,6 +237,16 @@ def _agreement(base: list[Any], other: list[Any]) -> dict[str, float]:
             "rel_rms": float(np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2)))}
 
 
+def _reference_agreement(prompts: list[list[int]], logits: dict[str, list[Any]]) -> dict[str, float]:
+    """Per cache type, the share of positions whose argmax is the next token of the reference
+    continuation (llama.cpp's greedy tokens, made with its default f16 cache): every type scored
+    against the same tokens, none of which it produced itself."""
+    import numpy as np
+
+    nxt = np.concatenate([np.asarray(p[1:][p[0]:]) for p in prompts])
+    return {t: float(np.mean(np.concatenate(v).argmax(-1) == nxt)) for t, v in logits.items()}
+
+
 def quality(a: argparse.Namespace) -> dict[str, Any]:
     """Per cache type (K and V alike, plus q8_0 values alone), teacher-forced argmax agreement and
     logits rel-RMS against the f32 cache on the reference prompts (llama.cpp's greedy continuations
@@ -248,11 +258,14 @@ def quality(a: argparse.Namespace) -> dict[str, Any]:
     prompts = _reference_prompts(a.model)
     out: dict[str, Any] = {"model": a.model, "positions": sum(len(p) - 1 - p[0] for p in prompts)}
     mine: dict[str, list[Any]] = {}
-    for t in ["f32", *a.types, "f16/q8_0"]:
+    for t in ["f32", *[x for x in ("f16", *a.types) if x != "f32"], "f16/q8_0"]:
         tk, _, tv = t.partition("/")
+        if t in mine:
+            continue
         with minirt.load(a.model, n_ctx=512, cache_type_k=tk, cache_type_v=tv or tk, threads=a.threads) as llm:
             mine[t] = [llm.logits(p[1:])[p[0] - 1:-1] for p in prompts]
     out["minirt"] = {t: _agreement(mine["f32"], v) for t, v in mine.items() if t != "f32"}
+    out["minirt vs reference tokens"] = _reference_agreement(prompts, mine)
     py = os.environ.get("MINIRT_LLAMA_PYTHON")
     if not py:
         out["llama.cpp"] = "skipped: set MINIRT_LLAMA_PYTHON to a Python with the llama_cpp binding"
@@ -286,7 +299,9 @@ def llama_quality(a: argparse.Namespace) -> dict[str, Any]:
             rows.append(np.array(llm.scores[:len(p) - 1])[p[0] - 1:-1])
         logits[t] = rows
         del llm
-    return {t: _agreement(logits["f16"], v) for t, v in logits.items() if t != "f16"}
+    out = {t: _agreement(logits["f16"], v) for t, v in logits.items() if t != "f16"}
+    out["vs reference tokens"] = _reference_agreement(prompts, logits)
+    return out
 
 
 def perplexity(a: argparse.Namespace) -> dict[str, Any]:

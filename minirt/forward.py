@@ -12,7 +12,7 @@ head sizes. Activations are float32 row-major ``(T, features)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,9 @@ class Config:
     kv_offsets: tuple[np.ndarray | None, ...] | None = field(default=None, kw_only=True, compare=False)
     # per layer the window of a causal sliding-window layer (0: full context); None: no such layer
     kv_windows: tuple[int, ...] | None = field(default=None, kw_only=True)
+    # per layer the powers of two (n_head_kv, head_dim_k) a block-quantized cache scales its keys by
+    # (minirt.kv_balance), None for none; None: the model was not balanced
+    kv_scales: tuple[np.ndarray | None, ...] | None = field(default=None, kw_only=True, compare=False)
 
 
 def config_of(desc: ModelDesc) -> Config:
@@ -70,7 +73,8 @@ def config_of(desc: ModelDesc) -> Config:
 def kv_cache_for(cfg: Config, n_ctx: int, type_k: str | None = None, type_v: str | None = None) -> KVCache:
     """An empty cache of ``n_ctx`` positions laid out for the model ``cfg`` summarises."""
     return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, n_ctx, type_k=type_k, type_v=type_v,
-                   layers=cfg.kv_layers, rotate=cfg.kv_rotate, key_offsets=cfg.kv_offsets, windows=cfg.kv_windows)
+                   layers=cfg.kv_layers, rotate=cfg.kv_rotate, key_offsets=cfg.kv_offsets, windows=cfg.kv_windows,
+                   key_scales=cfg.kv_scales)
 
 
 @dataclass
@@ -92,8 +96,19 @@ class Transformer:
         self.cfg = config_of(desc)
         self.arch = desc.arch
         self.native_stack: Any = None  # set by a backend that runs decode steps natively
+        # called as probe(layer, cache_layer, q (T, H, Dk), k (T, Hkv, Dk) or None) with each layer's
+        # queries and keys as attention sees them (minirt.kv_balance measures them); None: not called
+        self.probe: Any = None
         self.ropes = desc.ropes()  # distinct RoPE variants, in the order the fused decode step indexes them
         backend.prepare(self)  # e.g. repack weights for the backend's kernels, once
+
+    def set_kv_scales(self, scales: Sequence[np.ndarray | None] | None) -> None:
+        """Set the key scales of block-quantized caches made for this model from now on
+        (``cfg.kv_scales``, :mod:`minirt.kv_balance`), and the native decode step's."""
+        self.cfg = replace(self.cfg, kv_scales=None if scales is None or all(s is None for s in scales)
+                           else tuple(scales))
+        if self.native_stack is not None:
+            self.native_stack.set_key_scales(self.cfg.kv_scales)
 
     # -- shared pieces ---------------------------------------------------------------------------
     def linears(self) -> list[Linear]:
@@ -223,6 +238,8 @@ class Transformer:
                 self.backend.rope(k, cos, sin, a.rope.neox, a.rope.dim)
         if a.qk_norm_after_rope:
             q, k = self._qk_norm(a, q, k)
+        if self.probe is not None:
+            self.probe(i, i if a.kv_source is None else a.kv_source, q, k)
         out = np.empty((T, a.n_head * a.head_dim_v), dtype=np.float32)
         for seg, s0, p0 in ctx.spans:
             n = seg.n_tokens

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,8 @@ class KVCache:
                  layers: Sequence[tuple[int, int, int] | None] | None = None,
                  rotate: Sequence[bool] | None = None,
                  key_offsets: Sequence[np.ndarray | None] | None = None,
-                 windows: Sequence[int] | None = None) -> None:
+                 windows: Sequence[int] | None = None,
+                 key_scales: Sequence[np.ndarray | None] | None = None) -> None:
         """``type_k`` / ``type_v``: KV element type names (default f32); ``dtype`` (float32 or float16)
         is the older way to ask for f32 / f16 of both. ``layers``: per layer (n_head_kv, head_dim_k,
         head_dim_v), or None for a layer without a cache of its own; the other sizes are then the
@@ -112,7 +114,9 @@ class KVCache:
         ``key_offsets``: per layer a constant (n_head_kv, head_dim_k) that a block-quantized K type
         stores its keys less (:meth:`minirt.blocks.Attention.key_offset`), or None. ``windows``: per
         layer the window of a causal sliding-window layer (0: it sees its whole context); such a layer
-        keeps only recent rows resident (:meth:`release_stale`)."""
+        keeps only recent rows resident (:meth:`release_stale`). ``key_scales``: per layer powers of two
+        (n_head_kv, head_dim_k) that a block-quantized K type multiplies its keys by, and the queries
+        over them divided by (:mod:`minirt.kv_balance`), or None."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if dtype is not None:
@@ -141,6 +145,10 @@ class KVCache:
         if key_offsets is not None and len(key_offsets) != n_layer:
             raise ValueError(f"{len(key_offsets)} key offsets for {n_layer} layers")
         self._offsets = [None] * n_layer if key_offsets is None else list(key_offsets)
+        if key_scales is not None and len(key_scales) != n_layer:
+            raise ValueError(f"{len(key_scales)} key scales for {n_layer} layers")
+        self._scales = [None] * n_layer if key_scales is None else list(key_scales)
+        self._qscales: dict[tuple[int, int], np.ndarray] = {}  # (layer, n_head) → (n_head, Dk) 1 / scale
         if windows is not None and len(windows) != n_layer:
             raise ValueError(f"{len(windows)} windows for {n_layer} layers")
         self.windows = [0] * n_layer if windows is None else [max(0, int(w)) for w in windows]
@@ -188,25 +196,57 @@ class KVCache:
         (default this cache's): block types only, where the layer has one."""
         return self._offsets[i] if (kt or self.kt).quantized else None
 
+    def key_scale(self, i: int, kt: kv_types.KVType | None = None) -> np.ndarray | None:
+        """The powers of two (Hkv, Dk) layer ``i``'s keys are stored multiplied by in a cache of K type
+        ``kt`` (default this cache's): block types only, where the model was balanced."""
+        return self._scales[i] if (kt or self.kt).quantized else None
+
+    @property
+    def key_scales(self) -> list[np.ndarray | None] | None:
+        """Per layer :meth:`key_scale` (None: no layer has one); state files record them."""
+        sc = [self.key_scale(i) for i in range(self.n_layer)]
+        return None if all(x is None for x in sc) else sc
+
     @property
     def transformed(self) -> bool:
-        """Whether any layer's rows are stored less a key offset or rotated (state files record it)."""
-        return any(nk or nv for nk, nv in self._rot) or any(self.key_offset(i) is not None for i in range(self.n_layer))
+        """Whether any layer's rows are stored less a key offset, scaled or rotated (state files record it)."""
+        return any(nk or nv for nk, nv in self._rot) or any(
+            self.key_offset(i) is not None or self.key_scale(i) is not None for i in range(self.n_layer))
 
     def to_plain(self, i: int, k: np.ndarray, v: np.ndarray, kt: kv_types.KVType | None = None,
-                 vt: kv_types.KVType | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 vt: kv_types.KVType | None = None, key_scale: Any = "own") -> tuple[np.ndarray, np.ndarray]:
         """Dequantized rows k (Hkv, n, Dk), v (Hkv, n, Dv) of layer ``i`` as a cache of types kt / vt
-        (default this cache's) stores them → the plain keys and values (rotation undone, offset added)."""
+        (default this cache's) stores them → the plain keys and values (rotation undone, scale divided
+        out, offset added). ``key_scale``: the scale the rows were stored under where it is not this
+        cache's (a state file's; None: unscaled)."""
         kt, vt = kt or self.kt, vt or self.vt
         nk, nv = self.rotation_for(i, kt, vt)
         k = kv_types.rotate(k, nk)
+        sc = self.key_scale(i, kt) if isinstance(key_scale, str) else key_scale
+        if sc is not None:
+            k = k * (np.float32(1.0) / sc)[:, None, :]  # powers of two: exact
         off = self.key_offset(i, kt)
         if off is not None:
             k = k + off[:, None, :]
         return k, kv_types.rotate(v, nv)
 
+    def query_scale(self, i: int, n_head: int) -> np.ndarray | None:
+        """(n_head, Dk) factors queries of ``n_head`` heads take for attention over layer ``i``'s stored
+        keys: 1 / the key scale of each head's KV head (None: keys unscaled)."""
+        sc = self.key_scale(i)
+        if sc is None:
+            return None
+        qs = self._qscales.get((i, n_head))
+        if qs is None:
+            qs = self._qscales[(i, n_head)] = np.repeat(np.float32(1.0) / sc, n_head // sc.shape[0], axis=0)
+        return qs
+
     def rotate_queries(self, i: int, q: np.ndarray) -> np.ndarray:
-        """Queries q (T, H, Dk) for attention over layer ``i``'s stored keys (q itself when unrotated)."""
+        """Queries q (T, H, Dk) for attention over layer ``i``'s stored keys (q itself when untransformed):
+        scaled by :meth:`query_scale`, rotated as the keys are."""
+        qs = self.query_scale(i, q.shape[1])
+        if qs is not None:
+            q = q * qs
         return kv_types.rotate(q, self._rot[i][0])
 
     def unrotate_output(self, i: int, o: np.ndarray) -> np.ndarray:
@@ -220,9 +260,11 @@ class KVCache:
         kc, vc = self.layer(i)
         nk, nv = self._rot[i]
         if k is not None:
-            off = self.key_offset(i)
+            off, sc = self.key_offset(i), self.key_scale(i)
             if off is not None:
                 k = k - off[:, None, :]
+            if sc is not None:
+                k = k * sc[:, None, :]
             kc[:, p0:p0 + k.shape[1]] = quantize_rows(kv_types.rotate(k, nk), self.kt)
         if v is not None and vc.shape[-1]:
             vc[:, p0:p0 + v.shape[1]] = quantize_rows(kv_types.rotate(v, nv), self.vt)
@@ -261,11 +303,13 @@ class KVCache:
         return k, v
 
     def import_rows(self, k: np.ndarray, v: np.ndarray, n: int, float_rows: bool = False,
-                    stored_as: tuple[kv_types.KVType, kv_types.KVType] | None = None) -> None:
+                    stored_as: tuple[kv_types.KVType, kv_types.KVType] | None = None,
+                    stored_scales: Sequence[np.ndarray | None] | None = None) -> None:
         """Fill positions 0..n-1 from arrays shaped as :meth:`export` gives them: stored rows of this
         cache's types and rotation, or float32 rows (n_layer, n_head_kv, n, head_dim) with ``float_rows``
         (quantized here); ``stored_as``: the (type_k, type_v) of a cache whose stored form (key offset,
-        rotation) such float rows are still in (dequantized from a state file of those types), undone first."""
+        rotation) such float rows are still in (dequantized from a state file of those types), undone
+        first, with ``stored_scales`` the per-layer key scales they were stored under (None: none)."""
         for i in self._own_layers():
             kc, vc = self.layer(i)
             if float_rows:
@@ -273,7 +317,8 @@ class KVCache:
                               else (kc.shape[0], self.head_dim_k, self.head_dim_v))
                 ki, vi = k[i, :hk, :, :dk], v[i, :hk, :, :dv]
                 if stored_as is not None:
-                    ki, vi = self.to_plain(i, ki, vi, *stored_as)
+                    ki, vi = self.to_plain(i, ki, vi, *stored_as,
+                                           key_scale=None if stored_scales is None else stored_scales[i])
                 self.store(i, 0, ki, vi)
             else:
                 kc[:, :n] = k[i, :kc.shape[0], :, :kc.shape[2]]

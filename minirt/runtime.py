@@ -226,6 +226,10 @@ class Model:
             self.n_vocab = cfg.n_vocab
             self.n_ctx = self._pick_n_ctx(n_ctx, cfg)
             self.model = build(self.file, self.backend, self.n_ctx)
+            if kv_types.get(self.cache_types[0]).quantized and not self.embedding:
+                from . import kv_balance
+
+                kv_balance.balance(self.model)  # keys and queries rebalanced for the block-quantized K cache
             self._cfg = self.model.cfg  # kept after close() for arch / repr
             if pooling is not None:  # llama.cpp's --pooling: instead of the file's
                 from .embedding import set_pooling
@@ -907,12 +911,18 @@ class Model:
                   "arch": self.arch, "n_tokens": n, "kv_dtype": str(cache.k.dtype),
                   "cache_type_k": cache.types[0], "cache_type_v": cache.types[1],
                   "kv_basis": int(cache.transformed)}
+        from .state import SCALE_MEMBER, scale_exponents
+
+        scales = scale_exponents(cache)
+        extra = {} if scales is None else {SCALE_MEMBER: scales}
+        header["kv_key_scales"] = scales is not None
         path = os.fspath(path)
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         k, v = cache.export(n)
         try:
             with open(tmp, "wb") as fh:
-                np.savez(fh, header=np.array(json.dumps(header)), tokens=cache.tokens[:n].copy(), k=k, v=v)
+                np.savez(fh, header=np.array(json.dumps(header)), tokens=cache.tokens[:n].copy(), k=k, v=v,
+                         **extra)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -6,7 +6,10 @@ format, minirt version, model fingerprint, ``n_tokens``, ``cache_type_k`` / ``ca
 stored rows of those KV element types; ``kv_basis`` 1: in the form block-quantized caches store them
 (keys less their layer's constant offset, keys and values Hadamard-rotated: :class:`minirt.kv_cache.KVCache`),
 0 or absent (files written before that field): plain rows; a model with other cache types, or a file
-of the other basis, converts them through float32).
+of the other basis, converts them through float32). A fifth member ``kscale`` (``(n_layer, n_head_kv,
+head_dim_k)`` int8, the base-2 exponents of the key scales of :mod:`minirt.kv_balance`; 0 = none) is
+there exactly when the header's ``kv_key_scales`` is true; a model whose caches scale keys otherwise
+converts the rows through float32 too.
 
 Reading one is hostile-input work: it ends up in the prefix cache, where a wrong value would
 silently change every later request sharing its tokens. So :func:`read_state` checks everything
@@ -48,6 +51,7 @@ MAX_HEADER_CHARS = 1 << 16  # the JSON header is a few hundred characters
 NPY_HEADER_MAX = 10_000  # numpy's own limit for the npy header (np.lib.format)
 ZIP_SLACK = 1 << 16  # local headers, zip64 extras, central directory
 MEMBERS = ("header", "tokens", "k", "v")
+SCALE_MEMBER = "kscale"  # present when the header's kv_key_scales is true
 _EOCD = b"PK\x05\x06"
 
 
@@ -76,9 +80,9 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
         with zf:
             infos = zf.infolist()
             names = sorted(i.filename for i in infos)
-            if names != sorted(f"{m}.npy" for m in MEMBERS):
+            if names not in (sorted(f"{m}.npy" for m in MEMBERS), sorted(f"{m}.npy" for m in (*MEMBERS, SCALE_MEMBER))):
                 raise StateError(f"{name}: not a minirt state file (members {names[:8]}, expected "
-                                 f"{', '.join(MEMBERS)})")
+                                 f"{', '.join(MEMBERS)} and optionally {SCALE_MEMBER})")
             member = {i.filename[:-4]: i for i in infos}
 
             hdr = _read_array(name, zf, member["header"], _header_ok, 4 * MAX_HEADER_CHARS)
@@ -108,10 +112,21 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
                             int(np.prod(want_k)) * tk.dtype.itemsize)
             v = _read_array(name, zf, member["v"], _exactly(tv.dtype, want_v),
                             int(np.prod(want_v)) * tv.dtype.itemsize)
+            has_scales = header.get("kv_key_scales", False)
+            if not isinstance(has_scales, bool) or has_scales != (SCALE_MEMBER in member):
+                raise StateError(f"{name}: kv_key_scales {str(has_scales)[:40]!r} does not match the members "
+                                 f"({'with' if SCALE_MEMBER in member else 'without'} {SCALE_MEMBER})")
+            file_scales = None
+            if has_scales:
+                want_s = (n_layer, n_head_kv, dk)
+                e = _read_array(name, zf, member[SCALE_MEMBER], _exactly(np.dtype(np.int8), want_s),
+                                int(np.prod(want_s)))
+                file_scales = _scales_of(name, cache, e)
     basis = header.get("kv_basis", 0)
     if basis not in (0, 1) or isinstance(basis, bool):
         raise StateError(f"{name}: unknown kv_basis {str(basis)[:40]!r} (expected 0 or 1)")
-    if (tk.name, tv.name) == cache.types and bool(basis) == cache.transformed:
+    if (tk.name, tv.name) == cache.types and bool(basis) == cache.transformed \
+            and _same_scales(file_scales, cache.key_scales):
         _finite(name, "k", k if not tk.quantized else dequantize_rows(k, tk))
         _finite(name, "v", v if not tv.quantized else dequantize_rows(v, tv))
         cache.import_rows(k, v, n)
@@ -120,10 +135,54 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
         kf, vf = dequantize_rows(k, tk), dequantize_rows(v, tv)
         _finite(name, "k", kf)
         _finite(name, "v", vf)
-        cache.import_rows(kf, vf, n, float_rows=True, stored_as=(tk, tv) if basis else None)
+        cache.import_rows(kf, vf, n, float_rows=True, stored_as=(tk, tv) if basis else None,
+                          stored_scales=file_scales if basis else None)
     cache.tokens[:n] = tokens
     cache.n_past = n
     return tokens.tolist()
+
+
+def scale_exponents(cache: Any) -> np.ndarray | None:
+    """The ``kscale`` member of a state of ``cache``: (n_layer, n_head_kv, head_dim_k) int8 base-2
+    exponents of its key scales (0 where a layer has none), or None when it has none."""
+    sc = cache.key_scales
+    if sc is None:
+        return None
+    e = np.zeros((cache.n_layer, cache.k.shape[1], cache.head_dim_k), np.int8)
+    for i, s in enumerate(sc):
+        if s is not None:
+            e[i, :s.shape[0], :s.shape[1]] = np.log2(s).astype(np.int8)
+    return e
+
+
+def _scales_of(name: str, cache: Any, e: np.ndarray) -> list[np.ndarray | None]:
+    """Per layer the key scales a state file's exponents ``e`` give, in the layer's own shape."""
+    from .kv_balance import MAX_LOG2
+
+    if e.size and int(np.abs(e.astype(np.int16)).max()) > MAX_LOG2:
+        raise StateError(f"{name}: key scale exponents outside [-{MAX_LOG2}, {MAX_LOG2}]")
+    out: list[np.ndarray | None] = []
+    for i in range(cache.n_layer):
+        shape = cache.layers[i] if cache.layers is not None else (e.shape[1], cache.head_dim_k, 0)
+        out.append(None if shape is None else np.exp2(e[i, :shape[0], :shape[1]].astype(np.float32)))
+    return out
+
+
+def _same_scales(a: list[np.ndarray | None] | None, b: list[np.ndarray | None] | None) -> bool:
+    """Whether two per-layer key scale lists store keys alike (a layer without scales = scales of 1)."""
+    if a is None and b is None:
+        return True
+    n = len(a if a is not None else b)
+    for i in range(n):
+        x = None if a is None else a[i]
+        y = None if b is None else b[i]
+        if x is None and y is None:
+            continue
+        x = np.ones_like(y) if x is None else x
+        y = np.ones_like(x) if y is None else y
+        if x.shape != y.shape or not np.array_equal(x, y):
+            return False
+    return True
 
 
 def _file_types(name: str, header: dict[str, Any]) -> tuple[Any, Any]:

@@ -92,6 +92,10 @@ typedef struct {
     const float *conv_w;
     const float *k_offset;      /* (n_head_kv, head_dim_k) or NULL: a block-quantized K cache stores keys less
                                    this constant (softmax ignores the shift q . offset; Attention.key_offset) */
+    const float *k_scale;       /* (n_head_kv, head_dim_k) powers of two or NULL: a block-quantized K cache stores
+                                   (key - k_offset) * k_scale (minirt.kv_balance) */
+    const float *q_scale;       /* (n_head, head_dim_k) or NULL: then queries over such a cache are multiplied by
+                                   it (1 / the k_scale of the cache layer's KV head of each query head) */
 } mr_layer;
 
 typedef struct {

@@ -424,11 +424,17 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                     for (int64_t i = 0; i < nk; i++) mr_rope_row(kb + i * D, L->rope_dim, cs + b * half, sn + b * half, L->rope_neox);
                 }
                 if (L->qk_norm_after_rope) qk_norms(K, L, qb, kb, H, nk, D);
-                /* a block-quantized cache holds rotated keys: queries turn with them (dots unchanged) */
+                /* a block-quantized cache holds scaled, rotated keys: queries are scaled inversely and turn
+                 * with them (dots unchanged; the scales are powers of two, so exactly) */
+                const int kq = mr_types[type_k].block > 1;
+                if (kq && L->q_scale)
+                    for (int64_t j = 0; j < H * D; j++) qb[j] *= L->q_scale[j];
                 mr_kv_rotate(qb, H * D, rot_k);
                 if (!own_kv) continue;
-                if (L->k_offset && mr_types[type_k].block > 1)
+                if (kq && L->k_offset)
                     for (int64_t j = 0; j < Hkv * D; j++) kb[j] -= L->k_offset[j];
+                if (kq && L->k_scale)
+                    for (int64_t j = 0; j < Hkv * D; j++) kb[j] *= L->k_scale[j];
                 mr_kv_rotate(kb, Hkv * D, rot_k);
                 if (L->v_norm)
                     for (int64_t i = 0; i < Hkv; i++) K->rmsnorm(vb + i * D, NULL, L->eps, D, vb + i * D);

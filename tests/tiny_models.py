@@ -52,6 +52,9 @@ class TinySpec:
     tied: bool = False
     bias: bool = False
     k_bias_outlier: float = 0.0  # with bias: the last two channels of each K head's bias get this value (Qwen2.5-like)
+    # > 1: K rows of each RoPE pair scaled by qk_skew^u (u uniform in [-1, 1], per KV head and pair) and the
+    # matching Q rows by its inverse: keys and queries of unequal channel sizes (what kv_balance evens out)
+    qk_skew: float = 0.0
     seed: int = 0
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # float32 as stored (after quant round trip)
     specials: tuple[str, ...] = ()  # user-defined tokens appended to the vocabulary
@@ -96,8 +99,14 @@ def write_tiny(path: Path, spec: TinySpec) -> TinySpec:
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", 1 + 0.1 * rng.normal(size=d))
-        add(p + "attn_q.weight", rng.normal(0, 0.2, (H * hd, d)), spec.qtype)
-        add(p + "attn_k.weight", rng.normal(0, 0.2, (Hkv * hd, d)), spec.qtype)
+        wq, wk = rng.normal(0, 0.2, (H * hd, d)), rng.normal(0, 0.2, (Hkv * hd, d))
+        if spec.qk_skew > 1:  # its own generator: the other weights stay those of the spec without it
+            g = spec.qk_skew ** np.random.default_rng(spec.seed + 1000 + i).uniform(-1, 1, (Hkv, hd // 2))
+            g = np.repeat(g, 2, axis=1)  # consecutive RoPE pairs (llama)
+            wk = wk * g.reshape(-1, 1)
+            wq = wq / np.repeat(g, H // Hkv, axis=0).reshape(-1, 1)
+        add(p + "attn_q.weight", wq, spec.qtype)
+        add(p + "attn_k.weight", wk, spec.qtype)
         add(p + "attn_v.weight", rng.normal(0, 0.2, (Hkv * hd, d)), spec.qtype)
         if spec.bias:
             add(p + "attn_q.bias", rng.normal(0, 0.1, H * hd))

@@ -1095,6 +1095,7 @@ class LayerStack:
                 raise InvalidRequestError(f"layer {i}: a key offset of shape {np.shape(off)} for keys of "
                                           f"{a.n_head_kv} x {a.head_dim_k}")
             L.k_offset = ffi.NULL if off is None else self._f32(ffi, off)
+            L.k_scale = L.q_scale = ffi.NULL
             if a.rope is not None:
                 self._half_rope[int(ri)] = max(self._half_rope.get(int(ri), 0), a.rope.dim // 2)
             kinds = {n.kind for n in (b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm) if n is not None}
@@ -1203,6 +1204,26 @@ class LayerStack:
             heads = a.n_head if k == "q_norm" else a.n_head_kv
             return a.head_dim_k * (heads if not a.qk_norm_per_head else 1)
         return int(L.n_embd)
+
+    def set_key_scales(self, scales: Sequence[np.ndarray | None] | None) -> None:
+        """Per layer the powers of two (n_head_kv, head_dim_k) block-quantized caches scale keys by
+        (the caches' own, ``Config.kv_scales``; None: none): layer i stores its keys scaled by its
+        own, and its queries take 1 / those of the layer whose cache it reads. Call between steps."""
+        ffi, _ = _lib()
+        if scales is not None and len(scales) != self.n_layer:
+            raise InvalidRequestError(f"{len(scales)} key scales for {self.n_layer} layers")
+        for i in range(self.n_layer):
+            L = self._layers[i]
+            src = i if L.kv_layer < 0 else int(L.kv_layer)
+            sc = None if scales is None else scales[src]
+            if sc is not None and (L.mixer != 0 or np.shape(sc) != (L.n_head_kv, L.head_dim_k)
+                                   or L.n_head % L.n_head_kv or not np.all(np.isfinite(sc) & (sc > 0))):
+                raise InvalidRequestError(f"layer {i}: key scales of shape {np.shape(sc)} for keys of "
+                                          f"{L.n_head_kv} x {L.head_dim_k} (positive, finite)")
+            own = None if scales is None or L.kv_layer >= 0 else scales[i]
+            L.k_scale = ffi.NULL if own is None else self._f32(ffi, own)
+            L.q_scale = ffi.NULL if sc is None else self._f32(
+                ffi, np.repeat(np.float32(1.0) / np.asarray(sc, _F32), L.n_head // L.n_head_kv, axis=0))
 
     def _ptr(self, ffi: Any, ctype: str, a: np.ndarray) -> Any:
         p = ffi.from_buffer(ctype, a)
