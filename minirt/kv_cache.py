@@ -246,7 +246,7 @@ class KVCache:
         scaled by :meth:`query_scale`, rotated as the keys are."""
         qs = self.query_scale(i, q.shape[1])
         if qs is not None:
-            q = q * qs
+            return kv_types.rotate(q * qs, self._rot[i][0], inplace=True)  # q * qs: a temporary
         return kv_types.rotate(q, self._rot[i][0])
 
     def unrotate_output(self, i: int, o: np.ndarray) -> np.ndarray:
@@ -261,11 +261,14 @@ class KVCache:
         nk, nv = self._rot[i]
         if k is not None:
             off, sc = self.key_offset(i), self.key_scale(i)
+            fresh = off is not None or sc is not None  # then k is a temporary of our own
             if off is not None:
                 k = k - off[:, None, :]
-            if sc is not None:
+                if sc is not None:
+                    k *= sc[:, None, :]
+            elif sc is not None:
                 k = k * sc[:, None, :]
-            kc[:, p0:p0 + k.shape[1]] = quantize_rows(kv_types.rotate(k, nk), self.kt)
+            kc[:, p0:p0 + k.shape[1]] = quantize_rows(kv_types.rotate(k, nk, inplace=fresh), self.kt)
         if v is not None and vc.shape[-1]:
             vc[:, p0:p0 + v.shape[1]] = quantize_rows(kv_types.rotate(v, nv), self.vt)
 

@@ -121,9 +121,11 @@ def _hadamard(n: int) -> np.ndarray:
     return h
 
 
-def rotate(x: np.ndarray, n: int) -> np.ndarray:
+def rotate(x: np.ndarray, n: int, inplace: bool = False) -> np.ndarray:
     """x (..., D) with each run of n values along the last axis multiplied by :func:`hadamard` (n);
-    its own inverse. n = 0: x unchanged. Returns a new float32 array (x when n = 0).
+    its own inverse. n = 0: x unchanged. Returns a new float32 array (x when n = 0); ``inplace``:
+    rotates x itself where it is a C-contiguous float32 array the caller owns (a temporary), saving
+    the copy.
 
     Computed by the fast Walsh-Hadamard butterflies in the order native/kvcache.c's mr_kv_rotate
     runs them (then one scale), so rows rotated here and in the fused decode step are the same floats;
@@ -136,7 +138,7 @@ def rotate(x: np.ndarray, n: int) -> np.ndarray:
     from .kernels import native
 
     if native.loaded():
-        return native.kv_rotate(x, n)
+        return native.kv_rotate(x, n, inplace=inplace)
     return _rotate_numpy(x, n)
 
 

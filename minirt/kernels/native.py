@@ -1677,11 +1677,15 @@ def _bytes_of(ffi: Any, a: np.ndarray) -> Any:
     return ffi.from_buffer("char[]", a.reshape(-1).view(np.uint8))
 
 
-def kv_rotate(x: np.ndarray, n: int) -> np.ndarray:
+def kv_rotate(x: np.ndarray, n: int, inplace: bool = False) -> np.ndarray:
     """x (..., D) with each run of n values along the last axis Hadamard-rotated (a new float32
-    array; the same floats as :func:`minirt.kv_types.rotate` and the fused decode step)."""
+    array; the same floats as :func:`minirt.kv_types.rotate` and the fused decode step). ``inplace``:
+    x itself is rotated when it is a writable C-contiguous float32 array (else a copy is)."""
     ffi, lib = _lib()
-    y = np.array(x, dtype=_F32, order="C", copy=True)
+    if inplace and isinstance(x, np.ndarray) and x.dtype == _F32 and x.flags.c_contiguous and x.flags.writeable:
+        y = x
+    else:
+        y = np.array(x, dtype=_F32, order="C", copy=True)
     if y.ndim < 1 or y.shape[-1] % n:
         raise InvalidRequestError(f"rows of {y.shape[-1] if y.ndim else 0} values cannot be rotated in runs of {n}")
     if y.size:
