@@ -206,8 +206,9 @@ class Unigram:
         self._prepend = add_space_prefix and not treat_ws_as_suffix
         self._append = add_space_prefix and treat_ws_as_suffix
         self._merge = remove_extra_ws
-        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache: dict[Any, tuple[int, ...]] = {}  # fragment text, or ("w", word) of the fast path
         self._space_str = self._space.decode()
+        self._split_words = False
         self._hf, self._hf_norm, self._hf_avoid = self._build_fast(texts, attrs, min_score if normal_scores else 0.0)
 
     # ---- the fast path: HF tokenizers' Precompiled normaliser and Unigram lattice (Rust) ----
@@ -242,6 +243,12 @@ class Unigram:
         except Exception:  # noqa: BLE001 - a vocabulary tokenizers refuses: the exact Python path
             return None, None, frozenset()
         avoid = frozenset(t[0] for t, a in zip(texts, attrs) if a & ATTR_USER_DEFINED and t)
+        # When no piece holds the space symbol past its first character (and the symbol alone is a
+        # piece, so it is never part of an unknown run), no piece crosses the point before a space
+        # symbol: the best segmentation of the whole string is that of its space-led words joined,
+        # which are then encoded once each (cached) instead of one lattice over the whole text.
+        sp = self._space_str
+        self._split_words = bool(sp) and any(t == sp for t, _ in vocab) and not any(sp in t[1:] for t, _ in vocab)
         return hf, norm, avoid
 
     def _fast(self, text: str) -> tuple[int, ...] | None:
@@ -262,7 +269,24 @@ class Unigram:
                     s = s[:k] + space + s[k:]
         if self._append:
             s += space
-        return tuple(self._hf.encode(s, add_special_tokens=False).ids) if s else ()
+        if not s:
+            return ()
+        if not self._split_words:
+            return tuple(self._hf.encode(s, add_special_tokens=False).ids)
+        parts = s.split(space)
+        words = ([parts[0]] if parts[0] else []) + [space + w for w in parts[1:]]
+        cache = self._cache
+        todo = list(dict.fromkeys(w for w in words if ("w", w) not in cache))
+        if todo:
+            if len(cache) > 1 << 16:
+                cache.clear()
+            enc = self._hf.encode  # one call per new word: encode_batch's thread pool was slower here
+            for w in todo:
+                cache[("w", w)] = tuple(enc(w, add_special_tokens=False).ids)  # (tuple keys: never a fragment)
+        out: list[int] = []
+        for w in words:
+            out.extend(cache[("w", w)])
+        return tuple(out)
 
     @property
     def _trie(self) -> dict[int, Any]:
