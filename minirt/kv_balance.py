@@ -20,14 +20,20 @@ factors on every load. Measured on Qwen2.5-0.5B (``bench/context_sweep.py --qual
 argmax agreement of a q8_0 cache with the f32 cache 99.17% → 99.86%, q4_0 81.9% → 95.0%.
 
 Only where the K type is block-quantized (as the key offset), and only rows that are attention keys
-(not LFM2's convolution rows). ``MINIRT_KV_BALANCE=0`` turns it off.
+(not LFM2's convolution rows). ``MINIRT_KV_BALANCE=0`` turns it off. The factors of a GGUF file are
+kept in ``$MINIRT_HOME/kv_balance/`` (a few KB, keyed by the file's path, size and modification time
+and the minirt version), so the measuring pass runs once per model: on a 7B model it is seconds. Any
+positive factors give the same attention, so a damaged or foreign cache file can cost precision at
+worst; it is checked (shape, range) and measured anew when it does not fit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -91,17 +97,85 @@ def scales_from(energies: dict[int, tuple[np.ndarray, np.ndarray]], n_layer: int
     return tuple(out)
 
 
+def _cache_path(model: Any) -> Path | None:
+    """Where the factors of ``model``'s GGUF file are kept (None: the model has no file)."""
+    from . import __version__
+    from .registry import home
+
+    path = getattr(getattr(model, "file", None), "path", None)
+    if not path:
+        return None
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None
+    key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{__version__}|{N_TOKENS}|{SEED}|{MAX_LOG2}"
+    return home() / "kv_balance" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npy"
+
+
+def _load_cached(path: Path, shapes: list[tuple[int, int] | None]) -> tuple[np.ndarray | None, ...] | None:
+    """Factors read back from ``path`` when it holds exactly the layers ``shapes`` describes."""
+    try:
+        e = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    hk = max((s[0] for s in shapes if s is not None), default=0)
+    dk = max((s[1] for s in shapes if s is not None), default=0)
+    if e.dtype != np.int8 or e.shape != (len(shapes), hk, dk):
+        return None
+    out: list[np.ndarray | None] = []
+    for i, s in enumerate(shapes):
+        row = e[i]
+        if s is None or (row == -128).all():
+            out.append(None)
+            continue
+        x = row[:s[0], :s[1]].astype(np.int16)
+        if np.abs(x).max() > MAX_LOG2:
+            return None
+        out.append(np.exp2(x).astype(np.float32))
+    return tuple(out)
+
+
+def _store_cached(path: Path, scales: tuple[np.ndarray | None, ...], shapes: list[tuple[int, int] | None]) -> None:
+    hk = max((s[0] for s in shapes if s is not None), default=0)
+    dk = max((s[1] for s in shapes if s is not None), default=0)
+    e = np.full((len(shapes), hk, dk), -128, np.int8)  # -128: a layer without factors
+    for i, s in enumerate(scales):
+        if s is not None:
+            e[i, :, :] = 0
+            e[i, :s.shape[0], :s.shape[1]] = np.log2(s).astype(np.int8)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as fh:
+            np.save(fh, e, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as err:  # a read-only home: measured again next time
+        log.debug("could not keep the key balance in %s: %s", path, err)
+
+
 def balance(model: Any) -> bool:
-    """Measure and set ``model``'s key scales (``model.cfg.kv_scales``, and the native decode step's):
-    caches made for it afterwards store block-quantized keys scaled. False when disabled or the model
-    has no attention keys to scale."""
+    """Measure (or read back) and set ``model``'s key scales (``model.cfg.kv_scales``, and the native
+    decode step's): caches made for it afterwards store block-quantized keys scaled. False when
+    disabled or the model has no attention keys to scale."""
     if not enabled() or not model.desc.causal:
         return False
-    rot = model.cfg.kv_rotate or [True] * model.cfg.n_layer
-    energies = {i: e for i, e in measure(model).items() if rot[i]}
-    if not energies:
+    cfg = model.cfg
+    rot = cfg.kv_rotate or [True] * cfg.n_layer
+    layers = cfg.kv_layers or [(cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v)] * cfg.n_layer
+    shapes = [None if s is None or not rot[i] else (s[0], s[1]) for i, s in enumerate(layers)]
+    path = _cache_path(model)
+    scales = _load_cached(path, shapes) if path is not None and path.is_file() else None
+    if scales is None:
+        energies = {i: e for i, e in measure(model).items() if rot[i]}
+        if not energies:
+            return False
+        scales = scales_from(energies, cfg.n_layer)
+        if path is not None:
+            _store_cached(path, scales, shapes)
+    elif all(s is None for s in scales):
         return False
-    scales = scales_from(energies, model.cfg.n_layer)
     model.set_kv_scales(scales)
     spread = [int(np.log2(s).max() - np.log2(s).min()) for s in scales if s is not None]
     log.info("balanced block-quantized keys of %d layers (factor spread up to 2^%d)", len(spread), max(spread))

@@ -58,6 +58,32 @@ def test_factors_are_bounded_powers_of_two_made_alike_on_every_load(skewed_path,
         assert m.model.cfg.kv_scales is None and m._new_cache(8).key_scales is None
 
 
+def test_factors_are_kept_per_model_file_and_checked(skewed_path, monkeypatch, tmp_path):
+    """The factors go to $MINIRT_HOME/kv_balance/ once; a later load reads them back (no measuring
+    pass); a damaged, foreign-shaped or out-of-range file is measured anew and rewritten."""
+    monkeypatch.setenv("MINIRT_HOME", str(tmp_path))
+    with _load(skewed_path, "q4_0", monkeypatch, n_ctx=64) as m:
+        want = m.model.cfg.kv_scales
+    files = list((tmp_path / "kv_balance").glob("*.npy"))
+    assert len(files) == 1
+    calls = []
+    real = kv_balance.measure
+    monkeypatch.setattr(kv_balance, "measure", lambda model, *a: calls.append(1) or real(model, *a))
+    with _load(skewed_path, "q4_0", monkeypatch, n_ctx=64) as m:
+        assert calls == [] and all(np.array_equal(a, b) for a, b in zip(m.model.cfg.kv_scales, want))
+    good = files[0].read_bytes()
+    e = np.load(files[0])
+    for bad in (b"not an npy file", np.full_like(e, 9), e[:, :, :-1]):
+        if isinstance(bad, bytes):
+            files[0].write_bytes(bad)
+        else:
+            np.save(files[0], bad)
+        calls.clear()
+        with _load(skewed_path, "q4_0", monkeypatch, n_ctx=64) as m:
+            assert calls == [1] and all(np.array_equal(a, b) for a, b in zip(m.model.cfg.kv_scales, want))
+        assert files[0].read_bytes() == good
+
+
 def test_factors_follow_the_measured_energies():
     """A channel whose keys are 16x (energy 256x) the others' and whose queries are alike gets a factor
     of 1/4 relative to them (fourth root of the energy ratio); always-zero channels stay finite."""
