@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -116,12 +117,15 @@ def _cache_path(model: Any) -> Path | None:
 
 def _load_cached(path: Path, shapes: list[tuple[int, int] | None]) -> tuple[np.ndarray | None, ...] | None:
     """Factors read back from ``path`` when it holds exactly the layers ``shapes`` describes."""
+    hk = max((s[0] for s in shapes if s is not None), default=0)
+    dk = max((s[1] for s in shapes if s is not None), default=0)
     try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > len(shapes) * hk * dk + 4096:  # bounded read
+            return None
         e = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError):
         return None
-    hk = max((s[0] for s in shapes if s is not None), default=0)
-    dk = max((s[1] for s in shapes if s is not None), default=0)
     if e.dtype != np.int8 or e.shape != (len(shapes), hk, dk):
         return None
     out: list[np.ndarray | None] = []
@@ -166,7 +170,7 @@ def balance(model: Any) -> bool:
     layers = cfg.kv_layers or [(cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v)] * cfg.n_layer
     shapes = [None if s is None or not rot[i] else (s[0], s[1]) for i, s in enumerate(layers)]
     path = _cache_path(model)
-    scales = _load_cached(path, shapes) if path is not None and path.is_file() else None
+    scales = _load_cached(path, shapes) if path is not None else None
     if scales is None:
         energies = {i: e for i, e in measure(model).items() if rot[i]}
         if not energies:

@@ -73,7 +73,7 @@ def test_factors_are_kept_per_model_file_and_checked(skewed_path, monkeypatch, t
         assert calls == [] and all(np.array_equal(a, b) for a, b in zip(m.model.cfg.kv_scales, want))
     good = files[0].read_bytes()
     e = np.load(files[0])
-    for bad in (b"not an npy file", np.full_like(e, 9), e[:, :, :-1]):
+    for bad in (b"not an npy file", b"\x93NUMPY" + bytes(1 << 20), np.full_like(e, 9), e[:, :, :-1]):
         if isinstance(bad, bytes):
             files[0].write_bytes(bad)
         else:
