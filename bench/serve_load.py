@@ -457,6 +457,8 @@ def disconnects(srv_url: str, pid: int | None, args: argparse.Namespace, deadlin
     asyncio.run(run_clients(srv_url, min(n, args.parallel or args.clients), warm, deadline, headers=headers))
     rss0 = rss_kib(pid) if pid else None
     h0 = health(srv_url, headers) or {}
+    if args.disconnect_max_tokens:
+        args = argparse.Namespace(**{**vars(args), "max_tokens": args.disconnect_max_tokens})
     res, wall = asyncio.run(run_clients(srv_url, n, args, deadline, disconnect=frac, seed=args.seed + 1,
                                         headers=headers))
     dropped = [r for r in res if r.disconnected]
@@ -542,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disconnect-fraction", type=float, default=0.0,
                     help="also run the disconnect check with this fraction of clients dropping (e.g. 0.33)")
     ap.add_argument("--disconnect-clients", type=int, default=100, help="clients in the disconnect check (100)")
+    ap.add_argument("--disconnect-max-tokens", type=int, default=0,
+                    help="tokens per request in the disconnect check (default: --max-tokens); enough that a "
+                         "dropped request is still generating when its client leaves, on a fast machine too")
     ap.add_argument("--skip-throughput", action="store_true", help="run only the disconnect check")
     ap.add_argument("--no-peer", action="store_true",
                     help=f"do not run llama-server even if ${ENV_LLAMA_SERVER} is set")

@@ -565,7 +565,7 @@ def test_serve_load_bench_smoke(server_tiny_path, tmp_path):
     env.pop("MINIRT_LLAMA_SERVER", None)
     p = subprocess.run([sys.executable, str(root / "bench" / "serve_load.py"), "-m", server_tiny_path, "-n", "4",
                         "--max-tokens", "8", "-c", "96", "-r", "2", "--disconnect-fraction", "0.34",
-                        "--disconnect-clients", "12",
+                        "--disconnect-clients", "12", "--disconnect-max-tokens", "64",
                         "--time-limit", "240", "--log-dir", str(tmp_path), "--json", str(out)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
