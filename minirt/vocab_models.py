@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,12 +66,54 @@ def _map_table(kind: str) -> np.ndarray:
     return table
 
 
-def _trie_add(root: dict[int, Any], key: bytes, tid: int) -> None:
-    """Insert ``key`` into a byte trie (byte -> child, token id under key -1)."""
+def _trie_add(root: dict[int, Any], key: Iterable[int], tid: Any) -> None:
+    """Insert ``key`` (bytes, or code points) into a trie (label -> child, ``tid`` under key -1)."""
     node = root
     for b in key:
         node = node.setdefault(b, {})
     node[-1] = tid
+
+
+def _flatten_trie(trie: dict[int, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any], int]:
+    """A :func:`_trie_add` trie as arrays for compiled walks (:func:`_trie_child`): nodes numbered
+    breadth-first from the root (0); node k's children are edges first[k] .. first[k] + count[k] - 1,
+    sorted by label, leading to enode[e]. Returns (first, count, label, enode, the value under -1 of
+    each node (None: none), the deepest node's depth)."""
+    nodes: list[dict[int, Any]] = [trie]
+    first, count, label, enode, value = [], [], [], [], []
+    depth = [0]
+    k = 0
+    while k < len(nodes):
+        node = nodes[k]
+        kids = sorted(c for c in node if c != -1)
+        first.append(len(label))
+        count.append(len(kids))
+        value.append(node.get(-1))
+        for c in kids:
+            label.append(c)
+            enode.append(len(nodes))
+            nodes.append(node[c])
+            depth.append(depth[k] + 1)
+        k += 1
+    return (np.asarray(first, np.int64), np.asarray(count, np.int64), np.asarray(label, np.int64),
+            np.asarray(enode, np.int64), value, max(depth))
+
+
+@jit(inline=True)
+def _trie_child(first, count, label, enode, node, c):  # pragma: no cover - compiled
+    """The child of ``node`` along label c in a :func:`_flatten_trie` trie (binary search), or -1."""
+    lo = first[node]
+    hi = lo + count[node]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        e = label[mid]
+        if e < c:
+            lo = mid + 1
+        elif e > c:
+            hi = mid
+        else:
+            return enode[mid]
+    return -1
 
 
 class WordPiece:
@@ -516,37 +558,17 @@ class RWKV:
         for i, p in enumerate(self.pieces):
             _trie_add(trie, p, i)
         self.unk_id = unk_id
-        # breadth-first numbering; node k's children are edges first[k] .. first[k] + count[k] - 1,
-        # sorted by byte (binary search); root[b]: the node of the one-byte prefix b (-1: none)
-        nodes: list[dict[int, Any]] = [trie]
-        first, count, ebyte, enode, tok = [], [], [], [], []
-        k = 0
-        while k < len(nodes):
-            node = nodes[k]
-            kids = sorted(b for b in node if b >= 0)
-            first.append(len(ebyte))
-            count.append(len(kids))
-            tok.append(node.get(-1, -1))
-            for b in kids:
-                ebyte.append(b)
-                enode.append(len(nodes))
-                nodes.append(node[b])
-            k += 1
-        self._first = np.asarray(first, np.int64)
-        self._count = np.asarray(count, np.int64)
-        self._ebyte = np.asarray(ebyte, np.uint8)
-        self._enode = np.asarray(enode, np.int64)
-        self._tok = np.asarray(tok, np.int64)
+        first, count, label, enode, tok, _ = _flatten_trie(trie)
+        self._arrays = (first, count, label, enode, np.asarray([-1 if t is None else t for t in tok], np.int64))
+        # root[b]: the node of the one-byte prefix b (-1: none), a table instead of a search
         self._root = np.full(256, -1, np.int64)
-        for e in range(self._first[0], self._first[0] + self._count[0]):
-            self._root[self._ebyte[e]] = self._enode[e]
+        self._root[label[:count[0]]] = enode[:count[0]]
 
     def encode(self, text: str, out: list[int]) -> None:
         data = np.frombuffer(text.encode("utf-8"), np.uint8)
         ids = np.empty(len(data), np.int64)  # at most one token per byte
         err = np.zeros(1, np.int64)
-        n = _rwkv_longest(data, self._root, self._first, self._count, self._ebyte, self._enode, self._tok,
-                          -1 if self.unk_id is None else int(self.unk_id), ids, err)
+        n = _rwkv_longest(data, self._root, *self._arrays, -1 if self.unk_id is None else int(self.unk_id), ids, err)
         if n == -1:
             raise TokenizerError(f"byte 0x{int(data[err[0]]):02x} has no RWKV token and there is no unknown token")
         if n == -2:
@@ -555,7 +577,7 @@ class RWKV:
 
 
 @jit()
-def _rwkv_longest(data, root, first, count, ebyte, enode, tok, unk, ids, err):  # pragma: no cover - compiled
+def _rwkv_longest(data, root, first, count, label, enode, tok, unk, ids, err):  # pragma: no cover - compiled
     """Greedy longest match of data (n,) uint8 over the flattened trie (see RWKV): ids[:k] = the
     tokens, returns k; -1: data[err[0]] starts no token and unk < 0; -2: a walk ended with no token."""
     n = data.shape[0]
@@ -582,20 +604,7 @@ def _rwkv_longest(data, root, first, count, ebyte, enode, tok, unk, ids, err):  
             if p + 1 >= n:
                 break
             p += 1
-            b = data[p]
-            lo = first[node]
-            hi = lo + count[node]
-            nxt = -1
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                eb = ebyte[mid]
-                if eb < b:
-                    lo = mid + 1
-                elif eb > b:
-                    hi = mid
-                else:
-                    nxt = enode[mid]
-                    break
+            nxt = _trie_child(first, count, label, enode, node, data[p])
             if nxt < 0:
                 break
             node = nxt
@@ -639,37 +648,16 @@ class Plamo2:
             sc = float(np.float32(scores[i]))
             if not math.isfinite(sc):  # a piece without a usable score is never chosen
                 continue
-            node = trie
-            for ch in t:
-                node = node.setdefault(ord(ch), {})
-            node[-1] = (i, _round_half_away(sc * 1e4))
+            _trie_add(trie, map(ord, t), (i, _round_half_away(sc * 1e4)))
         missing = [b for b in range(256) if byte_ids[b] == 0]
         if missing:
             raise TokenizerError(f"PLaMo-2 vocabulary lacks byte token <0x{missing[0]:02X}>")
         self._bytes = np.asarray(byte_ids, np.int64)
-        # breadth-first numbering; node k's children: edges first[k] .. first[k] + count[k] - 1 sorted
-        # by code point; tok[k] / cost[k]: the piece ending at node k (-1: none)
-        nodes: list[dict[Any, Any]] = [trie]
-        first, count, elabel, enode, tok, cost = [], [], [], [], [], []
-        depth = [0]
-        k = 0
-        while k < len(nodes):
-            node = nodes[k]
-            kids = sorted(c for c in node if c != -1)
-            first.append(len(elabel))
-            count.append(len(kids))
-            t = node.get(-1)
-            tok.append(-1 if t is None else t[0])
-            cost.append(0 if t is None else t[1])
-            for c in kids:
-                elabel.append(c)
-                enode.append(len(nodes))
-                nodes.append(node[c])
-                depth.append(depth[k] + 1)
-            k += 1
-        self._arrays = (np.asarray(first, np.int64), np.asarray(count, np.int64), np.asarray(elabel, np.int64),
-                        np.asarray(enode, np.int64), np.asarray(tok, np.int64), np.asarray(cost, np.int64))
-        self._max_len = max(depth)
+        # tok[k] / cost[k]: the piece ending at trie node k (-1: none)
+        first, count, label, enode, value, self._max_len = _flatten_trie(trie)
+        tok = np.asarray([-1 if v is None else v[0] for v in value], np.int64)
+        cost = np.asarray([0 if v is None else v[1] for v in value], np.int64)
+        self._arrays = (first, count, label, enode, tok, cost)
 
     def encode(self, text: str, out: list[int]) -> None:
         if text[:1] == "\ufeff":
@@ -683,7 +671,7 @@ class Plamo2:
 
 
 @jit()
-def _plamo2_dp(cps, first, count, elabel, enode, tok, cost, byte_ids, cand, ids):  # pragma: no cover - compiled
+def _plamo2_dp(cps, first, count, label, enode, tok, cost, byte_ids, cand, ids):  # pragma: no cover - compiled
     """PLaMo-2's search over code points cps (n,) (see Plamo2): ids[:k] = the tokens, returns k.
     cand: (2, longest piece + 1) scratch, the trie node and length of each piece starting at i."""
     n = cps.shape[0]
@@ -697,20 +685,7 @@ def _plamo2_dp(cps, first, count, elabel, enode, tok, cost, byte_ids, cand, ids)
         node = 0
         k = i
         while k < n:
-            c = cps[k]
-            lo = first[node]
-            hi = lo + count[node]
-            nxt = -1
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                e = elabel[mid]
-                if e < c:
-                    lo = mid + 1
-                elif e > c:
-                    hi = mid
-                else:
-                    nxt = enode[mid]
-                    break
+            nxt = _trie_child(first, count, label, enode, node, cps[k])
             if nxt < 0:
                 break
             node = nxt
