@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,36 @@ def scales_from(energies: dict[int, tuple[np.ndarray, np.ndarray]], n_layer: int
     return tuple(out)
 
 
+NO_FACTORS = -128  # the exponents of a layer without factors (outside any factor's range)
+
+
+def to_exponents(scales: Sequence[np.ndarray | None], hk: int, dk: int) -> np.ndarray:
+    """Per-layer factors as their base-2 exponents (n_layer, hk, dk) int8: NO_FACTORS rows for layers
+    without, 0 beyond a smaller layer's own (Hkv, Dk). What state files and the kept file hold."""
+    e = np.full((len(scales), hk, dk), NO_FACTORS, np.int8)
+    for i, s in enumerate(scales):
+        if s is not None:
+            e[i] = 0
+            e[i, :s.shape[0], :s.shape[1]] = np.log2(s).astype(np.int8)
+    return e
+
+
+def from_exponents(e: np.ndarray, shapes: Sequence[tuple[int, int] | None]) -> tuple[np.ndarray | None, ...] | None:
+    """The inverse of :func:`to_exponents` for layers of (Hkv, Dk) ``shapes`` (None: a layer without
+    factors); None when an exponent is outside [-MAX_LOG2, MAX_LOG2] (a damaged or foreign array)."""
+    out: list[np.ndarray | None] = []
+    for i, s in enumerate(shapes):
+        row = e[i]
+        if s is None or (row == NO_FACTORS).all():
+            out.append(None)
+            continue
+        x = row[:s[0], :s[1]].astype(np.int16)
+        if np.abs(x).max() > MAX_LOG2:
+            return None
+        out.append(np.exp2(x).astype(np.float32))
+    return tuple(out)
+
+
 def _cache_path(model: Any) -> Path | None:
     """Where the factors of ``model``'s GGUF file are kept (None: the model has no file)."""
     from . import __version__
@@ -128,27 +159,13 @@ def _load_cached(path: Path, shapes: list[tuple[int, int] | None]) -> tuple[np.n
         return None
     if e.dtype != np.int8 or e.shape != (len(shapes), hk, dk):
         return None
-    out: list[np.ndarray | None] = []
-    for i, s in enumerate(shapes):
-        row = e[i]
-        if s is None or (row == -128).all():
-            out.append(None)
-            continue
-        x = row[:s[0], :s[1]].astype(np.int16)
-        if np.abs(x).max() > MAX_LOG2:
-            return None
-        out.append(np.exp2(x).astype(np.float32))
-    return tuple(out)
+    return from_exponents(e, shapes)
 
 
 def _store_cached(path: Path, scales: tuple[np.ndarray | None, ...], shapes: list[tuple[int, int] | None]) -> None:
     hk = max((s[0] for s in shapes if s is not None), default=0)
     dk = max((s[1] for s in shapes if s is not None), default=0)
-    e = np.full((len(shapes), hk, dk), -128, np.int8)  # -128: a layer without factors
-    for i, s in enumerate(scales):
-        if s is not None:
-            e[i, :, :] = 0
-            e[i, :s.shape[0], :s.shape[1]] = np.log2(s).astype(np.int8)
+    e = to_exponents(scales, hk, dk)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

@@ -7,7 +7,8 @@ stored rows of those KV element types; ``kv_basis`` 1: in the form block-quantiz
 (keys less their layer's constant offset, keys and values Hadamard-rotated: :class:`minirt.kv_cache.KVCache`),
 0 or absent (files written before that field): plain rows; a model with other cache types, or a file
 of the other basis, converts them through float32). A fifth member ``kscale`` (``(n_layer, n_head_kv,
-head_dim_k)`` int8, the base-2 exponents of the key scales of :mod:`minirt.kv_balance`; 0 = none) is
+head_dim_k)`` int8, the base-2 exponents of the key scales of :mod:`minirt.kv_balance`,
+``kv_balance.to_exponents``) is
 there exactly when the header's ``kv_key_scales`` is true; a model whose caches scale keys otherwise
 converts the rows through float32 too.
 
@@ -36,7 +37,7 @@ import stat
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -144,31 +145,25 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
 
 def scale_exponents(cache: Any) -> np.ndarray | None:
     """The ``kscale`` member of a state of ``cache``: (n_layer, n_head_kv, head_dim_k) int8 base-2
-    exponents of its key scales (0 where a layer has none), or None when it has none."""
+    exponents of its key scales (:func:`minirt.kv_balance.to_exponents`), or None when it has none."""
+    from .kv_balance import to_exponents
+
     sc = cache.key_scales
-    if sc is None:
-        return None
-    e = np.zeros((cache.n_layer, cache.k.shape[1], cache.head_dim_k), np.int8)
-    for i, s in enumerate(sc):
-        if s is not None:
-            e[i, :s.shape[0], :s.shape[1]] = np.log2(s).astype(np.int8)
-    return e
+    return None if sc is None else to_exponents(sc, cache.k.shape[1], cache.head_dim_k)
 
 
-def _scales_of(name: str, cache: Any, e: np.ndarray) -> list[np.ndarray | None]:
+def _scales_of(name: str, cache: Any, e: np.ndarray) -> tuple[np.ndarray | None, ...]:
     """Per layer the key scales a state file's exponents ``e`` give, in the layer's own shape."""
-    from .kv_balance import MAX_LOG2
+    from .kv_balance import MAX_LOG2, from_exponents
 
-    if e.size and int(np.abs(e.astype(np.int16)).max()) > MAX_LOG2:
+    layers = cache.layers if cache.layers is not None else [(e.shape[1], cache.head_dim_k, 0)] * cache.n_layer
+    out = from_exponents(e, [None if s is None else (s[0], s[1]) for s in layers])
+    if out is None:
         raise StateError(f"{name}: key scale exponents outside [-{MAX_LOG2}, {MAX_LOG2}]")
-    out: list[np.ndarray | None] = []
-    for i in range(cache.n_layer):
-        shape = cache.layers[i] if cache.layers is not None else (e.shape[1], cache.head_dim_k, 0)
-        out.append(None if shape is None else np.exp2(e[i, :shape[0], :shape[1]].astype(np.float32)))
     return out
 
 
-def _same_scales(a: list[np.ndarray | None] | None, b: list[np.ndarray | None] | None) -> bool:
+def _same_scales(a: Sequence[np.ndarray | None] | None, b: Sequence[np.ndarray | None] | None) -> bool:
     """Whether two per-layer key scale lists store keys alike (a layer without scales = scales of 1)."""
     if a is None and b is None:
         return True
