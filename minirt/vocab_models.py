@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -66,42 +66,80 @@ def _map_table(kind: str) -> np.ndarray:
     return table
 
 
-def _trie_add(root: dict[int, Any], key: Iterable[int], tid: Any) -> None:
-    """Insert ``key`` (bytes, or code points) into a trie (label -> child, ``tid`` under key -1)."""
-    node = root
-    for b in key:
-        node = node.setdefault(b, {})
-    node[-1] = tid
+def _build_trie(keys: Sequence[bytes] | Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                 np.ndarray, int]:
+    """A trie of ``keys`` (all bytes, or all str: labels are bytes or code points) as arrays for
+    compiled walks (:func:`_trie_child`): node 0 is the root; node k's children are edges
+    first[k] .. first[k] + count[k] - 1, sorted by label, leading to enode[e]. Returns (first,
+    count, label, enode, value, the longest key's length): value[k] is the index in ``keys`` of the
+    key ending at node k (the last one of equal keys), -1 where none ends.
+
+    The keys are sorted (Python's sort orders bytes and str as their labels) and the trie is built
+    from them in one compiled pass: a dict-of-dicts trie took 2.7 s for a 250k vocabulary."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equal keys keep their order
+    if keys and isinstance(keys[0], str):
+        flat = np.frombuffer("".join(keys[i] for i in order).encode("utf-32-le", "surrogatepass"), np.uint32)
+    else:
+        flat = np.frombuffer(b"".join(keys[i] for i in order), np.uint8)  # type: ignore[arg-type]
+    lens = np.fromiter((len(keys[i]) for i in order), np.int64, len(keys))
+    offs = np.zeros(len(keys) + 1, np.int64)
+    np.cumsum(lens, out=offs[1:])
+    depth = int(lens.max()) if len(keys) else 0
+    first, count, label, enode, value = _trie_from_sorted(flat.astype(np.int64), offs,
+                                                          np.asarray(order, np.int64), depth)
+    return first, count, label, enode, value, depth
 
 
-def _flatten_trie(trie: dict[int, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any], int]:
-    """A :func:`_trie_add` trie as arrays for compiled walks (:func:`_trie_child`): nodes numbered
-    breadth-first from the root (0); node k's children are edges first[k] .. first[k] + count[k] - 1,
-    sorted by label, leading to enode[e]. Returns (first, count, label, enode, the value under -1 of
-    each node (None: none), the deepest node's depth)."""
-    nodes: list[dict[int, Any]] = [trie]
-    first, count, label, enode, value = [], [], [], [], []
-    depth = [0]
-    k = 0
-    while k < len(nodes):
-        node = nodes[k]
-        kids = sorted(c for c in node if c != -1)
-        first.append(len(label))
-        count.append(len(kids))
-        value.append(node.get(-1))
-        for c in kids:
-            label.append(c)
-            enode.append(len(nodes))
-            nodes.append(node[c])
-            depth.append(depth[k] + 1)
-        k += 1
-    return (np.asarray(first, np.int64), np.asarray(count, np.int64), np.asarray(label, np.int64),
-            np.asarray(enode, np.int64), value, max(depth))
+@jit()
+def _trie_from_sorted(flat, offs, idx, depth):  # pragma: no cover - compiled
+    """The arrays of :func:`_build_trie` from keys sorted: key j is flat[offs[j]:offs[j + 1]], its
+    index idx[j]. Nodes are made in preorder (each key adds the nodes past its common prefix
+    with the one before), so each node's children are made in label order; the edges are then
+    grouped by parent, keeping that order."""
+    n = idx.shape[0]
+    cap = flat.shape[0] + 1
+    parent = np.empty(cap, np.int64)
+    lab = np.empty(cap, np.int64)
+    value = np.full(cap, -1, np.int64)
+    path = np.zeros(depth + 1, np.int64)  # path[d]: the node of the current key's first d labels
+    nodes = 1
+    prev = 0
+    prev_len = 0
+    for j in range(n):
+        s = offs[j]
+        ln = offs[j + 1] - s
+        c = 0
+        m = min(ln, prev_len)
+        while c < m and flat[s + c] == flat[prev + c]:
+            c += 1
+        for d in range(c, ln):
+            parent[nodes] = path[d]
+            lab[nodes] = flat[s + d]
+            path[d + 1] = nodes
+            nodes += 1
+        value[path[ln]] = idx[j]
+        prev = s
+        prev_len = ln
+    count = np.zeros(nodes, np.int64)
+    for k in range(1, nodes):
+        count[parent[k]] += 1
+    first = np.zeros(nodes, np.int64)
+    for k in range(1, nodes):
+        first[k] = first[k - 1] + count[k - 1]
+    fill = first.copy()
+    label = np.empty(nodes - 1, np.int64)
+    enode = np.empty(nodes - 1, np.int64)
+    for k in range(1, nodes):
+        e = fill[parent[k]]
+        label[e] = lab[k]
+        enode[e] = k
+        fill[parent[k]] = e + 1
+    return first, count, label, enode, value[:nodes].copy()
 
 
 @jit(inline=True)
 def _trie_child(first, count, label, enode, node, c):  # pragma: no cover - compiled
-    """The child of ``node`` along label c in a :func:`_flatten_trie` trie (binary search), or -1."""
+    """The child of ``node`` along label c in a :func:`_build_trie` trie (binary search), or -1."""
     lo = first[node]
     hi = lo + count[node]
     while lo < hi:
@@ -198,42 +236,48 @@ class WordPiece:
 # Unigram (llama.cpp llm_tokenizer_ugm / _session)
 # ---------------------------------------------------------------------------------------------
 
-def _utf8_len(b0: int) -> int:
-    return (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4)[b0 >> 4]
-
-
-def _valid_utf8_prefix(data: bytes, off: int) -> int:
-    """Length of the valid UTF-8 sequence at ``off`` (llama.cpp ``unicode_cpt_from_utf8``), 0 if invalid."""
-    b0 = data[off]
-    if not b0 & 0x80:
-        return 1
-    if b0 & 0x40 == 0:
-        return 0
-    need = 2 if b0 & 0x20 == 0 else 3 if b0 & 0x10 == 0 else 4 if b0 & 0x08 == 0 else 0
-    if need == 0 or off + need > len(data):
-        return 0
-    for k in range(1, need):
-        if data[off + k] & 0xC0 != 0x80:
-            return 0
-    return need
-
+# Why compiled, not HF tokenizers: tokenizers' Precompiled normaliser and Unigram lattice agree
+# with llama.cpp except on text holding a user-defined token's first character (llama.cpp copies
+# the longest user-token prefix unnormalised) and on pieces llama.cpp never matches (control,
+# unknown, byte), and calling it once per new word ran at 0.4-0.8x llama.cpp's speed. The port
+# below follows llama.cpp byte for byte, compiled: no fallback path, and faster than both.
 
 class Unigram:
-    """SentencePiece-style Unigram with llama.cpp's normaliser and Viterbi search."""
+    """SentencePiece-style Unigram: llama.cpp's normaliser (the GGUF's ``precompiled_charsmap``, a
+    XOR-compressed double array) and Viterbi search over the normalised bytes, compiled
+    (:func:`_ugm_normalize`, :func:`_ugm_viterbi`)."""
+
+    ERRORS = {1: "tokenizer.ggml.precompiled_charsmap: index out of bounds",
+              2: "tokenizer.ggml.precompiled_charsmap: replacement offset out of bounds",
+              3: "tokenizer.ggml.precompiled_charsmap: unterminated replacement string",
+              4: "text needs the unknown token, but the vocabulary has none"}
 
     def __init__(self, texts: Sequence[str], attrs: Sequence[int], scores: Sequence[float], unk_id: int | None,
                  charsmap: Any, add_space_prefix: bool, remove_extra_ws: bool, escape_ws: bool = True,
                  treat_ws_as_suffix: bool = False) -> None:
         self.unk_id = unk_id
-        self._scores = [float(np.float32(s)) for s in scores]
-        self._user = [bool(a & ATTR_USER_DEFINED) for a in attrs]
-        normal_scores = [s for s, a in zip(self._scores, attrs) if a & ATTR_NORMAL]
-        min_score = min(normal_scores) if normal_scores else float(np.finfo(np.float32).max)
-        self._unk_score = float(np.float32(min_score - np.float32(10.0)))
-        self._texts, self._attrs = texts, attrs
-        self._tries: tuple[dict[int, Any], dict[int, Any]] | None = None  # built on first use (_trie)
-        self._xcda: np.ndarray | None = None
-        self._repl = b""
+        attr = np.asarray(attrs, np.int64)
+        score = np.asarray(scores, np.float32)
+        normal = score[(attr & ATTR_NORMAL) != 0]
+        normal = normal[~np.isnan(normal)]  # llama.cpp's std::min skips NaN
+        min_score = normal.min() if len(normal) else np.float32(np.finfo(np.float32).max)
+        self._unk_score = float(np.float32(min_score - np.float32(10.0)))  # float arithmetic, as llama.cpp
+        raw = [t.encode("utf-8", "surrogateescape") for t in texts]
+        matched = np.flatnonzero(attr & (ATTR_NORMAL | ATTR_USER_DEFINED | ATTR_UNUSED))
+        first, count, label, enode, value, _ = _build_trie([raw[i] for i in matched])
+        ends = value >= 0
+        tok = np.full(len(value), -1, np.int64)
+        tok[ends] = matched[value[ends]]
+        # each node's score as a double: user-defined tokens score 0 (llama.cpp), the rest their float32
+        node_score = np.zeros(len(value), np.float64)
+        node_score[ends] = np.where(attr[tok[ends]] & ATTR_USER_DEFINED, 0.0, score[tok[ends]].astype(np.float64))
+        root = np.full(256, -1, np.int64)  # the node of each one-byte prefix: a table instead of a search
+        root[label[:count[0]]] = enode[:count[0]]
+        self._tokens = (first, count, label, enode, root, tok, node_score)
+        user = np.flatnonzero(attr & ATTR_USER_DEFINED)
+        self._user = _build_trie([raw[i] for i in user])[:4]
+        xcda = np.zeros(0, np.int64)
+        repl = np.zeros(0, np.uint8)
         if charsmap is not None and len(charsmap):
             blob = np.asarray(charsmap).astype(np.uint8).tobytes()
             if len(blob) < 4:
@@ -241,270 +285,249 @@ class Unigram:
             (size,) = struct.unpack_from("<I", blob, 0)
             if size + 4 >= len(blob):
                 raise TokenizerError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
-            self._xcda = np.frombuffer(blob, dtype="<u4", count=size // 4, offset=4).astype(np.int64)
-            self._repl = blob[4 + size:]
-            self._charsmap_blob = blob
-        self._space = _SPACE.encode() if escape_ws else b" "
-        self._prepend = add_space_prefix and not treat_ws_as_suffix
-        self._append = add_space_prefix and treat_ws_as_suffix
-        self._merge = remove_extra_ws
-        self._cache: dict[Any, tuple[int, ...]] = {}  # fragment text, or ("w", word) of the fast path
-        self._space_str = self._space.decode()
-        self._split_words = False
-        self._hf, self._hf_norm, self._hf_avoid = self._build_fast(texts, attrs, min_score if normal_scores else 0.0)
+            xcda = np.frombuffer(blob, dtype="<u4", count=size // 4, offset=4).astype(np.int64)
+            repl = np.frombuffer(blob, np.uint8, offset=4 + size).copy()
+        self._charsmap = (xcda, repl)
+        self._space = np.frombuffer((_SPACE if escape_ws else " ").encode(), np.uint8).copy()
+        prepend = add_space_prefix and not treat_ws_as_suffix
+        append = add_space_prefix and treat_ws_as_suffix
+        self._flags = np.asarray([prepend, append, remove_extra_ws], np.int64)
+        self._cache: dict[str, tuple[int, ...]] = {}  # short fragments (chat turns repeat them)
 
-    # ---- the fast path: HF tokenizers' Precompiled normaliser and Unigram lattice (Rust) ----
-    # The hand-written path below follows llama.cpp byte for byte but runs at ~0.15 MB/s in Python;
-    # tokenizers computes the same charsmap normalisation and the same Viterbi (float32 scores summed
-    # in double, unknown characters at the lowest normal score - 10, runs of them fused) 10-20x
-    # faster. What it cannot reproduce stays on the hand-written path: text holding the first
-    # character of a user-defined token (llama.cpp copies the longest user-token prefix unnormalised)
-    # and text normalising to U+10FFFF, which names the tokens llama.cpp never matches (control,
-    # unknown, byte) in the lattice's vocabulary.
-    _NEVER = "\U0010ffff"
-
-    def _build_fast(self, texts: Sequence[str], attrs: Sequence[int], floor: float) -> tuple[Any, Any, frozenset]:
-        try:
-            from tokenizers import Tokenizer as HFTokenizer
-            from tokenizers import models, normalizers
-        except ImportError:  # pragma: no cover - a dependency; the exact Python path still works
-            return None, None, frozenset()
-        if self.unk_id is None or not self._scores:
-            return None, None, frozenset()
-        vocab = []
-        for i, (t, a) in enumerate(zip(texts, attrs)):
-            if a & ATTR_USER_DEFINED:
-                vocab.append((t, 0.0))
-            elif a & (ATTR_NORMAL | ATTR_UNUSED) and t:
-                vocab.append((t, self._scores[i]))
-            else:  # never matched; at the floor so that the unknown score (floor - 10) is llama.cpp's
-                vocab.append((self._NEVER * 2 + str(i), floor))
-        try:
-            hf = HFTokenizer(models.Unigram(vocab, self.unk_id, False))
-            norm = normalizers.Precompiled(self._charsmap_blob) if self._xcda is not None else None
-        except Exception:  # noqa: BLE001 - a vocabulary tokenizers refuses: the exact Python path
-            return None, None, frozenset()
-        avoid = frozenset(t[0] for t, a in zip(texts, attrs) if a & ATTR_USER_DEFINED and t)
-        # When no piece holds the space symbol past its first character (and the symbol alone is a
-        # piece, so it is never part of an unknown run), no piece crosses the point before a space
-        # symbol: the best segmentation of the whole string is that of its space-led words joined,
-        # which are then encoded once each (cached) instead of one lattice over the whole text.
-        sp = self._space_str
-        self._split_words = bool(sp) and any(t == sp for t, _ in vocab) and not any(sp in t[1:] for t, _ in vocab)
-        return hf, norm, avoid
-
-    def _fast(self, text: str) -> tuple[int, ...] | None:
-        """Ids through tokenizers, or None where only the hand-written path is exact."""
-        if self._hf is None or (self._hf_avoid and not self._hf_avoid.isdisjoint(text)):
-            return None
-        norm = self._hf_norm.normalize_str(text) if self._hf_norm is not None else text
-        if self._NEVER in norm:
-            return None
-        space = self._space_str
-        if self._merge:  # every run of non-spaces after one space, spaces dropped
-            s = "".join(space + w for w in norm.split(" ") if w)
-        else:
-            s = norm.replace(" ", space)
-            if self._prepend:
-                k = len(norm) - len(norm.lstrip(" "))
-                if k < len(norm):
-                    s = s[:k] + space + s[k:]
-        if self._append:
-            s += space
-        if not s:
-            return ()
-        if not self._split_words:
-            return tuple(self._hf.encode(s, add_special_tokens=False).ids)
-        parts = s.split(space)
-        words = ([parts[0]] if parts[0] else []) + [space + w for w in parts[1:]]
-        cache = self._cache
-        todo = list(dict.fromkeys(w for w in words if ("w", w) not in cache))
-        if todo:
-            if len(cache) > 1 << 16:
-                cache.clear()
-            enc = self._hf.encode  # one call per new word: encode_batch's thread pool was slower here
-            for w in todo:
-                cache[("w", w)] = tuple(enc(w, add_special_tokens=False).ids)  # (tuple keys: never a fragment)
-        out: list[int] = []
-        for w in words:
-            out.extend(cache[("w", w)])
-        return tuple(out)
-
-    @property
-    def _trie(self) -> dict[int, Any]:
-        return self._byte_tries()[0]
-
-    @property
-    def _user_trie(self) -> dict[int, Any]:
-        return self._byte_tries()[1]
-
-    def _byte_tries(self) -> tuple[dict[int, Any], dict[int, Any]]:
-        """Byte tries (byte -> child, id under key -1) of the matchable and the user-defined tokens,
-        built when the hand-written path first runs (seconds for a 250k vocabulary that the fast
-        path may never need)."""
-        if self._tries is None:
-            trie: dict[int, Any] = {}
-            user: dict[int, Any] = {}
-            for i, (t, a) in enumerate(zip(self._texts, self._attrs)):
-                if a & (ATTR_NORMAL | ATTR_USER_DEFINED | ATTR_UNUSED):
-                    _trie_add(trie, t.encode("utf-8", "surrogateescape"), i)
-                if a & ATTR_USER_DEFINED:
-                    _trie_add(user, t.encode("utf-8", "surrogateescape"), i)
-            self._tries = (trie, user)
-        return self._tries
-
-    # ---- normalisation ----
-
-    def _node(self, i: int) -> int:
-        if self._xcda is None or i >= len(self._xcda):
-            raise TokenizerError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
-        return int(self._xcda[i])
-
-    def _prefix(self, data: bytes, off: int) -> tuple[bytes, int]:
-        """llama.cpp ``normalize_prefix``: (replacement bytes, input bytes consumed)."""
-        node = self._user_trie
-        best = 0
-        k = off
-        while k < len(data):
-            node = node.get(data[k])
-            if node is None:
-                break
-            k += 1
-            best = k - off  # llama.cpp's naive_trie: longest path walked, token or not
-        if best > 0:
-            return data[off:off + best], best
-        longest = 0
-        rep_off = 0
-        if self._xcda is not None and len(self._xcda):
-            def base(p: int) -> int:
-                return (p >> 10) << ((p & (1 << 9)) >> 6)
-
-            ni = base(self._node(0))
-            for k in range(off, len(data)):
-                c = data[k]
-                if c == 0:
-                    break
-                ni ^= c
-                p = self._node(ni)
-                if p & ((1 << 31) | 0xFF) != c:
-                    break
-                leaf = (p >> 8) & 1
-                ni ^= base(p)
-                if leaf:
-                    longest = k - off + 1
-                    rep_off = self._node(ni) & ((1 << 31) - 1)
-        if longest > 0:
-            if rep_off >= len(self._repl):
-                raise TokenizerError("tokenizer.ggml.precompiled_charsmap: index out of bounds")
-            end = self._repl.find(b"\0", rep_off)
-            if end < 0:
-                raise TokenizerError("tokenizer.ggml.precompiled_charsmap: unterminated string")
-            return self._repl[rep_off:end], longest
-        n = _valid_utf8_prefix(data, off)
-        if n:
-            return data[off:off + n], n
-        return b"\xef\xbf\xbd", 1
+    def _check(self, code: int) -> None:
+        if code:
+            raise TokenizerError(self.ERRORS[code])
 
     def normalize(self, text: str) -> bytes:
-        data = text.encode("utf-8")
-        out = bytearray()
-        space = self._space
-        prepended = False
-        non_ws = False
-        off = 0
-        while off < len(data):
-            rep, used = self._prefix(data, off)
-            for c in rep:
-                if c != 0x20:
-                    if not non_ws:
-                        non_ws = True
-                        if (self._prepend and not prepended) or self._merge:
-                            out += space
-                            prepended = True
-                    out.append(c)
-                else:
-                    non_ws = False
-                    if not self._merge:
-                        out += space
-            off += used
-        if self._append:
-            out += space
-        return bytes(out)
+        """The bytes the Viterbi search reads (llama.cpp ``normalize``)."""
+        out, m, code = _ugm_normalize(np.frombuffer(text.encode("utf-8"), np.uint8), *self._user,
+                                      *self._charsmap, self._space, self._flags)
+        self._check(code)
+        return out[:m].tobytes()
 
-    # ---- Viterbi ----
+    def _ids(self, text: str) -> list[int]:
+        out, m, code = _ugm_normalize(np.frombuffer(text.encode("utf-8"), np.uint8), *self._user,
+                                      *self._charsmap, self._space, self._flags)
+        self._check(code)
+        ids = _ugm_viterbi(out, m, *self._tokens, -1 if self.unk_id is None else int(self.unk_id), self._unk_score)
+        if len(ids) and ids[0] == -2:
+            self._check(4)
+        return ids.tolist()
 
     def encode(self, text: str, out: list[int]) -> None:
         if len(text) > 256:  # long fragments are rarely repeated: not worth keeping
-            fast = self._fast(text)
-            out.extend(fast if fast is not None else self._viterbi(self.normalize(text)))
+            out.extend(self._ids(text))
             return
         ids = self._cache.get(text)
         if ids is None:
-            ids = self._fast(text)
-            if ids is None:
-                ids = self._viterbi(self.normalize(text))
+            ids = tuple(self._ids(text))
             if len(self._cache) > 1 << 15:
                 self._cache.clear()
             self._cache[text] = ids
         out.extend(ids)
 
-    def _viterbi(self, s: bytes) -> tuple[int, ...]:
-        n = len(s)
-        if n == 0:
-            return ()
-        unk = self.unk_id if self.unk_id is not None else -1
-        best_id = [unk] * (n + 1)
-        best_from = [0] * (n + 1)
-        best = [-math.inf] * (n + 1)  # llama.cpp: -DBL_MAX
-        best[0] = 0.0
-        scores = self._scores
-        user = self._user
-        root = self._trie
-        off = 0
-        while off < n:
-            cu = min(_utf8_len(s[off]), n - off)
-            cur = best[off]
-            single = False
-            node = root.get(s[off])
-            k = off + 1
-            while node is not None:
-                tid = node.get(-1)
-                if tid is not None:
-                    if k - off == cu:
-                        single = True
-                    sc = cur + (0.0 if user[tid] else scores[tid])
-                    if sc > best[k]:
-                        best[k] = sc
-                        best_id[k] = tid
-                        best_from[k] = off
-                if k >= n:
-                    break
-                node = node.get(s[k])
-                k += 1
-            if not single:
-                sc = cur + self._unk_score
-                e = off + cu
-                if sc > best[e]:
-                    best[e] = sc
-                    best_id[e] = unk
-                    best_from[e] = off
-            off += cu
-        res: list[int] = []
-        prev_unk = False
-        p = n
-        while True:
-            tid = best_id[p]
-            is_unk = tid == unk
-            if not (prev_unk and is_unk):
-                res.append(tid)
-            if best_from[p] == 0:
+
+@jit()
+def _ugm_normalize(data, uf, uc, ul, ue, xcda, repl, space, flags):  # pragma: no cover - compiled
+    """llama.cpp's Unigram ``normalize`` of the UTF-8 bytes data (n,): returns (buffer, m, code),
+    the normalised bytes buffer[:m]; code 1-3: the charsmap is malformed (Unigram.ERRORS).
+
+    At each offset the longest walk through the user-defined tokens' trie (uf, uc, ul, ue; a walk,
+    token or not, as llama.cpp's naive_trie) is copied as it is; else the longest charsmap match
+    (xcda: the double array, repl: NUL-terminated replacements) is replaced; else one valid UTF-8
+    character is copied, or one invalid byte becomes U+FFFD. Spaces in the result become ``space``,
+    with flags = (prepend one before the first word, append one at the end, merge runs)."""
+    n = data.shape[0]
+    out = np.empty(3 * n + 16, np.uint8)
+    m = 0
+    prepend = flags[0] != 0
+    merge = flags[2] != 0
+    nsp = space.shape[0]
+    xs = xcda.shape[0]
+    nr = repl.shape[0]
+    prepended = False
+    non_ws = False
+    off = 0
+    while off < n:
+        k = off  # 1. user-defined tokens
+        node = 0
+        while k < n:
+            nxt = _trie_child(uf, uc, ul, ue, node, data[k])
+            if nxt < 0:
                 break
-            prev_unk = is_unk
-            p = best_from[p]
-        if unk < 0 and -1 in res:
-            raise TokenizerError("text needs the unknown token, but the vocabulary has none")
-        res.reverse()
-        return tuple(res)
+            node = nxt
+            k += 1
+        src = 0  # where the replacement's bytes are: 0 data, 1 repl, 2 U+FFFD
+        start = off
+        length = k - off
+        used = length
+        if length == 0:
+            longest = 0  # 2. the charsmap
+            rep = 0
+            if xs > 0:
+                p = xcda[0]
+                ni = (p >> 10) << ((p & 512) >> 6)
+                for j in range(off, n):
+                    c = np.int64(data[j])
+                    if c == 0:
+                        break
+                    ni ^= c
+                    if ni >= xs:
+                        return out, 0, 1
+                    p = xcda[ni]
+                    if p & 0x800000FF != c:
+                        break
+                    leaf = (p >> 8) & 1
+                    ni ^= (p >> 10) << ((p & 512) >> 6)
+                    if leaf:
+                        if ni >= xs:
+                            return out, 0, 1
+                        longest = j - off + 1
+                        rep = xcda[ni] & 0x7FFFFFFF
+            if longest > 0:
+                if rep >= nr:
+                    return out, 0, 2
+                end = rep
+                while end < nr and repl[end] != 0:
+                    end += 1
+                if end == nr:
+                    return out, 0, 3
+                src = 1
+                start = rep
+                length = end - rep
+                used = longest
+            else:  # 3. one character (llama.cpp unicode_cpt_from_utf8: lead and continuation bits)
+                b0 = data[off]
+                need = 1 if b0 < 0x80 else 0 if b0 < 0xC0 else 2 if b0 < 0xE0 else 3 if b0 < 0xF0 \
+                    else 4 if b0 < 0xF8 else 0
+                if need > 1:
+                    if off + need > n:
+                        need = 0
+                    else:
+                        for q in range(1, need):
+                            if data[off + q] & 0xC0 != 0x80:
+                                need = 0
+                                break
+                if need:
+                    length = need
+                    used = need
+                else:
+                    src = 2
+                    length = 3
+                    used = 1
+        if m + length * nsp + nsp > out.shape[0]:  # each byte may become a space symbol, plus a prefix
+            grown = np.empty(2 * out.shape[0] + length * nsp + nsp, np.uint8)
+            grown[:m] = out[:m]
+            out = grown
+        for i in range(length):
+            if src == 0:
+                c8 = data[start + i]
+            elif src == 1:
+                c8 = repl[start + i]
+            else:
+                c8 = 0xEF if i == 0 else 0xBF if i == 1 else 0xBD
+            if c8 != 0x20:
+                if not non_ws:
+                    non_ws = True
+                    if (prepend and not prepended) or merge:
+                        for q in range(nsp):
+                            out[m + q] = space[q]
+                        m += nsp
+                        prepended = True
+                out[m] = c8
+                m += 1
+            else:
+                non_ws = False
+                if not merge:
+                    for q in range(nsp):
+                        out[m + q] = space[q]
+                    m += nsp
+        off += used
+    if flags[1] != 0:
+        if m + nsp > out.shape[0]:
+            grown = np.empty(m + nsp, np.uint8)
+            grown[:m] = out[:m]
+            out = grown
+        for q in range(nsp):
+            out[m + q] = space[q]
+        m += nsp
+    return out, m, 0
+
+
+@jit()
+def _ugm_viterbi(s, m, first, count, label, enode, root, tok, node_score, unk, unk_score):  # pragma: no cover
+    """llama.cpp's Unigram search over s[:m] (normalised bytes): the ids of the best-scoring
+    segmentation, runs of unknown tokens fused into one; [-2] when that needs the unknown token
+    and unk < 0. Steps one UTF-8 character at a time; each vocabulary piece starting there (the
+    token trie: first, count, label, enode, root[byte] the first step, tok / node_score the id and
+    score ending at a node) competes for the offset it ends at (scores summed in double); a
+    character no single piece covers may be the unknown token at unk_score."""
+    if m == 0:
+        return np.empty(0, np.int64)
+    best = np.full(m + 1, -np.inf)  # llama.cpp: -DBL_MAX, the same order for finite sums
+    best[0] = 0.0
+    best_id = np.full(m + 1, unk, np.int64)
+    best_from = np.zeros(m + 1, np.int64)
+    off = 0
+    while off < m:
+        b0 = s[off]
+        cu = 1 if b0 < 0xC0 else 2 if b0 < 0xE0 else 3 if b0 < 0xF0 else 4  # llama.cpp unicode_len_utf8
+        if cu > m - off:
+            cu = m - off
+        cur = best[off]
+        single = False
+        node = root[b0]
+        k = off + 1
+        while node >= 0:
+            t = tok[node]
+            if t >= 0:
+                if k - off == cu:
+                    single = True
+                sc = cur + node_score[node]
+                if sc > best[k]:
+                    best[k] = sc
+                    best_id[k] = t
+                    best_from[k] = off
+            if k >= m:
+                break
+            node = _trie_child(first, count, label, enode, node, s[k])
+            k += 1
+        if not single:
+            sc = cur + unk_score
+            e = off + cu
+            if sc > best[e]:
+                best[e] = sc
+                best_id[e] = unk
+                best_from[e] = off
+        off += cu
+    # back from the end: count, then fill in reverse
+    n_ids = 0
+    prev_unk = False
+    p = m
+    while True:
+        is_unk = best_id[p] == unk
+        if not (prev_unk and is_unk):
+            n_ids += 1
+            if unk < 0 and is_unk:
+                return np.full(1, -2, np.int64)
+        if best_from[p] == 0:
+            break
+        prev_unk = is_unk
+        p = best_from[p]
+    ids = np.empty(n_ids, np.int64)
+    prev_unk = False
+    p = m
+    j = n_ids
+    while True:
+        is_unk = best_id[p] == unk
+        if not (prev_unk and is_unk):
+            j -= 1
+            ids[j] = best_id[p]
+        if best_from[p] == 0:
+            break
+        prev_unk = is_unk
+        p = best_from[p]
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,12 +577,9 @@ class RWKV:
 
     def __init__(self, texts: Sequence[str], unk_id: int | None) -> None:
         self.pieces = [rwkv_unescape(t) for t in texts]
-        trie: dict[int, Any] = {}
-        for i, p in enumerate(self.pieces):
-            _trie_add(trie, p, i)
         self.unk_id = unk_id
-        first, count, label, enode, tok, _ = _flatten_trie(trie)
-        self._arrays = (first, count, label, enode, np.asarray([-1 if t is None else t for t in tok], np.int64))
+        first, count, label, enode, tok, _ = _build_trie(self.pieces)  # tok: the id ending at each node
+        self._arrays = (first, count, label, enode, tok)
         # root[b]: the node of the one-byte prefix b (-1: none), a table instead of a search
         self._root = np.full(256, -1, np.int64)
         self._root[label[:count[0]]] = enode[:count[0]]
@@ -638,7 +658,9 @@ class Plamo2:
 
     def __init__(self, texts: Sequence[str], attrs: Sequence[int], scores: Sequence[float]) -> None:
         byte_ids = [0] * 256
-        trie: dict[Any, Any] = {}
+        keys: list[str] = []
+        key_ids: list[int] = []
+        key_costs: list[int] = []
         for i, (t, a) in enumerate(zip(texts, attrs)):
             if a & ATTR_BYTE:
                 m = BYTE_TOKEN_RE.fullmatch(t)
@@ -648,15 +670,20 @@ class Plamo2:
             sc = float(np.float32(scores[i]))
             if not math.isfinite(sc):  # a piece without a usable score is never chosen
                 continue
-            _trie_add(trie, map(ord, t), (i, _round_half_away(sc * 1e4)))
+            keys.append(t)
+            key_ids.append(i)
+            key_costs.append(_round_half_away(sc * 1e4))
         missing = [b for b in range(256) if byte_ids[b] == 0]
         if missing:
             raise TokenizerError(f"PLaMo-2 vocabulary lacks byte token <0x{missing[0]:02X}>")
         self._bytes = np.asarray(byte_ids, np.int64)
         # tok[k] / cost[k]: the piece ending at trie node k (-1: none)
-        first, count, label, enode, value, self._max_len = _flatten_trie(trie)
-        tok = np.asarray([-1 if v is None else v[0] for v in value], np.int64)
-        cost = np.asarray([0 if v is None else v[1] for v in value], np.int64)
+        first, count, label, enode, value, self._max_len = _build_trie(keys)
+        ends = value >= 0
+        tok = np.full(len(value), -1, np.int64)
+        tok[ends] = np.asarray(key_ids, np.int64)[value[ends]]
+        cost = np.zeros(len(value), np.int64)
+        cost[ends] = np.asarray(key_costs, np.int64)[value[ends]]
         self._arrays = (first, count, label, enode, tok, cost)
 
     def encode(self, text: str, out: list[int]) -> None:
