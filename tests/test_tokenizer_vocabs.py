@@ -296,3 +296,15 @@ def test_unigram_malformed_charsmap_raises_when_walked(tmpdir_vocabs):
     assert tok.encode("zz") == tok.encode("zz")  # no walk past the root's children
     with pytest.raises(minirt.TokenizerError, match="precompiled_charsmap"):
         tok.encode("@")
+
+
+def test_wordpiece_word_without_pieces(tmpdir_vocabs):
+    """A word with a position no piece starts at is the unknown token as a whole (llama.cpp); with
+    no unknown token in the vocabulary that is a typed error naming the word."""
+    tok = _tokenizer(next(c for c in CASES if c["model"] == "bert"), tmpdir_vocabs)
+    assert tok.token_to_id("\u2603") is None and tok.token_to_id("##\u2603") is None
+    ids = tok.encode("hello ab\u2603cd world")
+    assert ids == tok.encode("hello") + [tok.unk_id] + tok.encode("world")
+    tok._engine.unk_id = None
+    with pytest.raises(minirt.TokenizerError, match="ab\u2603cd"):
+        tok.encode("hello ab\u2603cd")
