@@ -385,6 +385,14 @@ class _Splitter:
         self.covering = group in _COVERING
         self._fast: list[Any] | None = None
         self._exact: list[Any] | None = None
+        # the cut of each piece by each step after the first, per regex set: words repeat, and a
+        # piece's cut is a function of the piece alone (the Python loop over pieces was most of
+        # the time for the types with several steps)
+        self._cuts: dict[tuple[bool, int], dict[str, list[str]]] = {}
+
+    def clear_cache(self) -> None:
+        """Forget the cuts remembered per piece."""
+        self._cuts.clear()
 
     def _compile(self, exact: bool) -> list[Any]:
         uc = _UnicodeClasses.get()
@@ -410,23 +418,42 @@ class _Splitter:
             words = rxs[0].findall(text)
             if sum(map(len, words)) == len(text):
                 return words
-        pieces = [text]
-        for rx, (_, on_vt) in zip(rxs, self.steps):
+        exact = rxs is self._exact
+        pieces = _cut(rxs[0], self.steps[0][1], text)
+        for k in range(1, len(rxs)):
+            rx, on_vt = rxs[k], self.steps[k][1]
+            cuts = self._cuts.get((exact, k))
+            if cuts is None or len(cuts) > _MAX_CACHE:
+                cuts = self._cuts[(exact, k)] = {}
+            get = cuts.get
             out: list[str] = []
             for piece in pieces:
-                src = piece.translate(_WS_TO_VT) if on_vt else piece
-                pos = 0
-                for m in rx.finditer(src):
-                    a, b = m.span()
-                    if a > pos:
-                        out.append(piece[pos:a])
-                    if b > a:
-                        out.append(piece[a:b])
-                    pos = b
-                if pos < len(piece):
-                    out.append(piece[pos:])
+                cut = get(piece)
+                if cut is None:
+                    cut = _cut(rx, on_vt, piece)
+                    if len(piece) <= _MAX_CACHED_PIECE:
+                        cuts[piece] = cut
+                out += cut
             pieces = out
         return pieces
+
+
+def _cut(rx: Any, on_vt: bool, piece: str) -> list[str]:
+    """``piece`` cut into the matches of ``rx`` and the gaps between them (``on_vt``: matched on
+    the text with whitespace as vertical tabs, cut from the original)."""
+    src = piece.translate(_WS_TO_VT) if on_vt else piece
+    out: list[str] = []
+    pos = 0
+    for m in rx.finditer(src):
+        a, b = m.span()
+        if a > pos:
+            out.append(piece[pos:a])
+        if b > a:
+            out.append(piece[a:b])
+        pos = b
+    if pos < len(piece):
+        out.append(piece[pos:])
+    return out
 
 
 def _trie_regex(words: Iterable[str]) -> str:
