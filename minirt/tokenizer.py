@@ -1371,10 +1371,12 @@ class Tokenizer:
             result.update({w: self._bpe_merge_word(bl) for w, bl in zip(words, levels)})
         elif words:
             enc = self._hf.encode(levels, is_pretokenized=True, add_special_tokens=False)
-            groups: list[list[int]] = [[] for _ in words]
-            for tid, wi in zip(enc.ids, enc.word_ids):
-                groups[wi].append(tid)
-            result.update({w: tuple(g) for w, g in zip(words, groups)})
+            ids = enc.ids  # word by word, in order: each word's ids are a slice (no list per word)
+            counts = np.bincount(np.asarray(enc.word_ids, np.int64), minlength=len(words)).tolist()
+            pos = 0
+            for w, c in zip(words, counts):
+                result[w] = tuple(ids[pos:pos + c])
+                pos += c
         cache = self._cache
         if len(cache) + len(result) > _MAX_CACHE:
             cache.clear()
