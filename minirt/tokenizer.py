@@ -65,6 +65,7 @@ import numpy as np
 import regex
 
 from . import vocab_models
+from .bpe import ByteLevelMerges
 from .detokenizer import StreamDecoder, clean_spaces
 from .errors import TokenizerError
 from .pretokenizers import (
@@ -862,6 +863,15 @@ class Tokenizer:
         group = _GROUP_OF_TYPE.get(self._spec.type)
         self._splitter: Any = _Splitter(group) if group is not None else splitter(self._spec.type)
         self._hf = None
+        self._merger: ByteLevelMerges | None = None
+        self._raw_vocab: dict[bytes, int] | None = None  # ignore_merges: a word's bytes -> its token
+        if use_hf and self._byte_encode:  # byte-level: the compiled merge loop (minirt.bpe says why)
+            try:
+                self._merger = ByteLevelMerges(_BYTE_TO_CHAR, self._tok2id, self._merge_pairs)
+            except KeyError:
+                self._validate_merges()  # names the rule that is not a token
+                raise
+            return
         if use_hf:
             try:
                 from tokenizers import Tokenizer as _HFTokenizer
@@ -887,6 +897,15 @@ class Tokenizer:
             self._validate_merges()
             raise TokenizerError(f"tokenizer.ggml.merges rejected by the BPE model: {e}") from None
         self._hf = _HFTokenizer(bpe)
+
+    def _byte_level_vocab(self) -> dict[bytes, int]:
+        """The tokens whose text is all byte-level characters, by the bytes they stand for."""
+        out: dict[bytes, int] = {}
+        for t, i in self._tok2id.items():
+            s = t.translate(_DECODE_TABLE)
+            if s and max(s) < "\u0100":
+                out.setdefault(s.encode("latin-1"), i)
+        return out
 
     def _validate_merges(self) -> None:
         """Raise TokenizerError naming the first merge whose parts or result are not tokens."""
@@ -1357,7 +1376,8 @@ class Tokenizer:
 
     def _bpe_fill(self, words: list[str]) -> dict[str, tuple[int, ...]]:
         """Merge ``words`` (pre-tokenized text pieces), cache and return their ids."""
-        levels = [_to_byte_level(w) for w in words] if self._byte_encode else list(words)
+        byte_level = self._byte_encode and self._merger is None  # (the compiled merges read the bytes)
+        levels = [_to_byte_level(w) for w in words] if byte_level else list(words)
         result: dict[str, tuple[int, ...]] = {}
         if self._newline_words:  # llama.cpp's Gemma 4 fix: a newline run that is a token is taken whole
             for w in words:
@@ -1367,7 +1387,26 @@ class Tokenizer:
                 keep = [k for k, w in enumerate(words) if w not in result]
                 words = [words[k] for k in keep]
                 levels = [levels[k] for k in keep]
-        if self._hf is None:
+        if self._merger is not None:
+            if self._ignore_merges:  # llama.cpp: a word that is a token is that token
+                raw = self._raw_vocab
+                if raw is None:
+                    raw = self._raw_vocab = self._byte_level_vocab()
+                whole = [w for w in words if w.encode("utf-8") in raw]
+                result.update({w: (raw[w.encode("utf-8")],) for w in whole})
+                if whole:
+                    words = [w for w in words if w not in result]
+            if words:
+                enc = [w.encode("utf-8") for w in words]
+                offs = np.zeros(len(enc) + 1, np.int64)
+                np.cumsum(np.fromiter(map(len, enc), np.int64, len(enc)), out=offs[1:])
+                got, counts = self._merger.merge(np.frombuffer(b"".join(enc), np.uint8), offs)
+                ids = got.tolist()
+                pos = 0
+                for w, c in zip(words, counts.tolist()):
+                    result[w] = tuple(ids[pos:pos + c])
+                    pos += c
+        elif self._hf is None:
             result.update({w: self._bpe_merge_word(bl) for w, bl in zip(words, levels)})
         elif words:
             enc = self._hf.encode(levels, is_pretokenized=True, add_special_tokens=False)
