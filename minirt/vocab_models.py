@@ -826,8 +826,15 @@ class HashTest:
 def _hash_chunks(data, n_vocab, ids):  # pragma: no cover - compiled
     """ids[i] = the 64-bit hash (h * 31 + byte, wrapping) of data[5i:5i + 5] modulo n_vocab."""
     m = np.uint64(n_vocab)
-    for i in range(ids.shape[0]):
+    c = np.uint64(31)
+    full = data.shape[0] // 5
+    for i in range(full):  # whole chunks unrolled
+        j = 5 * i
+        h = np.uint64(data[j]) * c + np.uint64(data[j + 1])
+        h = (h * c + np.uint64(data[j + 2])) * c + np.uint64(data[j + 3])
+        ids[i] = np.int64((h * c + np.uint64(data[j + 4])) % m)
+    if full < ids.shape[0]:
         h = np.uint64(0)
-        for j in range(5 * i, min(5 * i + 5, data.shape[0])):
-            h = h * np.uint64(31) + np.uint64(data[j])
-        ids[i] = np.int64(h % m)
+        for j in range(5 * full, data.shape[0]):
+            h = h * c + np.uint64(data[j])
+        ids[full] = np.int64(h % m)
