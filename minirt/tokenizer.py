@@ -41,11 +41,14 @@ Libraries used, and why:
   as unassigned symbols) are found once per process by comparing ``regex`` against the 15.1
   ranges kept at the end of this file, and a text that contains one is split with the slower,
   exact patterns where those code points are subtracted from the classes.
-* HF ``tokenizers`` (``models.BPE``, Rust) for the byte-level BPE merge loop: it applies merges by
-  (rank, leftmost position) exactly like llama.cpp's ``llm_tokenizer_bpe_session`` and is ~10×
-  faster than Python. Words are split here and handed over pre-tokenized, and results are cached
-  per word. :meth:`Tokenizer._bpe_merge_word` is the same loop in Python: the executable spec,
-  the fallback when ``tokenizers`` is missing, and what the tests compare the Rust path against.
+* The byte-level BPE merge loop is compiled here (:mod:`minirt.bpe`, numba over token ids): HF
+  ``tokenizers`` applies merges by (rank, leftmost position) exactly like llama.cpp's
+  ``llm_tokenizer_bpe_session`` too, but its per-call conversions cost more than the merges on a
+  cold text. HF ``tokenizers`` (``models.BPE``, Rust) runs the raw-UTF-8 vocabularies (Gemma 4
+  and others whose symbols are characters, with ``<0xNN>`` byte fallback). Words are split here,
+  and results are cached per word. :meth:`Tokenizer._bpe_merge_word` is the same loop in Python:
+  the executable spec, the path of ``use_hf_bpe=False`` (or without ``tokenizers``), and what
+  the tests compare the compiled and Rust paths against.
 * The SPM merge is written here: no library runs llama.cpp's score-ordered bigram merge over a
   bare vocabulary (``sentencepiece`` needs the ``.model`` protobuf, which a GGUF does not carry).
   It runs per ``▁``-separated piece (a cut no vocabulary entry spans, so the result is the same as
