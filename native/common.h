@@ -128,7 +128,26 @@ MR_INLINE void mr_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) 
     }
 }
 
+/* The 16 signed 6-bit per-16 scales of a Q3_K super-block from its 12 packed bytes (ggml's layout:
+ * low nibbles of bytes 0..7 then their high nibbles, high bit pairs in bytes 8..11). */
+MR_INLINE void mr_q3k_scales(const uint8_t *s12, int16_t *out) {
+    for (int g = 0; g < 16; g++) {
+        const int lo = g < 8 ? (s12[g] & 15) : (s12[g - 8] >> 4);
+        const int hi = (s12[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+        out[g] = (int16_t)((lo | (hi << 4)) - 32);
+    }
+}
+
 extern const int8_t mr_kvalues_iq4nl[16];
+/* MXFP4 (32 elements: e8m0 scale @0 | qs[16] @1): element codes -> 2 x the FP4 value, and the
+ * scale halved to match: d = 2^(e-128) from bits (ggml_e8m0_to_fp32_half) */
+extern const int8_t mr_kvalues_mxfp4[16];
+MR_INLINE float mr_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, 4);
+    return d;
+}
 /* i-quant grids (iq_grids.c, from ggml-common.h): 8 (uint64) or 4 (uint32) grid bytes per entry */
 extern const uint64_t mr_iq2xxs_grid[256], mr_iq2xs_grid[512], mr_iq2s_grid[1024], mr_iq1s_grid[2048];
 extern const uint32_t mr_iq3xxs_grid[256], mr_iq3s_grid[512];

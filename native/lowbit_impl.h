@@ -40,12 +40,9 @@ MR_INLINE void MR_SFX(up_q2_k)(const uint8_t *b, int16_t *w, float *sc, float *m
 MR_INLINE void MR_SFX(up_q3_k)(const uint8_t *b, int16_t *w, float *sc, float *mn) {
     (void)mn;
     const float d = mr_rdf16(b + 108);
-    const uint8_t *s12 = b + 96;
-    for (int g = 0; g < 16; g++) {
-        const int lo = g < 8 ? (s12[g] & 15) : (s12[g - 8] >> 4);
-        const int hi = (s12[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-        sc[g] = d * (float)((lo | (hi << 4)) - 32);
-    }
+    int16_t s16[16];
+    mr_q3k_scales(b + 96, s16);
+    for (int g = 0; g < 16; g++) sc[g] = d * (float)s16[g];
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
             for (int l = 0; l < 32; l++)
@@ -175,17 +172,13 @@ MR_INLINE void MR_SFX(up_tq2_0)(const uint8_t *b, int16_t *w, float *sc, float *
             for (int l = 0; l < 32; l++) w[128 * j + 32 * s + l] = (int16_t)(((b[32 * j + l] >> (2 * s)) & 3) - 1);
 }
 
-/* MXFP4 (32 elements): e @0 | qs[16] @1; d = 2^(e-128) from bits (ggml_e8m0_to_fp32_half) */
-static const int8_t MR_SFX(kv_mxfp4)[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* MXFP4 (32 elements): e @0 | qs[16] @1 (common.h: mr_kvalues_mxfp4, mr_e8m0_half) */
 MR_INLINE void MR_SFX(up_mxfp4)(const uint8_t *b, int16_t *w, float *sc, float *mn) {
     (void)mn;
-    const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
-    float d;
-    memcpy(&d, &bits, 4);
-    sc[0] = sc[1] = d;
+    sc[0] = sc[1] = mr_e8m0_half(b[0]);
     for (int l = 0; l < 16; l++) {
-        w[l] = MR_SFX(kv_mxfp4)[b[1 + l] & 15];
-        w[16 + l] = MR_SFX(kv_mxfp4)[b[1 + l] >> 4];
+        w[l] = mr_kvalues_mxfp4[b[1 + l] & 15];
+        w[16 + l] = mr_kvalues_mxfp4[b[1 + l] >> 4];
     }
 }
 

@@ -13,6 +13,7 @@ const mr_type_info mr_types[GT_COUNT] = {
 };
 
 const int8_t mr_kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t mr_kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 #define MR_SFX(name) name##_scalar
 #include "generic_impl.h"

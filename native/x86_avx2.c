@@ -84,6 +84,12 @@ MR_INLINE __m256i up_iq4_nl(const uint8_t *b, float *d, float *m) {
     return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib32(b + 2));
 }
 
+MR_INLINE __m256i up_mxfp4(const uint8_t *b, float *d, float *m) {
+    *d = mr_e8m0_half(b[0]); *m = 0.0f;
+    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_mxfp4);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib32(b + 1));
+}
+
 #define NACC(NT) ((NT) == 1 ? 4 : ((NT) == 2 ? 2 : 1))
 
 #define DEF_VINT32(NAME, BYTES, UNPACK, DP, HAS_MIN)                                                         \
@@ -139,6 +145,7 @@ DEF_VINT32(vint_q5_0, 22, up_q5_0, dp32s, 0)
 DEF_VINT32(vint_q5_1, 24, up_q5_1, dp32u, 1)
 DEF_VINT32(vint_q8_0, 34, up_q8_0, dp32s, 0)
 DEF_VINT32(vint_iq4_nl, 18, up_iq4_nl, dp32s, 0)
+DEF_VINT32(vint_mxfp4, 17, up_mxfp4, dp32s, 0)
 
 /* ---------------- Q4_K and Q6_K ---------------- */
 
@@ -220,6 +227,79 @@ MR_INLINE void vint_q6_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, c
     for (int t = 0; t < NT; t++) out[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
+/* Q3_K (hmask[32] @0 | qs[64] @32 | scales[12] @96 | d @108): int8 q - 4 * (high bit clear), widened
+ * and multiplied by the signed per-16 scale (|.| <= 128). */
+MR_INLINE void vint_q3_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
+                            int64_t xqs, int64_t xbs, const int NT, float *out) {
+    (void)xs;
+    __m256 acc[MR_NT_INT][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3), c4 = _mm256_set1_epi8(4), zero = _mm256_setzero_si256();
+    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
+        const uint8_t *b = w + 110 * ib;
+        const float d = f16s(b + 108);
+        int16_t sc[16];
+        mr_q3k_scales(b + 96, sc);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        for (int h = 0; h < 2; h++) {
+            const __m256i Q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                const int j = 4 * h + s;
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3);
+                const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8((char)(1 << j))), zero);
+                const __m256i v = _mm256_sub_epi8(q, _mm256_and_si256(clear, c4));
+                const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                                                      _mm256_set1_epi16(sc[2 * j]));
+                const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
+                                                      _mm256_set1_epi16(sc[2 * j + 1]));
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xq + t * xqs + 256 * ib + 32 * j;
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xt)),
+                                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xt + 16))));
+                    acc[t][j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[t * xbs + 8 * ib + j]),
+                                                    acc[t][j & 1]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+/* Q2_K (scales[16] @0 | qs[64] @16 | d @80 | dmin @82): q * sc_g in int16, and the mins through a
+ * second dot product of the activations with m_g (value = d * sc_g * q - dmin * m_g). */
+MR_INLINE void vint_q2_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
+                            int64_t xqs, int64_t xbs, const int NT, float *out) {
+    (void)xs;
+    __m256 acc[MR_NT_INT][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
+        const uint8_t *b = w + 84 * ib;
+        const float d = f16s(b + 80), dmin = f16s(b + 82);
+        for (int h = 0; h < 2; h++) {
+            const __m256i Q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                const int j = 4 * h + s;
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * s), m3);
+                const uint8_t g0 = b[2 * j], g1 = b[2 * j + 1];
+                const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(g0 & 15));
+                const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), _mm256_set1_epi16(g1 & 15));
+                const __m256i mlo = _mm256_set1_epi16(g0 >> 4), mhi = _mm256_set1_epi16(g1 >> 4);
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xq + t * xqs + 256 * ib + 32 * j;
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)xt), x1 = _mm256_loadu_si256((const __m256i *)(xt + 16));
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+                    const __m256i pm = _mm256_add_epi32(_mm256_madd_epi16(mlo, x0), _mm256_madd_epi16(mhi, x1));
+                    const float xdt = xd[t * xbs + 8 * ib + j];
+                    acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xdt), acc[t][0]);
+                    acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * xdt), acc[t][1]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = hsum256(acc[t][0]) - hsum256(acc[t][1]);
+}
+
 #define DEF_SWITCH(NAME)                                                                                     \
     static void NAME(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,        \
                      int64_t xqs, int64_t xbs, int nt, float *out) {                                           \
@@ -232,6 +312,8 @@ MR_INLINE void vint_q6_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, c
     }
 DEF_SWITCH(vint_q4_k)
 DEF_SWITCH(vint_q6_k)
+DEF_SWITCH(vint_q3_k)
+DEF_SWITCH(vint_q2_k)
 
 /* ---------------- float kernels ---------------- */
 
@@ -262,6 +344,7 @@ DEF_DQ32(dqv_q5_0, 22, up_q5_0, _mm256_cvtepi8_epi32)
 DEF_DQ32(dqv_q5_1, 24, up_q5_1, _mm256_cvtepu8_epi32)
 DEF_DQ32(dqv_q8_0, 34, up_q8_0, _mm256_cvtepi8_epi32)
 DEF_DQ32(dqv_iq4_nl, 18, up_iq4_nl, _mm256_cvtepi8_epi32)
+DEF_DQ32(dqv_mxfp4, 17, up_mxfp4, _mm256_cvtepi8_epi32)
 
 static void hv_dot_f32(const float *w, const float *x, int64_t xs, int64_t n, int nt, float *out) {
     __m256 a0[MR_NT_INT], a1[MR_NT_INT];
@@ -402,6 +485,12 @@ void mr_init_avx2(mr_kernels *k) {
     k->vint[GT_IQ4_NL] = vint_iq4_nl;
     k->vint[GT_Q4_K] = vint_q4_k;
     k->vint[GT_Q6_K] = vint_q6_k;
+    k->dq[GT_MXFP4] = dqv_mxfp4;
+    k->vint[GT_MXFP4] = vint_mxfp4;
+    k->vint[GT_Q3_K] = vint_q3_k;
+    k->vint[GT_Q2_K] = vint_q2_k;
+    /* the SIMD row kernels above, not the portable multi-row ones */
+    k->gemv[GT_MXFP4] = k->gemv[GT_Q2_K] = k->gemv[GT_Q3_K] = NULL;
     k->quant_x = hv_quant_x;
     k->vexp = hv_vexp;
     k->softmax = hv_softmax;

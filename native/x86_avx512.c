@@ -73,6 +73,14 @@ MR_INLINE __m512i up_iq4_nl(const uint8_t *b, float *d, float *m) {
     *d = f16s(b); *m = 0.0f;
     return _mm512_cvtepi8_epi16(iq4_lut(nib32(b + 2)));
 }
+MR_INLINE __m256i mxfp4_lut(__m256i nib) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_mxfp4);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
+}
+MR_INLINE __m512i up_mxfp4(const uint8_t *b, float *d, float *m) {
+    *d = mr_e8m0_half(b[0]); *m = 0.0f;
+    return _mm512_cvtepi8_epi16(mxfp4_lut(nib32(b + 1)));
+}
 
 /* Blocks per segment whose combined scales (weight d x activation d) are computed up front: the
  * weight scales of 16 blocks are gathered and converted in one go, so the inner loop takes its scale
@@ -87,6 +95,11 @@ MR_INLINE void load_f16_field(const uint8_t *w, int bytes, int off, int64_t n, f
     for (int64_t b = 0; b < n; b++) h[b] = mr_rd16(w + b * bytes + off);
     for (int64_t b = 0; b < n; b += 16)
         _mm512_storeu_ps(d + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + b))));
+}
+
+/* MXFP4's e8m0 scale bytes (byte 0 of n consecutive 17-byte blocks) -> float */
+MR_INLINE void load_e8m0_field(const uint8_t *w, int64_t n, float *d) {
+    for (int64_t b = 0; b < n; b++) d[b] = mr_e8m0_half(w[17 * b]);
 }
 
 /* sc[t][b] = d[b] * xd_t[b]; returns sum_b m[b] * xs_t[b] per token in msum (when m != NULL) */
@@ -134,6 +147,13 @@ MR_INLINE void pr_iq4_nl(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512
     *lo = _mm512_cvtepi8_epi16(iq4_lut(_mm256_and_si256(raw, m4)));
     *hi = _mm512_cvtepi8_epi16(iq4_lut(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)));
 }
+MR_INLINE void pr_mxfp4(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
+    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 1))),
+                                                _mm_loadu_si128((const __m128i *)(b + 1)), 1);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    *lo = _mm512_cvtepi8_epi16(mxfp4_lut(_mm256_and_si256(raw, m4)));
+    *hi = _mm512_cvtepi8_epi16(mxfp4_lut(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)));
+}
 
 #define NT_SWITCH(NAME)                                                                                      \
     static void NAME(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,        \
@@ -146,8 +166,9 @@ MR_INLINE void pr_iq4_nl(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512
         }                                                                                                      \
     }
 
-/* nibble types: pairs of blocks per step (int32 lanes 0..7 belong to block a, 8..15 to block b) */
-#define DEF_VPAIR(NAME, BYTES, PAIR, SINGLE, HAS_MIN)                                                        \
+/* nibble types: pairs of blocks per step (int32 lanes 0..7 belong to block a, 8..15 to block b);
+ * E8M0: the block scale is MXFP4's exponent byte, not an f16 */
+#define DEF_VPAIR(NAME, BYTES, PAIR, SINGLE, HAS_MIN, E8M0)                                                        \
     MR_INLINE void NAME##_nt(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd,                 \
                              const float *xs, int64_t xqs, int64_t xbs, const int NT, float *out) {           \
         __m512 acc[MR_NT_INT];                                                                                 \
@@ -157,7 +178,8 @@ MR_INLINE void pr_iq4_nl(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512
         for (int64_t s0 = 0; s0 < nb; s0 += SEG) {                                                             \
             const int64_t n = nb - s0 < SEG ? nb - s0 : SEG;                                                   \
             const uint8_t *ws = w + s0 * BYTES;                                                                \
-            load_f16_field(ws, BYTES, 0, n, dsc);                                                              \
+            if (E8M0) load_e8m0_field(ws, n, dsc);                                                             \
+            else load_f16_field(ws, BYTES, 0, n, dsc);                                                         \
             if (HAS_MIN) load_f16_field(ws, BYTES, 2, n, mns);                                                 \
             combine_scales(dsc, HAS_MIN ? mns : NULL, n, xd + s0, xs + s0, xbs, NT, sc, msum);                 \
             int64_t b = 0;                                                                                     \
@@ -187,11 +209,12 @@ MR_INLINE void pr_iq4_nl(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512
     }                                                                                                          \
     NT_SWITCH(NAME)
 
-DEF_VPAIR(vint_q4_0, 18, pr_q4_0, up_q4_0, 0)
-DEF_VPAIR(vint_q4_1, 20, pr_q4_1, up_q4_1, 1)
-DEF_VPAIR(vint_q5_0, 22, pr_q5_0, up_q5_0, 0)
-DEF_VPAIR(vint_q5_1, 24, pr_q5_1, up_q5_1, 1)
-DEF_VPAIR(vint_iq4_nl, 18, pr_iq4_nl, up_iq4_nl, 0)
+DEF_VPAIR(vint_q4_0, 18, pr_q4_0, up_q4_0, 0, 0)
+DEF_VPAIR(vint_q4_1, 20, pr_q4_1, up_q4_1, 1, 0)
+DEF_VPAIR(vint_q5_0, 22, pr_q5_0, up_q5_0, 0, 0)
+DEF_VPAIR(vint_q5_1, 24, pr_q5_1, up_q5_1, 1, 0)
+DEF_VPAIR(vint_iq4_nl, 18, pr_iq4_nl, up_iq4_nl, 0, 0)
+DEF_VPAIR(vint_mxfp4, 17, pr_mxfp4, up_mxfp4, 0, 1)
 
 /* Q8_0: one block per step; two accumulators per token hide the FMA latency */
 MR_INLINE void vint_q8_0_nt(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,
@@ -300,6 +323,30 @@ MR_INLINE void sb_q6_k(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn) 
     }
 }
 
+/* Q3_K (hmask[32] @0 | qs[64] @32 | scales[12] @96 | d @108): 2-bit q and a high bit (clear: -4),
+ * the signed 6-bit per-16 scales folded into the int16 weights (|q * s| <= 4 * 32). */
+MR_INLINE void sb_q3_k(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn) {
+    *sc = _mm256_set1_ps(f16s(b + 108));
+    *mn = _mm256_setzero_ps();
+    int16_t s16[16] __attribute__((aligned(32)));
+    mr_q3k_scales(b + 96, s16);
+    const __m512i scl = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)s16));
+    const __m512i hm = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
+    const __m512i m3 = _mm512_set1_epi16(3), c4 = _mm512_set1_epi16(4);
+    for (int h = 0; h < 2; h++) {
+        const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h)));
+        for (int s = 0; s < 4; s++) {
+            const int j = 4 * h + s; /* sub-block: elements 32j..32j+31 = bits 2s of qs[32h..], hmask bit j */
+            const __m512i q = _mm512_and_si512(_mm512_srli_epi16(Q, 2 * s), m3);
+            const __mmask32 hb = _mm512_test_epi16_mask(hm, _mm512_set1_epi16((short)(1 << j)));
+            const __m512i w = _mm512_mask_sub_epi16(q, (__mmask32)~hb, q, c4);
+            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
+                                                   _mm256_set1_epi16((short)(2 * j + 1)), 1);
+            wv[j] = _mm512_mullo_epi16(w, _mm512_permutexvar_epi16(idx, scl));
+        }
+    }
+}
+
 MR_INLINE void sb_iq4_xs(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn) {
     const float d = f16s(b);
     const uint16_t sh = mr_rd16(b + 2);
@@ -344,7 +391,74 @@ MR_INLINE void sb_iq4_xs(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn
 DEF_VINT256(vint_q4_k, 144, sb_q4_k, 1)
 DEF_VINT256(vint_q5_k, 176, sb_q5_k, 1)
 DEF_VINT256(vint_q6_k, 210, sb_q6_k, 0)
+DEF_VINT256(vint_q3_k, 110, sb_q3_k, 0)
 DEF_VINT256(vint_iq4_xs, 136, sb_iq4_xs, 0)
+
+/* Q2_K (scales[16] @0 | qs[64] @16 | d @80 | dmin @82): value = d * sc_g * q - dmin * m_g per 16
+ * elements g (sc_g, m_g the low / high nibble of scales[g]), q = bits 2s of qs[32h + l] for element
+ * 128h + 32s + l. The 4-bit scales are folded into the int16 weights; the mins take a second dot
+ * product of the activations with m_g broadcast over its 16 lanes. */
+MR_INLINE void q2k_groups(const uint8_t *b, __m512i *S, __m512i *M) {
+    const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
+    *S = _mm512_castsi256_si512(_mm256_and_si256(raw, _mm256_set1_epi16(15)));
+    *M = _mm512_castsi256_si512(_mm256_srli_epi16(raw, 4));
+}
+MR_INLINE __m512i q2k_sub(const __m512i Q, int s) { return _mm512_and_si512(_mm512_srli_epi16(Q, 2 * s), _mm512_set1_epi16(3)); }
+MR_INLINE __m512i q2k_idx(int j) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
+}
+
+MR_INLINE void vint_q2_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
+                            int64_t xqs, int64_t xbs, const int NT, float *out) {
+    (void)xs;
+    __m512 acc[MR_NT_INT][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
+        const uint8_t *b = w + 84 * ib;
+        const float d = f16s(b + 80), dmin = f16s(b + 82);
+        __m512i S, M;
+        q2k_groups(b, &S, &M);
+        for (int h = 0; h < 2; h++) {
+            const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h)));
+            for (int s = 0; s < 4; s++) {
+                const int j = 4 * h + s;
+                const __m512i idx = q2k_idx(j);
+                const __m512i wq = _mm512_mullo_epi16(q2k_sub(Q, s), _mm512_permutexvar_epi16(idx, S));
+                const __m512i wm = _mm512_permutexvar_epi16(idx, M);
+                for (int t = 0; t < NT; t++) {
+                    const int16_t *xt = xq + t * xqs + 256 * ib + 32 * j;
+                    const float xdt = xd[t * xbs + 8 * ib + j];
+                    acc[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp32(wq, xt)), _mm512_set1_ps(d * xdt), acc[t][0]);
+                    acc[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp32(wm, xt)), _mm512_set1_ps(dmin * xdt), acc[t][1]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(acc[t][0]) - _mm512_reduce_add_ps(acc[t][1]);
+}
+NT_SWITCH(vint_q2_k)
+
+/* dequantized exactly as the spec: (d * sc_g) * q - dmin * m_g, one rounding (the products are exact) */
+static void dqv_q2_k(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 84, y += 256) {
+        const float d = f16s(b + 80), dmin = f16s(b + 82);
+        for (int h = 0; h < 2; h++) {
+            const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h)));
+            for (int s = 0; s < 4; s++) {
+                const int j = 4 * h + s;
+                const __m512i q = q2k_sub(Q, s);
+                for (int half = 0; half < 2; half++) {
+                    const int g = 2 * j + half;
+                    const __m256i q16 = half ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
+                    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(q16));
+                    _mm512_storeu_ps(y + 32 * j + 16 * half,
+                                     _mm512_fmsub_ps(f, _mm512_set1_ps(d * (float)(b[g] & 15)),
+                                                     _mm512_set1_ps(dmin * (float)(b[g] >> 4))));
+                }
+            }
+        }
+    }
+}
 
 /* ---------------- float kernels ---------------- */
 
@@ -378,6 +492,7 @@ static void hv_dq_bf16(const uint8_t *src, float *dst, int64_t n) {
         }                                                                                                      \
     }
 DEF_DQ32(dqv_q4_0, 18, up_q4_0)
+DEF_DQ32(dqv_mxfp4, 17, up_mxfp4)
 DEF_DQ32(dqv_q4_1, 20, up_q4_1)
 DEF_DQ32(dqv_q5_0, 22, up_q5_0)
 DEF_DQ32(dqv_q5_1, 24, up_q5_1)
@@ -405,6 +520,7 @@ DEF_DQ32(dqv_iq4_nl, 18, up_iq4_nl)
 DEF_DQ256(dqv_q4_k, 144, sb_q4_k)
 DEF_DQ256(dqv_q5_k, 176, sb_q5_k)
 DEF_DQ256(dqv_q6_k, 210, sb_q6_k)
+DEF_DQ256(dqv_q3_k, 110, sb_q3_k)
 DEF_DQ256(dqv_iq4_xs, 136, sb_iq4_xs)
 
 /* out[t] = dot(w, x_t) for t < nt <= 4; two accumulators per token */
@@ -885,7 +1001,15 @@ void mr_init_avx512(mr_kernels *k) {
     k->vint[GT_Q5_K] = vint_q5_k;
     k->vint[GT_Q6_K] = vint_q6_k;
     k->vint[GT_IQ4_XS] = vint_iq4_xs;
-    k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] = 1;
+    k->dq[GT_MXFP4] = dqv_mxfp4;
+    k->vint[GT_MXFP4] = vint_mxfp4;
+    k->dq[GT_Q3_K] = dqv_q3_k;
+    k->vint[GT_Q3_K] = vint_q3_k;
+    k->dq[GT_Q2_K] = dqv_q2_k;
+    k->vint[GT_Q2_K] = vint_q2_k;
+    k->gemv[GT_Q2_K] = k->gemv[GT_Q3_K] = NULL; /* the SIMD row kernels, not the portable multi-row ones */
+    k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] =
+        k->xpair[GT_MXFP4] = 1;
     k->quant_x = hv_quant_x;
     k->fwht = hv_fwht;
     k->dot_f32 = hv_dot_f32;

@@ -885,9 +885,10 @@ def test_act_mul(nat):
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ2_XXS", "MXFP4"])
 def test_backend_decodes_low_bit_types_natively(nat, qtype, monkeypatch):
     """The native kernels of these types agree with the float64 reference for few-token and
-    many-token matmuls; NativeBackend runs them natively (numba never called) except the few-token
-    matmuls of NUMBA_DECODE_TYPES, which it sends to numba's faster loop (checked separately)."""
-    from minirt.kernels import NativeBackend, numba_backend
+    many-token matmuls on every ISA; NativeBackend runs them natively (numba never called) except,
+    on an ISA without SIMD kernels for them, the few-token matmuls of NUMBA_DECODE_TYPES, which it
+    sends to numba's faster loop."""
+    from minirt.kernels import SIMD_INT_ISAS, NativeBackend, numba_backend
 
     rng = np.random.default_rng(7)
     w = random_weights(rng, qtype, 70, 512)
@@ -897,22 +898,22 @@ def test_backend_decodes_low_bit_types_natively(nat, qtype, monkeypatch):
 
     lin = Lin()
     lin.w, lin.qtype = w, qtype
-    from minirt.kernels import NUMBA_DECODE_TYPES
-
     be = NativeBackend(2)
+    assert (be.numba_decode_types == set()) == (native.info()["isa"] in SIMD_INT_ISAS)
     ref_w = ref_weights(w, qtype, 512)
     for nt in (1, 3, 9):
         x = rng.standard_normal((nt, 512)).astype(np.float32)
         ref = x.astype(np.float64) @ ref_w.T
-        y_native = be._mod.matmul(x, w, qtype, threads=2)
-        assert np.abs(y_native - ref).max() <= 1e-4 * np.abs(ref).max()
+        for isa in isas_to_test():
+            y_native = be._mod.matmul(x, w, qtype, threads=2, isa=isa)
+            assert np.abs(y_native - ref).max() <= 1e-4 * np.abs(ref).max(), isa
         with monkeypatch.context() as mp:
-            if qtype in NUMBA_DECODE_TYPES and nt <= 4:
+            if qtype in be.numba_decode_types and nt <= 4:
                 calls = []
                 real = numba_backend.matmul
                 mp.setattr(numba_backend, "matmul", lambda *a, _c=calls, _r=real, **k: _c.append(1) or _r(*a, **k))
                 y = be.matmul(x, lin)
-                assert calls, "few-token matmul of a NUMBA_DECODE_TYPES type did not go to numba"
+                assert calls, "few-token matmul of a numba_decode_types type did not go to numba"
             else:
                 mp.setattr(numba_backend, "matmul", lambda *a, **k: pytest.fail("numba used"))
                 y = be.matmul(x, lin)

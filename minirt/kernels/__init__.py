@@ -47,11 +47,13 @@ class ReferenceBackend(Backend):
         return x @ w.T
 
 
-# Types whose native integer decode kernel is still the portable (compiler-vectorized) one: numba's
-# fused per-block loop reads them ~3.5x faster (bench/kernels.py on an AVX-512 machine: Q2_K 1.46 vs
-# 0.40 GB/s, Q3_K 1.6-1.7 vs 0.46-0.54), so a few-token matmul of these goes there and the native
-# layer stack is not used, until hand-written SIMD kernels for them exist.
+# Types whose native integer decode kernel is the portable (compiler-vectorized) one except on the
+# ISAs of SIMD_INT_ISAS: there numba's fused per-block loop reads them ~3.5x faster (bench/kernels.py
+# on an AVX-512 machine: Q2_K 1.46 vs 0.40 GB/s, Q3_K 1.6-1.7 vs 0.46-0.54), so on those ISAs a
+# few-token matmul of these goes to numba and the native layer stack is not used. AVX2 and AVX-512
+# have hand-written kernels for them (Q2_K 5.6-6.5 GB/s, Q3_K 3.6-4.3 on the same shapes).
 NUMBA_DECODE_TYPES = frozenset({"Q2_K", "Q3_K"})
+SIMD_INT_ISAS = frozenset({"avx2", "avx512"})
 
 
 class NumbaBackend(Backend):
@@ -89,6 +91,9 @@ class NativeBackend(Backend):
         super().__init__(threads)
         native._load()  # raises BackendError with the reason when the kernels cannot be built or loaded
         self._mod = native
+        # the types sent to numba for few-token matmuls on this CPU (none where the ISA has SIMD kernels;
+        # the ISA is the one selected when the backend is made)
+        self.numba_decode_types = frozenset() if native.info()["isa"] in SIMD_INT_ISAS else NUMBA_DECODE_TYPES
 
     def prepare(self, model: Any) -> None:
         """Repack the model's weight matrices for the decode kernels, once, at load.
@@ -156,9 +161,10 @@ class NativeBackend(Backend):
         if os.environ.get("MINIRT_NATIVE_LAYERS", "1") == "0":
             return
         desc = model.desc
-        if any(lin.qtype in NUMBA_DECODE_TYPES for lin in desc.linears()[1:]):
-            log.info("native decode layers not used: the model has %s weights (numba decodes them faster)",
-                     "/".join(sorted(NUMBA_DECODE_TYPES)))
+        slow = {lin.qtype for lin in desc.linears()[1:]} & self.numba_decode_types
+        if slow:
+            log.info("native decode layers not used: the model has %s weights (numba decodes them faster on "
+                     "this CPU)", "/".join(sorted(slow)))
             return
         keys = [r.key() for r in model.ropes]
         index = [keys.index(b.attn.rope.key()) if b.attn.rope is not None else -1 for b in desc.blocks]
@@ -180,7 +186,7 @@ class NativeBackend(Backend):
         pw = lin.backend_data
         if pw is not None and isinstance(pw, self._mod.PackedMatrix):
             return self._mod.matmul(x, pw, threads=self.threads)
-        if lin.qtype in NUMBA_DECODE_TYPES and x.ndim == 2 and x.shape[0] <= 4:
+        if lin.qtype in self.numba_decode_types and x.ndim == 2 and x.shape[0] <= 4:
             from . import numba_backend
 
             return numba_backend.matmul(x, lin.w, lin.qtype)
