@@ -12,6 +12,13 @@ other processes.
     python bench/kernels.py --backend native         # the C kernels (minirt.kernels.native)
     python bench/kernels.py --types Q4_K,Q5_0,Q6_K,Q8_0 --threads 1 --reps 30
     python bench/kernels.py --types Q4_K,Q5_0,Q6_K,Q8_0 --rounds 10 --reps 10   # on a busy machine
+    MINIRT_LLAMA_BIN=<llama.cpp>/build/bin python bench/kernels.py --backend native --shape 4096x14336 --llama
+
+``--llama`` adds llama.cpp's decode GB/s for the same type and shape, from its own
+``test-backend-ops perf -o MUL_MAT`` (built with ``-DLLAMA_BUILD_TESTS=ON``, found in
+``$MINIRT_LLAMA_BIN``), alternating with minirt's rounds. test-backend-ops runs the CPU backend on
+half the CPUs (1 thread on 2 vCPUs), so ``--llama`` makes ``--threads`` default to the same. Its
+perf set has every type at 4096 x 14336 (``m=4096, k=14336``), so use that shape; other shapes say n/a.
 
 GB/s = bytes of W / time; GFLOP/s = 2 * n_tokens * rows * cols / time. Run on an idle machine:
 another busy process halves these numbers or worse.
@@ -75,10 +82,41 @@ def load_backend(name: str, threads: int) -> tuple[Callable[..., np.ndarray], st
     return fn, f"native ({extra or 'C kernels'}), {threads} threads"
 
 
-def shapes_for(qtype: str) -> list[tuple[int, int]]:
+def shapes_for(qtype: str, given: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    if given:
+        return given
     bs = get_spec(qtype).block_size
     narrow = 896 if 896 % bs == 0 else 1024
     return [(4864, narrow), (896, 4864)]
+
+
+_GGML_NAMES = {"MXFP4": "mxfp4"}
+
+
+def ggml_name(qtype: str) -> str:
+    """ggml_type_name of a type: lower case, K-quants keep their capital K (q4_K)."""
+    name = _GGML_NAMES.get(qtype, qtype.lower())
+    return name[:-2] + "_K" if name.endswith("_k") else name
+
+
+def llama_decode_seconds(binary: Path, qtype: str, rows: int, cols: int) -> float | None:
+    """llama.cpp's time for one decode matmul (n=1) of this type and shape, from its perf mode
+    (None: no such perf case, or the run failed)."""
+    import re
+    import subprocess
+
+    pat = f"type_a={ggml_name(qtype)},type_b=f32,m={rows},n=1,k={cols},"
+    try:
+        r = subprocess.run([str(binary), "perf", "-b", "CPU", "-o", "MUL_MAT", "-p", re.escape(pat)],
+                           capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in r.stdout.splitlines():
+        if pat in line:
+            m = re.search(r"([0-9.]+) us/run", line)
+            if m:
+                return float(m.group(1)) * 1e-6
+    return None
 
 
 def time_calls(fn: Callable[[], Any], reps: int) -> list[float]:
@@ -94,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["numba", "native"], default="numba")
     ap.add_argument("--types", default=",".join(SUPPORTED_TYPES), help="comma-separated ggml type names")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default 2 (with --llama: llama.cpp's, half the CPUs)")
     ap.add_argument("--tokens", type=int, default=64, help="prefill batch size")
     ap.add_argument("--reps", type=int, default=20,
                     help="timed calls per decode case and round (prefill: a quarter, at least 3)")
@@ -102,7 +140,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="repeat every case this many times, interleaved, so that noise from other "
                          "processes spreads over all cases; statistics pool all rounds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", action="append", default=[], metavar="ROWSxCOLS",
+                    help="matrix shape instead of the two default ones (repeatable)")
+    ap.add_argument("--llama", action="store_true",
+                    help="also llama.cpp's decode GB/s (test-backend-ops perf in $MINIRT_LLAMA_BIN)")
     args = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 2) // 2) if args.llama else 2
+    llama_bin = None
+    if args.llama:
+        llama_bin = Path(os.environ.get("MINIRT_LLAMA_BIN", "")) / "test-backend-ops"
+        if not llama_bin.is_file():
+            print(f"llama.cpp: NOT AVAILABLE ({llama_bin} not found; build the target test-backend-ops with "
+                  "-DLLAMA_BUILD_TESTS=ON and set MINIRT_LLAMA_BIN)")
+            llama_bin = None
 
     loaded = load_backend(args.backend, args.threads)
     if loaded is None:
@@ -129,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     skipped = []
     for qtype in types:
-        for rows, cols in shapes_for(qtype):
+        for rows, cols in shapes_for(qtype, shapes):
             w = random_matrix(qtype, rows, cols, rng)
             w.flags.writeable = False
             variants = [(qtype, w)]
@@ -153,16 +205,23 @@ def main(argv: list[str] | None = None) -> int:
                         skipped.append(label)
                     continue
                 cases.append((label, rows, cols, wv, runs, first))
+    llama: dict[tuple[str, int, int], list[float]] = {}
     for _ in range(args.rounds):
-        for qtype, _rows, _cols, w, runs, _first in cases:
+        for qtype, rows, cols, w, runs, _first in cases:
             q = qtype.rstrip("*")
             for n_tok, x, out, times in runs:
                 reps = args.reps if n_tok == 1 else prefill_reps
                 call = lambda x=x, w=w, q=q, out=out: matmul(x, w, q, out=out)  # noqa: E731
                 times.extend(time_calls(call, reps))
+            if llama_bin is not None and not qtype.endswith("*"):
+                s = llama_decode_seconds(llama_bin, q, rows, cols)
+                if s is not None:
+                    llama.setdefault((q, rows, cols), []).append(s)
 
     header = (f"{'type':7s} {'rows x cols':>11s} {'W MB':>5s} | {'decode GB/s':>11s} {'best':>5s} {'GFLOP/s':>7s} | "
-              f"{'prefill' + str(args.tokens) + ' GB/s':>15s} {'best':>5s} {'GFLOP/s':>7s} | {'1st call s':>10s}")
+              f"{'prefill' + str(args.tokens) + ' GB/s':>15s} {'best':>5s} {'GFLOP/s':>7s} | {'1st call s':>10s}"
+              + (f" | llama.cpp decode GB/s ({max(1, (os.cpu_count() or 2) // 2)} thr) | ratio"
+                 if llama_bin is not None else ""))
     print(header)
     print("-" * len(header))
     for qtype, rows, cols, w, runs, first in cases:
@@ -171,7 +230,16 @@ def main(argv: list[str] | None = None) -> int:
             med, best = statistics.median(times), min(times)
             cells.append(f"{w.nbytes / med / 1e9:{width}.2f} {w.nbytes / best / 1e9:5.2f} "
                          f"{2 * n_tok * rows * cols / med / 1e9:7.1f}")
-        print(" | ".join(cells) + f" | {first:10.2f}")
+        row = " | ".join(cells) + f" | {first:10.2f}"
+        if llama_bin is not None:
+            ls = llama.get((qtype.rstrip("*"), rows, cols))
+            if ls:
+                lgb = w.nbytes / statistics.median(ls) / 1e9
+                mine = w.nbytes / statistics.median(runs[0][3]) / 1e9
+                row += f" | {lgb:29.2f} | {mine / lgb:5.2f}"
+            else:
+                row += f" | {'n/a':>29s} |   n/a"
+        print(row)
     if any(c[0].endswith("*") for c in cases):
         print("TYPE* = the same matrix repacked into 4-row tiles, as a loaded model uses it on this CPU")
     if skipped:
