@@ -138,6 +138,13 @@ MR_INLINE void mr_q3k_scales(const uint8_t *s12, int16_t *out) {
     }
 }
 
+/* IQ2_XXS / IQ3_XXS: the sign byte of 8 weights l (0..3) from a group's aux word: 7 stored bits
+ * and their parity as the 8th (ggml ksigns_iq2xs) */
+MR_INLINE uint8_t mr_iq_ksign(uint32_t aux, int l) {
+    const uint32_t v = (aux >> (7 * l)) & 127;
+    return (uint8_t)(v | ((uint32_t)__builtin_parity(v) << 7));
+}
+
 extern const int8_t mr_kvalues_iq4nl[16];
 /* MXFP4 (32 elements: e8m0 scale @0 | qs[16] @1): element codes -> 2 x the FP4 value, and the
  * scale halved to match: d = 2^(e-128) from bits (ggml_e8m0_to_fp32_half) */
@@ -303,6 +310,8 @@ void mr_fill_generic_scalar(mr_kernels *k);
 #ifdef MR_X86
 void mr_fill_generic_avx2(mr_kernels *k);
 void mr_fill_generic_avx512(mr_kernels *k);
+/* x86_avx2.c: the AVX2 row kernels of the low-bit types, which the AVX-512 table uses too */
+void mr_avx2_lowbit_rows(mr_kernels *k);
 #endif
 #ifdef MR_ARM64
 void mr_fill_generic_neon(mr_kernels *k);

@@ -19,10 +19,6 @@ MR_INLINE void MR_SFX(lb_signs8)(int16_t *w, const uint8_t *g, uint8_t signs, in
     for (int j = 0; j < n; j++) w[j] = (int16_t)((signs >> j) & 1 ? -(int)g[j] : (int)g[j]);
 }
 
-MR_INLINE uint8_t MR_SFX(lb_ksign)(uint32_t aux, int l) {
-    const uint32_t v = (aux >> (7 * l)) & 127;
-    return (uint8_t)(v | ((uint32_t)__builtin_parity(v) << 7)); /* ggml ksigns_iq2xs */
-}
 
 /* Q2_K: scales[16] @0 | qs[64] @16 | d @80 | dmin @82 */
 MR_INLINE void MR_SFX(up_q2_k)(const uint8_t *b, int16_t *w, float *sc, float *mn) {
@@ -58,7 +54,7 @@ MR_INLINE void MR_SFX(up_iq2_xxs)(const uint8_t *b, int16_t *w, float *sc, float
         const uint32_t aux = mr_rd32(q + 4);
         sc[2 * g] = sc[2 * g + 1] = d * (0.5f + (float)(aux >> 28)) * 0.25f;
         for (int l = 0; l < 4; l++)
-            MR_SFX(lb_signs8)(w + 32 * g + 8 * l, (const uint8_t *)&mr_iq2xxs_grid[q[l]], MR_SFX(lb_ksign)(aux, l), 8);
+            MR_SFX(lb_signs8)(w + 32 * g + 8 * l, (const uint8_t *)&mr_iq2xxs_grid[q[l]], mr_iq_ksign(aux, l), 8);
     }
 }
 
@@ -97,7 +93,7 @@ MR_INLINE void MR_SFX(up_iq3_xxs)(const uint8_t *b, int16_t *w, float *sc, float
             uint8_t g8[8];
             memcpy(g8, &mr_iq3xxs_grid[b[2 + 8 * g + 2 * l]], 4);
             memcpy(g8 + 4, &mr_iq3xxs_grid[b[2 + 8 * g + 2 * l + 1]], 4);
-            MR_SFX(lb_signs8)(w + 32 * g + 8 * l, g8, MR_SFX(lb_ksign)(aux, l), 8);
+            MR_SFX(lb_signs8)(w + 32 * g + 8 * l, g8, mr_iq_ksign(aux, l), 8);
         }
     }
 }

@@ -97,11 +97,6 @@ MR_INLINE void load_f16_field(const uint8_t *w, int bytes, int off, int64_t n, f
         _mm512_storeu_ps(d + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + b))));
 }
 
-/* MXFP4's e8m0 scale bytes (byte 0 of n consecutive 17-byte blocks) -> float */
-MR_INLINE void load_e8m0_field(const uint8_t *w, int64_t n, float *d) {
-    for (int64_t b = 0; b < n; b++) d[b] = mr_e8m0_half(w[17 * b]);
-}
-
 /* sc[t][b] = d[b] * xd_t[b]; returns sum_b m[b] * xs_t[b] per token in msum (when m != NULL) */
 MR_INLINE void combine_scales(const float *d, const float *m, int64_t n, const float *xd, const float *xs,
                               int64_t xbs, const int NT, float sc[][SEG], float *msum) {
@@ -147,13 +142,6 @@ MR_INLINE void pr_iq4_nl(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512
     *lo = _mm512_cvtepi8_epi16(iq4_lut(_mm256_and_si256(raw, m4)));
     *hi = _mm512_cvtepi8_epi16(iq4_lut(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)));
 }
-MR_INLINE void pr_mxfp4(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {
-    const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 1))),
-                                                _mm_loadu_si128((const __m128i *)(b + 1)), 1);
-    const __m256i m4 = _mm256_set1_epi8(15);
-    *lo = _mm512_cvtepi8_epi16(mxfp4_lut(_mm256_and_si256(raw, m4)));
-    *hi = _mm512_cvtepi8_epi16(mxfp4_lut(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)));
-}
 
 #define NT_SWITCH(NAME)                                                                                      \
     static void NAME(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,        \
@@ -166,9 +154,8 @@ MR_INLINE void pr_mxfp4(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i
         }                                                                                                      \
     }
 
-/* nibble types: pairs of blocks per step (int32 lanes 0..7 belong to block a, 8..15 to block b);
- * E8M0: the block scale is MXFP4's exponent byte, not an f16 */
-#define DEF_VPAIR(NAME, BYTES, PAIR, SINGLE, HAS_MIN, E8M0)                                                        \
+/* nibble types: pairs of blocks per step (int32 lanes 0..7 belong to block a, 8..15 to block b) */
+#define DEF_VPAIR(NAME, BYTES, PAIR, SINGLE, HAS_MIN)                                                        \
     MR_INLINE void NAME##_nt(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd,                 \
                              const float *xs, int64_t xqs, int64_t xbs, const int NT, float *out) {           \
         __m512 acc[MR_NT_INT];                                                                                 \
@@ -178,8 +165,7 @@ MR_INLINE void pr_mxfp4(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i
         for (int64_t s0 = 0; s0 < nb; s0 += SEG) {                                                             \
             const int64_t n = nb - s0 < SEG ? nb - s0 : SEG;                                                   \
             const uint8_t *ws = w + s0 * BYTES;                                                                \
-            if (E8M0) load_e8m0_field(ws, n, dsc);                                                             \
-            else load_f16_field(ws, BYTES, 0, n, dsc);                                                         \
+            load_f16_field(ws, BYTES, 0, n, dsc);                                                              \
             if (HAS_MIN) load_f16_field(ws, BYTES, 2, n, mns);                                                 \
             combine_scales(dsc, HAS_MIN ? mns : NULL, n, xd + s0, xs + s0, xbs, NT, sc, msum);                 \
             int64_t b = 0;                                                                                     \
@@ -209,12 +195,11 @@ MR_INLINE void pr_mxfp4(const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i
     }                                                                                                          \
     NT_SWITCH(NAME)
 
-DEF_VPAIR(vint_q4_0, 18, pr_q4_0, up_q4_0, 0, 0)
-DEF_VPAIR(vint_q4_1, 20, pr_q4_1, up_q4_1, 1, 0)
-DEF_VPAIR(vint_q5_0, 22, pr_q5_0, up_q5_0, 0, 0)
-DEF_VPAIR(vint_q5_1, 24, pr_q5_1, up_q5_1, 1, 0)
-DEF_VPAIR(vint_iq4_nl, 18, pr_iq4_nl, up_iq4_nl, 0, 0)
-DEF_VPAIR(vint_mxfp4, 17, pr_mxfp4, up_mxfp4, 0, 1)
+DEF_VPAIR(vint_q4_0, 18, pr_q4_0, up_q4_0, 0)
+DEF_VPAIR(vint_q4_1, 20, pr_q4_1, up_q4_1, 1)
+DEF_VPAIR(vint_q5_0, 22, pr_q5_0, up_q5_0, 0)
+DEF_VPAIR(vint_q5_1, 24, pr_q5_1, up_q5_1, 1)
+DEF_VPAIR(vint_iq4_nl, 18, pr_iq4_nl, up_iq4_nl, 0)
 
 /* Q8_0: one block per step; two accumulators per token hide the FMA latency */
 MR_INLINE void vint_q8_0_nt(const uint8_t *w, int64_t nb, const int16_t *xq, const float *xd, const float *xs,
@@ -391,7 +376,6 @@ MR_INLINE void sb_iq4_xs(const uint8_t *b, __m512i wv[8], __m256 *sc, __m256 *mn
 DEF_VINT256(vint_q4_k, 144, sb_q4_k, 1)
 DEF_VINT256(vint_q5_k, 176, sb_q5_k, 1)
 DEF_VINT256(vint_q6_k, 210, sb_q6_k, 0)
-DEF_VINT256(vint_q3_k, 110, sb_q3_k, 0)
 DEF_VINT256(vint_iq4_xs, 136, sb_iq4_xs, 0)
 
 /* Q2_K (scales[16] @0 | qs[64] @16 | d @80 | dmin @82): value = d * sc_g * q - dmin * m_g per 16
@@ -459,6 +443,46 @@ static void dqv_q2_k(const uint8_t *b, float *y, int64_t nb) {
         }
     }
 }
+
+/* ---------------- TQ2_0 (256-element blocks) ----------------
+ * One zmm of 32 int16 weights per 32-element group g and the group's two per-16 float scales
+ * (value = scale * w); the i-quants use the AVX2 row kernels (x86_avx2.c says why). */
+
+/* TQ2_0 (66): qs[64] @0 | d @64; weights ((qs[32j + l] >> 2s) & 3) - 1 for element 128j + 32s + l */
+MR_INLINE __m512i gq_tq2_0(const uint8_t *b, int g, float d, float *s0, float *s1) {
+    *s0 = *s1 = d;
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * (g / 4)));
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * (g % 4)), _mm256_set1_epi8(3));
+    return _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, _mm256_set1_epi8(1)));
+}
+
+/* int32 lanes 0..7 of a group's dot product hold its first 16 elements, 8..15 the rest */
+#define DEF_VLB(NAME, BYTES, GROUP)                                                                    \
+    MR_INLINE void NAME##_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd,               \
+                             const float *xs, int64_t xqs, int64_t xbs, const int NT, float *out) {           \
+        (void)xs;                                                                                              \
+        __m512 acc[MR_NT_INT][2];                                                                              \
+        for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();                              \
+        for (int64_t ib = 0; ib < nb32 / 8; ib++) {                                                            \
+            const uint8_t *b = w + ib * BYTES;                                                                 \
+            const float d = f16s(b + 64);                                                                      \
+            for (int g = 0; g < 8; g++) {                                                                      \
+                float s0, s1;                                                                                  \
+                const __m512i wv = GROUP(b, g, d, &s0, &s1);                                                   \
+                const __m512 s2 = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);              \
+                for (int t = 0; t < NT; t++) {                                                                 \
+                    const __m512i p = dp32(wv, xq + t * xqs + 256 * ib + 32 * g);                              \
+                    acc[t][g & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                     \
+                                                    _mm512_mul_ps(s2, _mm512_set1_ps(xd[t * xbs + 8 * ib + g])), \
+                                                    acc[t][g & 1]);                                            \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));     \
+    }                                                                                                          \
+    NT_SWITCH(NAME)
+
+DEF_VLB(vint_tq2_0, 66, gq_tq2_0)
 
 /* ---------------- float kernels ---------------- */
 
@@ -1002,14 +1026,12 @@ void mr_init_avx512(mr_kernels *k) {
     k->vint[GT_Q6_K] = vint_q6_k;
     k->vint[GT_IQ4_XS] = vint_iq4_xs;
     k->dq[GT_MXFP4] = dqv_mxfp4;
-    k->vint[GT_MXFP4] = vint_mxfp4;
     k->dq[GT_Q3_K] = dqv_q3_k;
-    k->vint[GT_Q3_K] = vint_q3_k;
     k->dq[GT_Q2_K] = dqv_q2_k;
+    mr_avx2_lowbit_rows(k); /* the low-bit types' row kernels, then the two that are faster here: */
     k->vint[GT_Q2_K] = vint_q2_k;
-    k->gemv[GT_Q2_K] = k->gemv[GT_Q3_K] = NULL; /* the SIMD row kernels, not the portable multi-row ones */
-    k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] =
-        k->xpair[GT_MXFP4] = 1;
+    k->vint[GT_TQ2_0] = vint_tq2_0;
+    k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] = 1;
     k->quant_x = hv_quant_x;
     k->fwht = hv_fwht;
     k->dot_f32 = hv_dot_f32;

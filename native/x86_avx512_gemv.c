@@ -65,13 +65,6 @@ MR_INLINE __m512 scales16(const uint8_t *ws, const int BYTES, const int OFF, int
     return _mm512_cvtph_ps(_mm512_castsi512_si256(res));
 }
 
-/* MXFP4's exponent bytes (byte 0 of blocks 0..n-1, n <= 16, of 17 bytes) -> 16 floats (0 past n) */
-MR_INLINE __m512 e8m0_16(const uint8_t *ws, int64_t n) {
-    float d[16] __attribute__((aligned(64))) = {0};
-    for (int64_t b = 0; b < n; b++) d[b] = mr_e8m0_half(ws[17 * b]);
-    return _mm512_load_ps(d);
-}
-
 MR_INLINE __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* prefetch the bytes [lo, hi) of base, clipped to end */
@@ -83,10 +76,10 @@ MR_INLINE void pf_range(const uint8_t *base, int64_t lo, int64_t hi, int64_t end
 /* ---------------------------------------------------------------- 32-element nibble types, in pairs
  * A pair of blocks a, b unpacks to lo = [a 0..15, b 0..15], hi = [a 16..31, b 16..31] (int16), the
  * order of xa->qp; int32 lanes 0..7 of the two dot products then belong to a, 8..15 to b. */
-enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_IQ4NL, K_MXFP4 };
+enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_IQ4NL };
 
-MR_INLINE __m512i lut16(const int KIND, __m256i nib) { /* int8 codebook lookup, widened to int16 */
-    const __m128i t = _mm_loadu_si128((const __m128i *)(KIND == K_MXFP4 ? mr_kvalues_mxfp4 : mr_kvalues_iq4nl));
+MR_INLINE __m512i iq4_lut16(__m256i nib) { /* int8 codebook lookup, widened to int16 */
+    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_iq4nl);
     return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib));
 }
 
@@ -108,23 +101,22 @@ MR_INLINE void unpack_pair(const int KIND, const uint8_t *a, const uint8_t *b, _
         *lo = _mm512_mask_add_epi16(*lo, kl, *lo, c16);
         *hi = _mm512_mask_add_epi16(*hi, kh, *hi, c16);
         break;
-    default: { /* IQ4_NL, MXFP4: a codebook over the nibbles */
-        const int q = KIND == K_MXFP4 ? 1 : 2;
-        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + q))),
-                                                    _mm_loadu_si128((const __m128i *)(b + q)), 1);
+    default: { /* IQ4_NL */
+        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 2))),
+                                                    _mm_loadu_si128((const __m128i *)(b + 2)), 1);
         const __m256i m4 = _mm256_set1_epi8(15);
-        *lo = lut16(KIND, _mm256_and_si256(raw, m4));
-        *hi = lut16(KIND, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+        *lo = iq4_lut16(_mm256_and_si256(raw, m4));
+        *hi = iq4_lut16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
     }
     }
 }
 
 /* one block in natural order (the odd last block of a row) */
 MR_INLINE __m512i unpack_one(const int KIND, const uint8_t *b) {
-    const int qoff = KIND == K_MXFP4 ? 1 : KIND == K_Q4_0 || KIND == K_IQ4NL ? 2 : KIND == K_Q4_1 ? 4 : KIND == K_Q5_0 ? 6 : 8;
+    const int qoff = KIND == K_Q4_0 || KIND == K_IQ4NL ? 2 : KIND == K_Q4_1 ? 4 : KIND == K_Q5_0 ? 6 : 8;
     const __m128i r = _mm_loadu_si128((const __m128i *)(b + qoff));
     const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
-    if (KIND == K_IQ4NL || KIND == K_MXFP4) return lut16(KIND, nib);
+    if (KIND == K_IQ4NL) return iq4_lut16(nib);
     __m512i v = _mm512_cvtepu8_epi16(nib);
     if (KIND == K_Q5_0)
         v = _mm512_mask_sub_epi16(v, (__mmask32)~mr_rd32(b + 2), v, _mm512_set1_epi16(16));
@@ -138,12 +130,12 @@ MR_INLINE __m512i unpack_one(const int KIND, const uint8_t *b) {
 /* Combined scales sc[r][t][i] = d_w(block s0+i of row r) * d_x(t, s0+i) of one segment of n <= 16
  * blocks, and the per-segment corrections (min * sum x, or d * sum xq for folded offsets). */
 MR_INLINE void seg_scales(const uint8_t *w, int64_t rb, int64_t s0, int64_t n, const mr_xact *xa, const int NT,
-                          const int R, const int BYTES, const int HAS_MIN, const int HAS_OFF, const int E8M0,
-                          float sc[][MR_NT_INT][16], __m512 cor[][MR_NT_INT]) {
+                          const int R, const int BYTES, const int HAS_MIN, const int HAS_OFF, float sc[][MR_NT_INT][16],
+                          __m512 cor[][MR_NT_INT]) {
     const __mmask16 k = mask16(n);
     for (int r = 0; r < R; r++) {
         const uint8_t *ws = w + r * rb + s0 * BYTES;
-        const __m512 dw = E8M0 ? e8m0_16(ws, n) : scales16(ws, BYTES, 0, n);
+        const __m512 dw = scales16(ws, BYTES, 0, n);
         const __m512 mw = HAS_MIN ? scales16(ws, BYTES, 2, n) : dw;
         for (int t = 0; t < NT; t++) {
             const int64_t o = t * xa->bs + s0;
@@ -165,13 +157,13 @@ MR_INLINE void gemv_pair_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr
     float sc[2][4][MR_NT_INT][16] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r][t] = cor[r][t] = _mm512_setzero_ps();
-    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, BYTES, HAS_MIN, HAS_OFF, KIND == K_MXFP4, sc[0], cor);
+    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, BYTES, HAS_MIN, HAS_OFF, sc[0], cor);
     int cur = 0;
     for (int64_t s0 = 0; s0 < nb; s0 += 16, cur ^= 1) {
         const int64_t n = nb - s0 < 16 ? nb - s0 : 16;
         if (s0 + 16 < nb)
             seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, BYTES, HAS_MIN, HAS_OFF,
-                       KIND == K_MXFP4, sc[cur ^ 1], cor);
+                       sc[cur ^ 1], cor);
         int64_t b = 0;
         for (; b + 2 <= n; b += 2) {
             const __m512i pidx = PIDX(b >> 1);
@@ -212,12 +204,12 @@ MR_INLINE void gemv_q8_0_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr
     float sc[2][4][MR_NT_INT][16] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
-    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, 34, 0, 0, 0, sc[0], cor);
+    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, 34, 0, 0, sc[0], cor);
     int cur = 0;
     for (int64_t s0 = 0; s0 < nb; s0 += 16, cur ^= 1) {
         const int64_t n = nb - s0 < 16 ? nb - s0 : 16;
         if (s0 + 16 < nb)
-            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, 34, 0, 0, 0, sc[cur ^ 1], cor);
+            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, 34, 0, 0, sc[cur ^ 1], cor);
         for (int64_t b = 0; b < n; b++) {
             for (int r = 0; r < R; r++) {
                 const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + r * rb + (s0 + b) * 34 + 2)));
@@ -283,7 +275,7 @@ MR_INLINE void sb_unpack(const int KIND, const uint8_t *b, __m512i wv[8]) {
     } else { /* IQ4_XS */
         for (int j = 0; j < 8; j++) {
             const __m128i r = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * j));
-            wv[j] = lut16(K_IQ4NL, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15)));
+            wv[j] = iq4_lut16(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15)));
         }
     }
 }
@@ -774,7 +766,6 @@ static void pdq_q6_k(const uint8_t *tw, float *out, int64_t os) { pdqk_impl(P_Q6
 #define CALL_Q5_0(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 22, K_Q5_0)
 #define CALL_Q5_1(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 24, K_Q5_1)
 #define CALL_IQ4NL(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 18, K_IQ4NL)
-#define CALL_MXFP4(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 17, K_MXFP4)
 #define CALL_Q8_0(w, rb, nb, xa, y, ys, NT, R) gemv_q8_0_impl(w, rb, nb, xa, y, ys, NT, R)
 #define CALL_Q4_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 144, K_Q4_K)
 #define CALL_Q5_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 176, K_Q5_K)
@@ -786,7 +777,6 @@ GEMV_ENTRY(gemv_q4_1, CALL_Q4_1)
 GEMV_ENTRY(gemv_q5_0, CALL_Q5_0)
 GEMV_ENTRY(gemv_q5_1, CALL_Q5_1)
 GEMV_ENTRY(gemv_iq4_nl, CALL_IQ4NL)
-GEMV_ENTRY(gemv_mxfp4, CALL_MXFP4)
 GEMV_ENTRY(gemv_q8_0, CALL_Q8_0)
 GEMV_ENTRY(gemv_q4_k, CALL_Q4_K)
 GEMV_ENTRY(gemv_q5_k, CALL_Q5_K)
@@ -799,7 +789,6 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_Q5_0] = gemv_q5_0;
     k->gemv[GT_Q5_1] = gemv_q5_1;
     k->gemv[GT_IQ4_NL] = gemv_iq4_nl;
-    k->gemv[GT_MXFP4] = gemv_mxfp4;
     k->gemv[GT_Q8_0] = gemv_q8_0;
     k->gemv[GT_Q4_K] = gemv_q4_k;
     k->gemv[GT_Q5_K] = gemv_q5_k;
@@ -816,7 +805,7 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->pdq[GT_Q4_K] = pdq_q4_k;
     k->pdq[GT_Q6_K] = pdq_q6_k;
     k->gemv_pair[GT_Q4_0] = k->gemv_pair[GT_Q4_1] = k->gemv_pair[GT_Q5_0] = k->gemv_pair[GT_Q5_1] =
-        k->gemv_pair[GT_IQ4_NL] = k->gemv_pair[GT_MXFP4] = 1;
+        k->gemv_pair[GT_IQ4_NL] = 1;
 }
 
 #if defined(__clang__)
