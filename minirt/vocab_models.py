@@ -335,17 +335,19 @@ class Unigram:
         if code:
             raise TokenizerError(self.ERRORS[code])
 
-    def normalize(self, text: str) -> bytes:
-        """The bytes the Viterbi search reads (llama.cpp ``normalize``)."""
+    def _normalized(self, text: str) -> tuple[np.ndarray, int]:
         out, m, code = _ugm_normalize(np.frombuffer(text.encode("utf-8"), np.uint8), *self._user,
                                       *self._charsmap, self._space, self._flags)
         self._check(code)
+        return out, m
+
+    def normalize(self, text: str) -> bytes:
+        """The bytes the Viterbi search reads (llama.cpp ``normalize``)."""
+        out, m = self._normalized(text)
         return out[:m].tobytes()
 
     def _ids(self, text: str) -> list[int]:
-        out, m, code = _ugm_normalize(np.frombuffer(text.encode("utf-8"), np.uint8), *self._user,
-                                      *self._charsmap, self._space, self._flags)
-        self._check(code)
+        out, m = self._normalized(text)
         ids = _ugm_viterbi(out, m, *self._tokens, -1 if self.unk_id is None else int(self.unk_id), self._unk_score)
         if len(ids) and ids[0] == -2:
             self._check(4)
