@@ -125,18 +125,24 @@ def test_callback_exception_is_reraised_and_model_keeps_working(llm):
     assert greedy(llm, n=4).finish_reason == "length"
 
 
-def test_submit_handle_result_and_cancel(llm):
+def test_submit_handle_result_and_cancel(llm, tmp_path):
     h = llm.submit(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True)
     c = h.result(timeout=60)
     assert h.done() and c.finish_reason == "length" and len(c.token_ids) == 6
-    got = []
-    h = llm.submit(PROMPT, max_tokens=10_000 // 100, temperature=0.0, ignore_eos=True,
-                   on_token=lambda ev: (got.append(ev), time.sleep(0.01)))
-    while len(got) < 2:
-        time.sleep(0.005)
-    h.cancel()
-    c = h.result(timeout=60)
-    assert c.finish_reason == "cancelled" and len(c.token_ids) < 100
+    # a long generation (3000 tokens: about a second on this tiny model, on a fast machine), so the
+    # cancel after two callbacks lands while it runs (100 tokens were all decoded before the callbacks,
+    # which run on the worker thread, had seen two of them)
+    p = tmp_path / "long.gguf"
+    write_tiny(p, TinySpec(n_layer=2, seed=11, n_ctx=4096))
+    with minirt.load(str(p), n_ctx=4096) as long_llm:
+        got = []
+        h = long_llm.submit(PROMPT, max_tokens=3000, temperature=0.0, ignore_eos=True,
+                            on_token=lambda ev: (got.append(ev), time.sleep(0.01)))
+        while len(got) < 2:
+            time.sleep(0.005)
+        h.cancel()
+        c = h.result(timeout=60)
+    assert c.finish_reason == "cancelled" and len(c.token_ids) < 3000
     assert c.text.startswith("".join(e.text for e in got[:2]))
 
 

