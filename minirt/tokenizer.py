@@ -1390,35 +1390,38 @@ class Tokenizer:
                 keep = [k for k, w in enumerate(words) if w not in result]
                 words = [words[k] for k in keep]
                 levels = [levels[k] for k in keep]
+        # ids of the words left, word by word in order, and how many each has: a word's ids are a slice
+        ids: list[int] = []
+        counts: list[int] = []
         if self._merger is not None:
+            enc = [w.encode("utf-8") for w in words]
             if self._ignore_merges:  # llama.cpp: a word that is a token is that token
                 raw = self._raw_vocab
                 if raw is None:
                     raw = self._raw_vocab = self._byte_level_vocab()
-                whole = [w for w in words if w.encode("utf-8") in raw]
-                result.update({w: (raw[w.encode("utf-8")],) for w in whole})
-                if whole:
-                    words = [w for w in words if w not in result]
+                rest = []
+                for w, e in zip(words, enc):
+                    tid = raw.get(e)
+                    if tid is None:
+                        rest.append((w, e))
+                    else:
+                        result[w] = (tid,)
+                words, enc = [w for w, _ in rest], [e for _, e in rest]
             if words:
-                enc = [w.encode("utf-8") for w in words]
                 offs = np.zeros(len(enc) + 1, np.int64)
                 np.cumsum(np.fromiter(map(len, enc), np.int64, len(enc)), out=offs[1:])
-                got, counts = self._merger.merge(np.frombuffer(b"".join(enc), np.uint8), offs)
-                ids = got.tolist()
-                pos = 0
-                for w, c in zip(words, counts.tolist()):
-                    result[w] = tuple(ids[pos:pos + c])
-                    pos += c
+                got, per_word = self._merger.merge(np.frombuffer(b"".join(enc), np.uint8), offs)
+                ids, counts = got.tolist(), per_word.tolist()
         elif self._hf is None:
             result.update({w: self._bpe_merge_word(bl) for w, bl in zip(words, levels)})
         elif words:
-            enc = self._hf.encode(levels, is_pretokenized=True, add_special_tokens=False)
-            ids = enc.ids  # word by word, in order: each word's ids are a slice (no list per word)
-            counts = np.bincount(np.asarray(enc.word_ids, np.int64), minlength=len(words)).tolist()
-            pos = 0
-            for w, c in zip(words, counts):
-                result[w] = tuple(ids[pos:pos + c])
-                pos += c
+            hf = self._hf.encode(levels, is_pretokenized=True, add_special_tokens=False)
+            ids = hf.ids
+            counts = np.bincount(np.asarray(hf.word_ids, np.int64), minlength=len(words)).tolist()
+        pos = 0
+        for w, c in zip(words, counts):
+            result[w] = tuple(ids[pos:pos + c])
+            pos += c
         cache = self._cache
         if len(cache) + len(result) > _MAX_CACHE:
             cache.clear()

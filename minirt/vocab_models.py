@@ -204,12 +204,6 @@ class WordPiece:
         ends = stops[np.searchsorted(stops, starts, side="right")]
         return cps.astype(np.uint32), starts, ends
 
-    def words(self, text: str) -> list[str]:
-        """The words of ``text`` after normalisation, as llama.cpp splits them."""
-        cps, starts, ends = self._spans(text)
-        norm = cps.tobytes().decode("utf-32-le")
-        return [norm[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
-
     def encode(self, text: str, out: list[int]) -> None:
         cps, starts, ends = self._spans(text)
         if not len(starts):

@@ -145,6 +145,12 @@ MR_INLINE uint8_t mr_iq_ksign(uint32_t aux, int l) {
     return (uint8_t)(v | ((uint32_t)__builtin_parity(v) << 7));
 }
 
+/* IQ1_M's block scale: an f16 spread over the top nibbles of its four u16 scale words @48 */
+MR_INLINE float mr_iq1m_d(const uint8_t *b) {
+    const uint16_t s0 = mr_rd16(b + 48), s1 = mr_rd16(b + 50), s2 = mr_rd16(b + 52), s3 = mr_rd16(b + 54);
+    return mr_f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0xf0) | ((s2 >> 4) & 0xf00) | (s3 & 0xf000)));
+}
+
 extern const int8_t mr_kvalues_iq4nl[16];
 /* MXFP4 (32 elements: e8m0 scale @0 | qs[16] @1): element codes -> 2 x the FP4 value, and the
  * scale halved to match: d = 2^(e-128) from bits (ggml_e8m0_to_fp32_half) */

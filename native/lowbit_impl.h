@@ -136,7 +136,7 @@ MR_INLINE void MR_SFX(up_iq1_m)(const uint8_t *b, int16_t *w, float *sc, float *
     (void)mn;
     uint16_t s[4];
     for (int k = 0; k < 4; k++) s[k] = mr_rd16(b + 48 + 2 * k);
-    const float d = mr_f16_to_f32((uint16_t)((s[0] >> 12) | ((s[1] >> 8) & 0xf0) | ((s[2] >> 4) & 0xf00) | (s[3] & 0xf000)));
+    const float d = mr_iq1m_d(b);
     for (int k = 0; k < 16; k++) sc[k] = d * (float)(2 * ((s[k / 4] >> (3 * (k % 4))) & 7) + 1) * 0.125f;
     for (int i = 0; i < 32; i++) {
         const int nib = (b[32 + i / 2] >> (4 * (i % 2))) & 15;

@@ -413,10 +413,7 @@ MR_INLINE __m256i g8_tq2_0(const uint8_t *b, int g, float d, float *s0, float *s
 
 MR_INLINE float lb_d(const uint8_t *b, const int TYPE) {
     if (TYPE == GT_TQ2_0) return f16s(b + 64);
-    if (TYPE == GT_IQ1_M) {
-        const uint16_t s0 = mr_rd16(b + 48), s1 = mr_rd16(b + 50), s2 = mr_rd16(b + 52), s3 = mr_rd16(b + 54);
-        return mr_f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0xf0) | ((s2 >> 4) & 0xf00) | (s3 & 0xf000)));
-    }
+    if (TYPE == GT_IQ1_M) return mr_iq1m_d(b);
     return f16s(b);
 }
 

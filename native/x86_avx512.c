@@ -444,45 +444,31 @@ static void dqv_q2_k(const uint8_t *b, float *y, int64_t nb) {
     }
 }
 
-/* ---------------- TQ2_0 (256-element blocks) ----------------
- * One zmm of 32 int16 weights per 32-element group g and the group's two per-16 float scales
- * (value = scale * w); the i-quants use the AVX2 row kernels (x86_avx2.c says why). */
-
-/* TQ2_0 (66): qs[64] @0 | d @64; weights ((qs[32j + l] >> 2s) & 3) - 1 for element 128j + 32s + l */
-MR_INLINE __m512i gq_tq2_0(const uint8_t *b, int g, float d, float *s0, float *s1) {
-    *s0 = *s1 = d;
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * (g / 4)));
-    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * (g % 4)), _mm256_set1_epi8(3));
-    return _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, _mm256_set1_epi8(1)));
+/* ---------------- TQ2_0 (qs[64] @0 | d @64): weights ((qs[32j + l] >> 2s) & 3) - 1 for element
+ * 128j + 32s + l, one scale d per block; group g = 4j + s is one zmm of 32 int16 weights. (The
+ * i-quants use the AVX2 row kernels: x86_avx2.c says why.) */
+MR_INLINE void vint_tq2_0_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
+                             int64_t xqs, int64_t xbs, const int NT, float *out) {
+    (void)xs;
+    __m512 acc[MR_NT_INT][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
+        const uint8_t *b = w + ib * 66;
+        const float d = f16s(b + 64);
+        for (int g = 0; g < 8; g++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * (g / 4)));
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * (g % 4)), _mm256_set1_epi8(3));
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, _mm256_set1_epi8(1)));
+            for (int t = 0; t < NT; t++) {
+                const __m512i p = dp32(wv, xq + t * xqs + 256 * ib + 32 * g);
+                acc[t][g & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * xd[t * xbs + 8 * ib + g]),
+                                                acc[t][g & 1]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
 }
-
-/* int32 lanes 0..7 of a group's dot product hold its first 16 elements, 8..15 the rest */
-#define DEF_VLB(NAME, BYTES, GROUP)                                                                    \
-    MR_INLINE void NAME##_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd,               \
-                             const float *xs, int64_t xqs, int64_t xbs, const int NT, float *out) {           \
-        (void)xs;                                                                                              \
-        __m512 acc[MR_NT_INT][2];                                                                              \
-        for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();                              \
-        for (int64_t ib = 0; ib < nb32 / 8; ib++) {                                                            \
-            const uint8_t *b = w + ib * BYTES;                                                                 \
-            const float d = f16s(b + 64);                                                                      \
-            for (int g = 0; g < 8; g++) {                                                                      \
-                float s0, s1;                                                                                  \
-                const __m512i wv = GROUP(b, g, d, &s0, &s1);                                                   \
-                const __m512 s2 = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);              \
-                for (int t = 0; t < NT; t++) {                                                                 \
-                    const __m512i p = dp32(wv, xq + t * xqs + 256 * ib + 32 * g);                              \
-                    acc[t][g & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                     \
-                                                    _mm512_mul_ps(s2, _mm512_set1_ps(xd[t * xbs + 8 * ib + g])), \
-                                                    acc[t][g & 1]);                                            \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));     \
-    }                                                                                                          \
-    NT_SWITCH(NAME)
-
-DEF_VLB(vint_tq2_0, 66, gq_tq2_0)
+NT_SWITCH(vint_tq2_0)
 
 /* ---------------- float kernels ---------------- */
 
