@@ -176,6 +176,15 @@ typedef void (*mr_dq_fn)(const uint8_t *src, float *dst, int64_t nblocks);
 typedef void (*mr_vint_fn)(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd,
                            const float *xs, int64_t xq_stride, int64_t xb_stride, int nt, float *out);
 
+/* Integer GEMM activations (x86_avx512_gemm.c): the integer path's int16 activations regrouped by
+ * 16 tokens; per group and 32-block: q (16 pairs x 16 tokens x 2 int16), d (16 scales), ds (16 values
+ * scale * integer sum of q, for the types with a min). Padding tokens are all zero. */
+typedef struct {
+    int16_t *q;
+    float *d, *ds;
+    int64_t nb, ng;
+} mr_xp;
+
 /* Activations of the integer path, quantized once per call (dispatch.c). Token t's data start at
  * q + t*qs (int16, natural order), qp + t*qs (the same values with each pair of 32-blocks interleaved
  * by 16-element halves, see xpair; NULL when no kernel of the call needs it), and d + t*bs, s + t*bs,
@@ -186,6 +195,8 @@ typedef struct {
     const int16_t *q, *qp;
     const float *d, *s, *sq, *sq16;
     int64_t qs, bs;
+    mr_xp xp; /* the same activations as a GEMM panel (MR_XL_PANEL), else xp.q == NULL; by value: a
+               * late worker of a finished job reads its own copy (see pool.c) */
 } mr_xact;
 
 /* Multi-row integer kernel: y[t*ys + r] = dot(row r of w, x_t) for r < nrows, t < nt (nt <= MR_NT_INT);
@@ -206,6 +217,7 @@ int mr_pack_tile_cols(int qtype);
 int mr_pack_supported(int qtype, long long rows, long long cols);
 int mr_pack_perm(int qtype, int p);
 void mr_pack_dq_tile(int qtype, const uint8_t *tile, float *out, int64_t os);
+
 
 /* Software prefetch distance of the gemv kernels in bytes (MINIRT_PF; default 0 = off). */
 extern int mr_pf_dist;
@@ -235,6 +247,17 @@ typedef struct {
     void (*pack)(const float *a, int nr, int64_t n, float *P);
     void (*panel)(const float *P, int nr, const float *x, int64_t xs, int ntk, int64_t n, float *y, int64_t ys,
                   int acc);
+    /* Integer GEMM for many tokens on packed matrices (NULL where the ISA has none): gemm_xpanel
+     * quantizes nt rows of x as quant_x does into a panel (tmp: 9 * cols floats of scratch);
+     * gw[type] unpacks ng
+     * 4-row groups of tiles into int16 rows wu (row stride cols), per-32 scales wd and mins wm (gw_min
+     * types); gemm_rows then computes y[t * ys + r] for r < nr <= 8, t < nt. */
+    void (*gemm_xpanel)(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp);
+    void (*gw[GT_COUNT])(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                         float *wm);
+    uint8_t gw_min[GT_COUNT];
+    void (*gemm_rows)(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
+                      int64_t nt, float *y, int64_t ys);
     /* Elementwise helpers (ops.c, compiled per ISA). */
     void (*rmsnorm)(const float *x, const float *w, float eps, int64_t n, float *out);
     void (*softmax)(float *x, int64_t n);
@@ -270,7 +293,7 @@ typedef struct {
 } mr_mat;
 
 /* Activation layouts (bit masks): natural order, pair-interleaved, packed permutations E / E6. */
-enum { MR_XL_NAT = 1, MR_XL_PAIR = 2, MR_XL_PERM = 4, MR_XL_PERM6 = 8 };
+enum { MR_XL_NAT = 1, MR_XL_PAIR = 2, MR_XL_PERM = 4, MR_XL_PERM6 = 8, MR_XL_PANEL = 16 };
 typedef struct {
     mr_xact nat, pair, perm, perm6;
 } mr_xacts;
@@ -280,9 +303,12 @@ int mr_mat_xlayout(const mr_kernels *K, const mr_mat *m);
 int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stride, int64_t cols, int layouts,
                  mr_xacts *xs);
 const mr_xact *mr_xact_for(const mr_xacts *xs, int layout);
+/* 1: rows of m for nt tokens take the integer GEMM (packed, a type with gw kernels, enough tokens);
+ * their activations then need MR_XL_PANEL, and mr_mat_rows a worker for its scratch. */
+int mr_mat_gemm(const mr_kernels *K, const mr_mat *m, int64_t nt);
 /* Rows [r0, r1) of m for nt tokens: yy[t * yys + (r - r0)]; packed: r0 a multiple of 4. */
 void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_t nt, int64_t r0, int64_t r1, float *yy,
-                 int64_t yys);
+                 int64_t yys, int worker);
 int64_t mr_pick_chunk(int64_t rows, int threads, int64_t lo, int64_t hi);
 
 /* ops.c helpers shared with layer.c */

@@ -17,6 +17,7 @@ unsigned long long mr_pool_steals(void);
 void mr_init_avx2(mr_kernels *k);
 void mr_init_avx512(mr_kernels *k);
 void mr_init_avx512_gemv(mr_kernels *k);
+void mr_init_avx512_gemm(mr_kernels *k);
 #endif
 #ifdef MR_ARM64
 void mr_init_neon(mr_kernels *k);
@@ -52,6 +53,7 @@ static void init(void) {
         m |= 1 << MR_ISA_AVX512;
         mr_init_avx512(&mr_kernels_avx512);
         mr_init_avx512_gemv(&mr_kernels_avx512);
+        mr_init_avx512_gemm(&mr_kernels_avx512);
         tables[MR_ISA_AVX512] = &mr_kernels_avx512;
     }
 #endif
@@ -111,6 +113,9 @@ enum { PATH_NONE = 0, PATH_INT = 1, PATH_FLOAT = 2 };
 #define MR_INT_MAX_TOKENS 4
 /* From this many tokens on, the panel path (when the ISA has one) beats the dot-product tile. */
 #define MR_PANEL_MIN_TOKENS 12
+/* From this many tokens on, packed matrices of the types with an integer GEMM take it instead of the
+ * float panel (measured on AVX-512 VNNI: the decode kernels are faster up to MR_PACKED_INT_MAX tokens). */
+#define MR_GEMM_MIN_TOKENS 17
 /* Tokens per block of the tile path: keeps X (tokens x MR_KC floats) in L2. */
 #define MR_TOKEN_BLOCK 96
 /* Tokens per block of the panel path: each weight panel is dequantized once per block, so the block
@@ -178,12 +183,11 @@ MR_INLINE void prefetch_rows(const uint8_t *w, int64_t rb, int64_t r, int64_t n)
 }
 
 static void task_int(const void *c_, int64_t item, int worker, float *buf) {
-    (void)worker;
     const mm_ctx *c = (const mm_ctx *)c_;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->rows ? r0 + c->chunk : c->rows;
     OUT_TARGET
     const mr_mat m = {c->qtype, c->packed, c->w, c->rows, c->cols, c->rb, c->tb, c->ntiles};
-    mr_mat_rows(c->K, &m, &c->xa, c->nt, r0, r1, yy, yys);
+    mr_mat_rows(c->K, &m, &c->xa, c->nt, r0, r1, yy, yys, worker);
 }
 
 static void task_fdot(const void *c_, int64_t item, int worker, float *buf) {
@@ -257,6 +261,27 @@ static void task_panel(const void *c_, int64_t item, int worker, float *buf) {
     }
 }
 
+/* GEMM activation panel, guarded by the call lock; grow-only like the buffers below */
+static uint8_t *xp_panel_buf;
+static size_t xp_panel_cap;
+
+static int prepare_panel(const mr_kernels *K, const float *x, int64_t nt, int64_t xs, int64_t cols, mr_xp *xp) {
+    const int64_t nb = cols / 32, ng = (nt + 15) / 16;
+    const size_t nq = (size_t)(ng * nb * 1024), nv = (size_t)(ng * nb * 16) * 4, nt_ = (size_t)(9 * cols) * 4;
+    const size_t need = nq + 2 * nv + nt_;
+    if (need > xp_panel_cap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, need * 2) != 0) return MR_E_NOMEM;
+        xp_panel_buf = (uint8_t *)p;
+        xp_panel_cap = need * 2;
+    }
+    xp->q = (int16_t *)xp_panel_buf;
+    xp->d = (float *)(xp_panel_buf + nq);
+    xp->ds = (float *)(xp_panel_buf + nq + nv);
+    K->gemm_xpanel(x, nt, xs, cols, (float *)(xp_panel_buf + nq + 2 * nv), xp);
+    return MR_OK;
+}
+
 /* activation scratch (int path), guarded by the call lock */
 static int16_t *xq_buf;
 static float *xf_buf;
@@ -287,6 +312,17 @@ static int ensure_xq(size_t nq, size_t nf) {
 int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stride, int64_t cols, int layouts,
                  mr_xacts *xs) {
     const int64_t nb = cols / 32;
+    mr_xp xp;
+    memset(&xp, 0, sizeof xp);
+    if (layouts & MR_XL_PANEL) {
+        const int prc = prepare_panel(K, x, nt, x_stride, cols, &xp);
+        if (prc != MR_OK) return prc;
+        if (!(layouts & ~MR_XL_PANEL)) { /* the GEMM only */
+            const mr_xact only = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp};
+            xs->nat = xs->pair = xs->perm = xs->perm6 = only;
+            return MR_OK;
+        }
+    }
     const int rc = ensure_xq((size_t)(nt * cols * 4), (size_t)(nt * nb * 5));
     if (rc != MR_OK) return rc;
     int16_t *q = xq_buf, *qpair = q + nt * cols, *qperm = qpair + nt * cols, *qperm6 = qperm + nt * cols;
@@ -323,7 +359,7 @@ int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stri
             if (b < nb) memcpy(pt + 32 * b, qt + 32 * b, 64);
         }
     }
-    const mr_xact base = {q, NULL, d, s, sq, sq16, cols, nb};
+    const mr_xact base = {q, NULL, d, s, sq, sq16, cols, nb, xp};
     xs->nat = xs->pair = xs->perm = xs->perm6 = base;
     xs->pair.qp = qpair;
     xs->perm.q = qperm;
@@ -348,8 +384,30 @@ int mr_mat_xlayout(const mr_kernels *K, const mr_mat *m) {
     return 0;
 }
 
+int mr_mat_gemm(const mr_kernels *K, const mr_mat *m, int64_t nt) {
+    return m->packed && K->gemm_rows && K->gw[m->qtype] && nt >= MR_GEMM_MIN_TOKENS;
+}
+
+/* integer GEMM rows [r0, r1): 8 at a time, each unpacked once to int16 (worker scratch) and multiplied
+ * with every token of the panel */
+static void gemm_rows(const mr_kernels *K, const mr_mat *m, const mr_xp *xp, int64_t nt, int64_t r0, int64_t r1,
+                      float *yy, int64_t yys, int worker) {
+    const int64_t cols = m->cols, nb = cols / 32;
+    int16_t *wu = (int16_t *)mr_scratch(worker, 1, (size_t)(8 * cols * 2 + 2 * 8 * nb * 4));
+    float *wd = (float *)(wu + 8 * cols), *wm = wd + 8 * nb;
+    for (int64_t p = r0; p < r1; p += 8) {
+        const int nr = (int)(r1 - p < 8 ? r1 - p : 8);
+        K->gw[m->qtype](m->w + (p / 4) * m->ntiles * m->tb, m->ntiles, m->tb, (nr + 3) / 4, cols, wu, wd, wm);
+        K->gemm_rows(wu, wd, K->gw_min[m->qtype] ? wm : NULL, nr, cols, xp, nt, yy + (p - r0), yys);
+    }
+}
+
 void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_t nt, int64_t r0, int64_t r1, float *yy,
-                 int64_t yys) {
+                 int64_t yys, int worker) {
+    if (xa->xp.q && mr_mat_gemm(K, m, nt)) {
+        gemm_rows(K, m, &xa->xp, nt, r0, r1, yy, yys, worker);
+        return;
+    }
     if (m->packed) {
         const mr_pgemv_fn f = K->pgemv[m->qtype];
         const int64_t full = (r1 - r0) / 4;
@@ -487,6 +545,7 @@ int mr_matmul_packed_path(int qtype, long long n_tokens, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (!mr_pack_tile_bytes(qtype)) return MR_E_QTYPE;
+    if (K->gemm_rows && K->gw[qtype] && n_tokens >= MR_GEMM_MIN_TOKENS) return 5; /* = mr_mat_gemm */
     if (K->pgemv[qtype] && n_tokens <= MR_PACKED_INT_MAX) return 1;
     if (K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4;
     return n_tokens > 2 ? 3 : 2;
@@ -511,6 +570,15 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
         mr_xacts xs;
         rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, lay, &xs);
         c.xa = *mr_xact_for(&xs, lay);
+        if (rc == MR_OK) {
+            c.chunk = mr_pick_chunk(rows, threads, 8, 256);
+            rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,
+                                 threads);
+        }
+    } else if (path == 5) {
+        mr_xacts xs;
+        rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, MR_XL_PANEL, &xs);
+        c.xa = xs.nat;
         if (rc == MR_OK) {
             c.chunk = mr_pick_chunk(rows, threads, 8, 256);
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,

@@ -39,6 +39,7 @@ typedef struct {
     const float *x; /* (nt, cols) the float activations, for float weights */
     mj_mat mm[3];
 } mj_ctx;
+_Static_assert(sizeof(mj_ctx) <= 1024, "mj_ctx must fit the pool's copied job context");
 
 /* Weights without an integer kernel that the stack still runs: the float types, as the per-op float
  * row-dot path of mr_matmul runs them for a few tokens (same dequantization, same dot_f32). */
@@ -103,7 +104,7 @@ static void mj_task(const void *c_, int64_t item, int worker, float *buf) {
     for (int j = 0; j < (c->act >= 0 ? 2 : 1); j++) {
         const mj_mat *Mj = j ? &c->mm[1] : M;
         if (Mj->fl) float_rows(c->K, &Mj->m, c->x, c->nt, r0, r1, out + j * c->nt * n, rowbuf);
-        else mr_mat_rows(c->K, &Mj->m, &Mj->xa, c->nt, r0, r1, out + j * c->nt * n, n);
+        else mr_mat_rows(c->K, &Mj->m, &Mj->xa, c->nt, r0, r1, out + j * c->nt * n, n, worker);
     }
     if (!buf) mj_commit(c_, item, out);
 }
@@ -132,7 +133,7 @@ static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const
     mr_mat mats[3];
     for (int i = 0; i < n; i++) {
         mats[i] = weight_mat(w[i]);
-        layouts |= mr_mat_xlayout(K, &mats[i]);
+        layouts |= mr_mat_xlayout(K, &mats[i]) | (mr_mat_gemm(K, &mats[i], nt) ? MR_XL_PANEL : 0);
         any_int |= !float_weight(K, &mats[i]);
     }
     mr_xacts xs;

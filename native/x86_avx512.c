@@ -624,31 +624,6 @@ static void hv_tile(const float *wt, int nr, const float *x, int64_t xs, int ntk
 
 /* ---------------- panel path (many tokens): outer products over a transposed weight panel ---------------- */
 
-/* 16 x 16 transpose in registers (three shuffle stages) */
-MR_INLINE void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
-    }
-    /* r[4i + j] holds, in 128-bit lane L, column 4L + j of rows 4i..4i+3: transpose the lanes */
-    for (int j = 0; j < 4; j++) {
-        const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
-        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44), u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
-        t[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-        t[4 + j] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-        t[8 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-        t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 static void hv_pack(const float *a, int nr, int64_t n, float *P) {
     for (int rg = 0; rg < MR_PR; rg += 16) {
         for (int64_t k = 0; k < n; k += 16) {

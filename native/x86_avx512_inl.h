@@ -30,4 +30,29 @@ MR_INLINE void hbits_pair(const uint8_t *ha, const uint8_t *hb, __mmask32 *klo, 
     *khi = (__mmask32)((a >> 16) | (b & 0xffff0000u));
 }
 
+/* 16 x 16 transpose in registers (three shuffle stages) */
+MR_INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i]), _mm512_castps_pd(t[4 * i + 2])));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[4 * i + 1]), _mm512_castps_pd(t[4 * i + 3])));
+    }
+    /* r[4i + j] holds, in 128-bit lane L, column 4L + j of rows 4i..4i+3: transpose the lanes */
+    for (int j = 0; j < 4; j++) {
+        const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44), u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+        t[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+        t[8 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 #endif

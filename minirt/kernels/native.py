@@ -22,6 +22,11 @@ Paths (``matmul_path`` tells which one a call takes):
 - more tokens, ``float-tile`` / ``float-panel``: weights dequantized to float32 once per block of
   tokens (exactly, as gguf-py does) and multiplied in float32 with FMA register tiles; the panel
   (AVX-512, from 12 tokens) transposes 32 rows into a panel and forms outer products.
+- from 17 tokens on packed Q4_0 / Q5_0 / Q8_0 / Q4_K matrices (AVX-512 VNNI), ``int16-gemm``: the
+  same int16 activations as the ``int16`` path (so the same error bound, and each token of a batch
+  gets what it gets alone up to float32 summation order), with 16 tokens in the lanes of each
+  ``vpdpwssd`` and every weight pair broadcast: 1.1-1.5x the float panel's speed
+  (``native/x86_avx512_gemm.c`` says why not int8).
 - the scalar path (and types without an integer kernel) dequantize a row and dot in float32.
 
 Threads: a persistent pthread pool (``set_threads``; default the physical core count) splits rows
@@ -1480,15 +1485,15 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
 
 
 def matmul_path(qtype: str, n_tokens: int, isa: str | None = None, packed: bool = False) -> str:
-    """Which code path ``matmul`` takes: 'int16' (quantized activations), 'float-dot', 'float-tile' or
-    'float-panel' (the float ones dequantize the weights and compute in float32)."""
+    """Which code path ``matmul`` takes: 'int16' or 'int16-gemm' (quantized activations), 'float-dot',
+    'float-tile' or 'float-panel' (the float ones dequantize the weights and compute in float32)."""
     ffi, lib = _lib()
     _, tid, _, _ = _qtype(qtype)
     if packed:
         rc = lib.mr_matmul_packed_path(tid, int(n_tokens), _isa_id(isa))
     else:
         rc = lib.mr_matmul_path(tid, int(n_tokens), _isa_id(isa))
-    return {1: "int16", 2: "float-dot", 3: "float-tile", 4: "float-panel"}.get(rc, "none")
+    return {1: "int16", 2: "float-dot", 3: "float-tile", 4: "float-panel", 5: "int16-gemm"}.get(rc, "none")
 
 
 def dequantize(w: np.ndarray, qtype: str, cols: int | None = None) -> np.ndarray:

@@ -1,0 +1,277 @@
+/* AVX-512 VNNI integer GEMM for many tokens (prefill, batched decode) on the packed P4 layouts:
+ * y[t, r] = W[r, :] . x_t with the integer path's activations (int16 per 32-block, the same values
+ * the decode kernels use, so a batch gets what each token gets alone up to float summation order).
+ *
+ * Why a second integer kernel: the decode kernels dot one row with a few tokens (vectors along the
+ * columns, a reduction per row and token); with many tokens that reduction and the per-block
+ * rescaling of every (row, token) pair dominate, and the float panel path (weights dequantized,
+ * float FMAs) does 16 multiply-adds per instruction. Here the lanes are 16 tokens: each weight pair
+ * (2 columns of one row, int16) is broadcast and vpdpwssd multiplies it with the activation pairs of
+ * 16 tokens, 32 multiply-adds per instruction; after a 32-block each int32 sum is converted and
+ * scaled once, shared by nothing else. int8 activations (vpdpbusd, twice the rate) were measured
+ * too: 1.6x faster again, but at llama.cpp's q8_0 precision, which made minirt's results no better
+ * than llama.cpp's (the embedding and logit checks against transformers tie instead of win).
+ *
+ * Shapes at the boundary:
+ *   weights:  a row group is unpacked once per pass (gw[type]) into wu (nr <= 8 rows x cols, int16,
+ *             natural column order, value = wd * wu - wm per 32-block; wm only for gw_min types),
+ *             wd and wm (nr x cols/32 floats);
+ *   activations: mr_xp (common.h): tokens in groups of 16, q (groups, blocks, 16 pairs, 16 tokens,
+ *             2 int16), d and ds (groups, blocks, 16): scale and scale * integer sum of q.
+ *
+ * Bounds: |w| <= 128, |x| <= 32767: a vpdpwssd adds 2 products < 2^22.1 per lane, a block 32 products,
+ * < 2^27.1: far inside int32. */
+#include "common.h"
+
+#ifdef MR_X86
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+
+#include "x86_avx512_inl.h"
+
+/* ---------------------------------------------------------------- activations */
+
+/* nt rows of x (stride xs) -> the panel, quantized by the integer path's quant_x (the same int16
+ * values and scales as the decode kernels get); tmp: 9 * cols floats of scratch */
+static void gemm_xpanel(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp) {
+    const int64_t nb = cols / 32, ng = (nt + 15) / 16;
+    int16_t *q = (int16_t *)tmp;            /* (16, cols) */
+    float *d = tmp + 8 * cols, *s = d + 16 * nb; /* (16, nb) each */
+    for (int64_t g = 0; g < ng; g++) {
+        for (int j = 0; j < 16; j++) {
+            const int64_t t = 16 * g + j;
+            if (t < nt) mr_kernels_avx512.quant_x(x + t * xs, cols, q + j * cols, d + j * nb, s + j * nb);
+            else { /* padding token: contributes nothing (its outputs are not written) */
+                memset(q + j * cols, 0, (size_t)cols * 2);
+                memset(d + j * nb, 0, (size_t)nb * 4);
+            }
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = g * nb + b;
+            __m512 r[16];
+            float sq[16], dd[16];
+            for (int j = 0; j < 16; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(q + j * cols + 32 * b));
+                sq[j] = d[j * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_madd_epi16(v, _mm512_set1_epi16(1)));
+                dd[j] = d[j * nb + b];
+                r[j] = _mm512_castsi512_ps(v);
+            }
+            transpose16(r); /* r[u] lane j = pair u of token j */
+            for (int u = 0; u < 16; u++) _mm512_storeu_ps((float *)(void *)(xp->q + (i * 16 + u) * 32), r[u]);
+            _mm512_storeu_ps(xp->d + i * 16, _mm512_loadu_ps(dd));
+            _mm512_storeu_ps(xp->ds + i * 16, _mm512_loadu_ps(sq));
+        }
+    }
+    xp->nb = nb;
+    xp->ng = ng;
+}
+
+/* ---------------------------------------------------------------- weights (P4 tiles -> int16 rows) */
+
+/* qword permutes: vectors k (32 bytes = qwords of blocks q 0..3) -> natural blocks (4 qwords each) */
+MR_INLINE __m512i nat_lo_q8(__m512i a, __m512i b) {
+    return _mm512_permutex2var_epi64(a, _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0), b);
+}
+MR_INLINE __m512i nat_hi_q8(__m512i a, __m512i b) {
+    return _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2), b);
+}
+/* nibble tiles: lo = vectors 0 | 2, hi = vectors 1 | 3 */
+MR_INLINE __m512i nat_lo_nib(__m512i lo, __m512i hi) {
+    return _mm512_permutex2var_epi64(lo, _mm512_set_epi64(13, 5, 9, 1, 12, 4, 8, 0), hi);
+}
+MR_INLINE __m512i nat_hi_nib(__m512i lo, __m512i hi) {
+    return _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 7, 11, 3, 14, 6, 10, 2), hi);
+}
+
+/* 64 int8 (sgn) or uint8 values minus off -> 64 int16 at o */
+MR_INLINE void st16(int16_t *o, __m512i v, int sgn, int off) {
+    const __m256i a = _mm512_castsi512_si256(v), b = _mm512_extracti64x4_epi64(v, 1);
+    const __m512i ofs = _mm512_set1_epi16((short)off);
+    _mm512_storeu_si512((void *)o, _mm512_sub_epi16(sgn ? _mm512_cvtepi8_epi16(a) : _mm512_cvtepu8_epi16(a), ofs));
+    _mm512_storeu_si512((void *)(o + 32), _mm512_sub_epi16(sgn ? _mm512_cvtepi8_epi16(b) : _mm512_cvtepu8_epi16(b), ofs));
+}
+
+/* the 16 f16 scales [4r + q] of a 32-block-type tile -> wd rows (block 4t + q) */
+MR_INLINE void tile_scales16(const uint8_t *tile, float *wd, int64_t nb, int64_t t) {
+    float s[16];
+    _mm512_storeu_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile)));
+    for (int r = 0; r < 4; r++) memcpy(wd + r * nb + 4 * t, s + 4 * r, 16);
+}
+
+static void gw_q8_0(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                    float *wm) {
+    (void)wm;
+    const int64_t nb = cols / 32;
+    for (int g = 0; g < ng; g++)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
+            tile_scales16(tile, wd + (int64_t)4 * g * nb, nb, t);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *s = tile + 32 + 128 * r;
+                const __m512i a = _mm512_loadu_si512((const void *)s), b = _mm512_loadu_si512((const void *)(s + 64));
+                int16_t *o = wu + (int64_t)(4 * g + r) * cols + 128 * t;
+                st16(o, nat_lo_q8(a, b), 1, 0);
+                st16(o + 64, nat_hi_q8(a, b), 1, 0);
+            }
+        }
+}
+
+/* 64 bytes of P4 nibbles (vectors 0..3 of a quad) -> 128 int16 in natural order, minus off;
+ * hb: Q5_0's masks (bit set <=> the 5th bit is 0), the value is then nibble + 16 * 5th bit - off */
+MR_INLINE void nib_rows(const uint8_t *src, int16_t *o, __mmask64 klo, __mmask64 khi, int hb, int off) {
+    const __m512i m4 = _mm512_set1_epi8(15), z = _mm512_loadu_si512((const void *)src);
+    __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+    if (hb) {
+        lo = _mm512_mask_add_epi8(lo, ~klo, lo, _mm512_set1_epi8(16));
+        hi = _mm512_mask_add_epi8(hi, ~khi, hi, _mm512_set1_epi8(16));
+    }
+    st16(o, nat_lo_nib(lo, hi), 0, off);
+    st16(o + 64, nat_hi_nib(lo, hi), 0, off);
+}
+
+static void gw_q4_0(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                    float *wm) {
+    (void)wm;
+    const int64_t nb = cols / 32;
+    for (int g = 0; g < ng; g++)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
+            tile_scales16(tile, wd + (int64_t)4 * g * nb, nb, t);
+            for (int r = 0; r < 4; r++)
+                nib_rows(tile + 32 + 64 * r, wu + (int64_t)(4 * g + r) * cols + 128 * t, 0, 0, 0, 8);
+        }
+}
+
+static void gw_q5_0(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                    float *wm) {
+    (void)wm;
+    const int64_t nb = cols / 32;
+    for (int g = 0; g < ng; g++)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
+            tile_scales16(tile, wd + (int64_t)4 * g * nb, nb, t);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *m = tile + 32 + 16 * r; /* (r, k) masks, 4 bytes each */
+                const __mmask64 klo = (__mmask64)mr_rd32(m) | (__mmask64)mr_rd32(m + 8) << 32;
+                const __mmask64 khi = (__mmask64)mr_rd32(m + 4) | (__mmask64)mr_rd32(m + 12) << 32;
+                nib_rows(tile + 96 + 64 * r, wu + (int64_t)(4 * g + r) * cols + 128 * t, klo, khi, 1, 16);
+            }
+        }
+}
+
+static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                    float *wm) {
+    const int64_t nb = cols / 32;
+    for (int g = 0; g < ng; g++)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
+            for (int r = 0; r < 4; r++) {
+                const int64_t row = 4 * g + r;
+                const float d = f16s(tile + 2 * r), dmin = f16s(tile + 8 + 2 * r);
+                const uint8_t *sm = tile + 16 + 16 * r; /* 8 scales, 8 mins (decoded 6-bit values) */
+                for (int s = 0; s < 8; s++) {
+                    wd[row * nb + 8 * t + s] = d * (float)sm[s];
+                    wm[row * nb + 8 * t + s] = dmin * (float)sm[8 + s];
+                }
+                for (int Q = 0; Q < 2; Q++)
+                    nib_rows(tile + 80 + 128 * r + 64 * Q, wu + row * cols + 256 * t + 128 * Q, 0, 0, 0, 0);
+            }
+        }
+}
+
+/* ---------------------------------------------------------------- the kernel */
+
+/* R rows x V groups of 16 tokens (groups g, g+1): y[(16 (g + v) + j) * ys + r] for r < nr, tokens < nt */
+MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const float *wm, const mr_xp *x, int64_t g,
+                         int64_t nt, int nr, float *y, int64_t ys, const int R, const int V, const int MIN) {
+    const int64_t nb = x->nb;
+    __m512 f[8][2];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) f[r][v] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i a[8][2];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < V; v++) a[r][v] = _mm512_setzero_si512();
+        const int16_t *xq = x->q + (g * nb + b) * 512;
+        const int16_t *wb = wu + 32 * b;
+        for (int u = 0; u < 16; u++) {
+            __m512i xv[2];
+            for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_si512((const void *)(xq + v * nb * 512 + 32 * u));
+            for (int r = 0; r < R; r++) {
+                const __m512i w = _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(wb + r * cols + 2 * u)));
+                for (int v = 0; v < V; v++) a[r][v] = _mm512_dpwssd_epi32(a[r][v], w, xv[v]);
+            }
+        }
+        __m512 dx[2], ds[2];
+        for (int v = 0; v < V; v++) {
+            dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
+            if (MIN) ds[v] = _mm512_loadu_ps(x->ds + ((g + v) * nb + b) * 16);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 sw = _mm512_set1_ps(wd[r * nb + b]);
+            for (int v = 0; v < V; v++)
+                f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), _mm512_mul_ps(dx[v], sw), f[r][v]);
+            if (MIN) {
+                const __m512 mw = _mm512_set1_ps(wm[r * nb + b]);
+                for (int v = 0; v < V; v++) f[r][v] = _mm512_fnmadd_ps(ds[v], mw, f[r][v]);
+            }
+        }
+    }
+    for (int v = 0; v < V; v++) {
+        const int64_t t0 = 16 * (g + v);
+        const int n = (int)(nt - t0 < 16 ? nt - t0 : 16);
+        for (int r = 0; r < R && r < nr; r++) {
+            float o[16];
+            _mm512_storeu_ps(o, f[r][v]);
+            for (int j = 0; j < n; j++) y[(t0 + j) * ys + r] = o[j];
+        }
+    }
+}
+
+#define GEMM_ROWS(MIN)                                                                                             \
+    do {                                                                                                           \
+        int64_t g = 0;                                                                                             \
+        for (; g + 2 <= ng; g += 2) {                                                                              \
+            gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 2, MIN);                                           \
+            if (nr > 4) gemm_tile(wu + 4 * cols, cols, wd + 4 * nb, wm + 4 * nb, x, g, nt, nr - 4, y + 4, ys, 4, 2, MIN); \
+        }                                                                                                          \
+        if (g < ng) {                                                                                              \
+            if (nr > 4) gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 8, 1, MIN);                               \
+            else gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 1, MIN);                                      \
+        }                                                                                                          \
+    } while (0)
+
+/* nr <= 8 unpacked rows (wu, wd, wm as gw_* wrote them; wm NULL: no min) x all nt tokens of x */
+static void gemm_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
+                      int64_t nt, float *y, int64_t ys) {
+    const int64_t nb = x->nb, ng = x->ng;
+    if (wm) GEMM_ROWS(1);
+    else {
+        wm = wd; /* not read */
+        GEMM_ROWS(0);
+    }
+}
+
+void mr_init_avx512_gemm(mr_kernels *k) {
+    k->gemm_xpanel = gemm_xpanel;
+    k->gemm_rows = gemm_rows;
+    k->gw[GT_Q4_0] = gw_q4_0;
+    k->gw[GT_Q5_0] = gw_q5_0;
+    k->gw[GT_Q8_0] = gw_q8_0;
+    k->gw[GT_Q4_K] = gw_q4_k;
+    k->gw_min[GT_Q4_K] = 1;
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif
