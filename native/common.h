@@ -218,7 +218,6 @@ int mr_pack_supported(int qtype, long long rows, long long cols);
 int mr_pack_perm(int qtype, int p);
 void mr_pack_dq_tile(int qtype, const uint8_t *tile, float *out, int64_t os);
 
-
 /* Software prefetch distance of the gemv kernels in bytes (MINIRT_PF; default 0 = off). */
 extern int mr_pf_dist;
 
@@ -249,9 +248,8 @@ typedef struct {
                   int acc);
     /* Integer GEMM for many tokens on packed matrices (NULL where the ISA has none): gemm_xpanel
      * quantizes nt rows of x as quant_x does into a panel (tmp: 9 * cols floats of scratch);
-     * gw[type] unpacks ng
-     * 4-row groups of tiles into int16 rows wu (row stride cols), per-32 scales wd and mins wm (gw_min
-     * types); gemm_rows then computes y[t * ys + r] for r < nr <= 8, t < nt. */
+     * gw[type] unpacks ng 4-row groups of tiles into int16 rows wu (row stride cols), per-32 scales wd
+     * and mins wm (gw_min types); gemm_rows then computes y[t * ys + r] for r < nr <= 8, t < nt. */
     void (*gemm_xpanel)(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp);
     void (*gw[GT_COUNT])(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
                          float *wm);

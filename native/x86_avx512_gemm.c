@@ -8,9 +8,10 @@
  * float FMAs) does 16 multiply-adds per instruction. Here the lanes are 16 tokens: each weight pair
  * (2 columns of one row, int16) is broadcast and vpdpwssd multiplies it with the activation pairs of
  * 16 tokens, 32 multiply-adds per instruction; after a 32-block each int32 sum is converted and
- * scaled once, shared by nothing else. int8 activations (vpdpbusd, twice the rate) were measured
- * too: 1.6x faster again, but at llama.cpp's q8_0 precision, which made minirt's results no better
- * than llama.cpp's (the embedding and logit checks against transformers tie instead of win).
+ * scaled once. int8 activations (vpdpbusd, twice the multiply-adds per instruction) were measured
+ * too: about 2x faster again, but at llama.cpp's q8_0 precision, which made minirt's results no
+ * better than llama.cpp's (the embedding checks against transformers tied or lost instead of won;
+ * bench/RESULTS.md, 2026-12-02 midday).
  *
  * Shapes at the boundary:
  *   weights:  a row group is unpacked once per pass (gw[type]) into wu (nr <= 8 rows x cols, int16,

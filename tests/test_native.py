@@ -815,6 +815,33 @@ def test_native_layers_batched_sequences(tiny_quant):
             np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=5e-4 * np.abs(lg).max())
 
 
+def test_native_layers_batch_of_18_takes_the_gemm(tiny_quant):
+    """18 sequences in one decode step: from 17 tokens the layer stack's packed matrices take the
+    integer GEMM (where the ISA has it) and each sequence still gets what it gets decoded alone (the
+    same int16 activations; float32 summation order aside)."""
+    from minirt.archs.base import Segment
+    from minirt.kernels import native
+    from minirt.kv_cache import KVCache
+
+    _, llm = tiny_quant
+    m, c = llm.model, llm.model.cfg
+    assert m.native_stack is not None
+    if "avx512" in native.supported_isas():  # the path this test is for, where the CPU has it
+        assert native.matmul_path("Q5_0", 18, packed=True) == "int16-gemm"
+    rng = np.random.default_rng(5)
+    prompts = [[1] + rng.integers(3, 290, int(n)).tolist() for n in rng.integers(1, 12, 18)]
+    alone = [_decode_steps(llm, p + [7, 8], 2, True)[0] for p in prompts]
+    caches = [KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, 64) for _ in prompts]
+    for p, cache in zip(prompts, caches):
+        m.forward(np.array(p), [Segment(cache, len(p), "last")])
+    for step, tok in enumerate((7, 8)):
+        out = m.forward(np.full(len(prompts), tok), [Segment(cc, 1, "last") for cc in caches])
+        for i, lg in enumerate(out):
+            # a different float32 summation order can move an activation across an int16 rounding
+            # step of the next matmul: within the matmul's documented 5e-4 bound, as for small batches
+            np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=5e-4 * np.abs(lg).max(), err_msg=f"seq {i}")
+
+
 def test_layer_stack_refuses_unsupported(nat, tiny_quant):
     import dataclasses
 
