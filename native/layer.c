@@ -133,7 +133,8 @@ static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const
     mr_mat mats[3];
     for (int i = 0; i < n; i++) {
         mats[i] = weight_mat(w[i]);
-        layouts |= mr_mat_xlayout(K, &mats[i]) | (mr_mat_gemm(K, &mats[i], nt) ? MR_XL_PANEL : 0);
+        /* a matrix on the GEMM needs only the panel (quantizing its layout too would be wasted) */
+        layouts |= mr_mat_gemm(K, &mats[i], nt) ? MR_XL_PANEL : mr_mat_xlayout(K, &mats[i]);
         any_int |= !float_weight(K, &mats[i]);
     }
     mr_xacts xs;

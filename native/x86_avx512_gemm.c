@@ -105,24 +105,6 @@ MR_INLINE void tile_scales16(const uint8_t *tile, float *wd, int64_t nb, int64_t
     for (int r = 0; r < 4; r++) memcpy(wd + r * nb + 4 * t, s + 4 * r, 16);
 }
 
-static void gw_q8_0(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
-                    float *wm) {
-    (void)wm;
-    const int64_t nb = cols / 32;
-    for (int g = 0; g < ng; g++)
-        for (int64_t t = 0; t < ntiles; t++) {
-            const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
-            tile_scales16(tile, wd + (int64_t)4 * g * nb, nb, t);
-            for (int r = 0; r < 4; r++) {
-                const uint8_t *s = tile + 32 + 128 * r;
-                const __m512i a = _mm512_loadu_si512((const void *)s), b = _mm512_loadu_si512((const void *)(s + 64));
-                int16_t *o = wu + (int64_t)(4 * g + r) * cols + 128 * t;
-                st16(o, nat_lo_q8(a, b), 1, 0);
-                st16(o + 64, nat_hi_q8(a, b), 1, 0);
-            }
-        }
-}
-
 /* 64 bytes of P4 nibbles (vectors 0..3 of a quad) -> 128 int16 in natural order, minus off;
  * hb: Q5_0's masks (bit set <=> the 5th bit is 0), the value is then nibble + 16 * 5th bit - off */
 MR_INLINE void nib_rows(const uint8_t *src, int16_t *o, __mmask64 klo, __mmask64 khi, int hb, int off) {
@@ -136,35 +118,42 @@ MR_INLINE void nib_rows(const uint8_t *src, int16_t *o, __mmask64 klo, __mmask64
     st16(o + 64, nat_hi_nib(lo, hi), 0, off);
 }
 
-static void gw_q4_0(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
-                    float *wm) {
-    (void)wm;
-    const int64_t nb = cols / 32;
-    for (int g = 0; g < ng; g++)
-        for (int64_t t = 0; t < ntiles; t++) {
-            const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
-            tile_scales16(tile, wd + (int64_t)4 * g * nb, nb, t);
-            for (int r = 0; r < 4; r++)
-                nib_rows(tile + 32 + 64 * r, wu + (int64_t)(4 * g + r) * cols + 128 * t, 0, 0, 0, 8);
-        }
-}
-
-static void gw_q5_0(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
-                    float *wm) {
-    (void)wm;
+/* 32-element block types (tiles of 4 rows x 128 columns): the tile's 16 f16 scales, then each row */
+MR_INLINE void gw_blocks32(const int T, const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols,
+                           int16_t *wu, float *wd) {
     const int64_t nb = cols / 32;
     for (int g = 0; g < ng; g++)
         for (int64_t t = 0; t < ntiles; t++) {
             const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
             tile_scales16(tile, wd + (int64_t)4 * g * nb, nb, t);
             for (int r = 0; r < 4; r++) {
-                const uint8_t *m = tile + 32 + 16 * r; /* (r, k) masks, 4 bytes each */
-                const __mmask64 klo = (__mmask64)mr_rd32(m) | (__mmask64)mr_rd32(m + 8) << 32;
-                const __mmask64 khi = (__mmask64)mr_rd32(m + 4) | (__mmask64)mr_rd32(m + 12) << 32;
-                nib_rows(tile + 96 + 64 * r, wu + (int64_t)(4 * g + r) * cols + 128 * t, klo, khi, 1, 16);
+                int16_t *o = wu + (int64_t)(4 * g + r) * cols + 128 * t;
+                if (T == GT_Q8_0) {
+                    const uint8_t *s = tile + 32 + 128 * r;
+                    const __m512i a = _mm512_loadu_si512((const void *)s), b = _mm512_loadu_si512((const void *)(s + 64));
+                    st16(o, nat_lo_q8(a, b), 1, 0);
+                    st16(o + 64, nat_hi_q8(a, b), 1, 0);
+                } else if (T == GT_Q4_0) {
+                    nib_rows(tile + 32 + 64 * r, o, 0, 0, 0, 8);
+                } else { /* Q5_0 */
+                    const uint8_t *m = tile + 32 + 16 * r; /* (r, k) masks, 4 bytes each */
+                    const __mmask64 klo = (__mmask64)mr_rd32(m) | (__mmask64)mr_rd32(m + 8) << 32;
+                    const __mmask64 khi = (__mmask64)mr_rd32(m + 4) | (__mmask64)mr_rd32(m + 12) << 32;
+                    nib_rows(tile + 96 + 64 * r, o, klo, khi, 1, 16);
+                }
             }
         }
 }
+
+#define GW32(name, T)                                                                                            \
+    static void name(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd, \
+                     float *wm) {                                                                                \
+        (void)wm;                                                                                                \
+        gw_blocks32(T, wp, ntiles, tb, ng, cols, wu, wd);                                                        \
+    }
+GW32(gw_q4_0, GT_Q4_0)
+GW32(gw_q5_0, GT_Q5_0)
+GW32(gw_q8_0, GT_Q8_0)
 
 static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
                     float *wm) {
