@@ -219,6 +219,7 @@ class Attention:
     EmbeddingGemma, llama.cpp's symmetric SWA).
     ``kv_source``: the layer reads the keys and values that an earlier layer (same head sizes) stored
     for the same positions and stores none (Gemma 4's KV sharing); its ``wk`` / ``wv`` are unused.
+    ``out_gate``: the query projection also gives a per-head sigmoid gate of the output (Qwen3.5).
     """
 
     n_head: int
@@ -241,6 +242,9 @@ class Attention:
     causal: bool = True
     v_norm: Norm | None = None  # per-head norm of the values (Gemma 4: RMSNorm without gains)
     kv_source: int | None = None  # a layer that reuses layer kv_source's cached keys/values (no K/V of its own)
+    # wq gives each head its query and then an output gate of head_dim_v (H · (Dk + Dv) rows, Qwen3.5):
+    # each head's attention output is multiplied by sigmoid(gate) before wo
+    out_gate: bool = False
 
     @property
     def kv_shape(self) -> tuple[int, int, int] | None:
@@ -308,6 +312,60 @@ class ShortConv:
     def kv_shape(self) -> tuple[int, int, int]:
         """Its cache: the B·x rows as ``cache_heads`` keys of n_embd / cache_heads, no values."""
         return self.cache_heads, self.n_embd // self.cache_heads, 0
+
+
+@dataclass
+class GatedDeltaNet:
+    """Qwen3.5's gated delta-net linear attention, a block's mixer in place of attention::
+
+        qkv = conv(qkv_proj(h)) then SiLU          causal depthwise, ``taps`` per channel (conv_dim = 2·Hk·Dk + Hv·Dv)
+        q, k, v = split(qkv)                         (T, Hk, Dk), (T, Hk, Dk), (T, Hv, Dv); q, k L2-normalised
+        g = a · softplus(alpha_proj(h) + dt_bias)    (T, Hv) log decay, a = −exp(A_log) as the file stores it
+        beta = sigmoid(beta_proj(h))                 (T, Hv)
+        per value head j (key head j mod Hk, the file's tiled order), state S (Dk, Dv), from zeros:
+            S = exp(g_t) · S;  S += k_t ⊗ beta_t · (v_t − Sᵀ k_t);  o_t = Sᵀ q_t / sqrt(Dk)
+        out = out_proj(rmsnorm(o) · norm.weight · silu(z_proj(h)))   (norm over each head's Dv)
+
+    Its per-sequence state is not one row per position: the last ``taps − 1`` convolution inputs and S
+    of every value head (:attr:`state_shapes`), kept by the cache beside its positions
+    (:class:`minirt.kv_cache.KVCache`), valid at one position (and a snapshot), so a prefix is reused
+    only where a state was kept and a context cannot be shifted."""
+
+    qkv_proj: Linear  # (conv_dim, d)
+    z_proj: Linear  # (Hv·Dv, d)
+    beta_proj: Linear  # (Hv, d)
+    alpha_proj: Linear  # (Hv, d)
+    dt_bias: np.ndarray  # (Hv,) float32
+    a: np.ndarray  # (Hv,) float32, negative
+    conv: np.ndarray  # (conv_dim, taps) float32
+    norm: Norm  # (Dv,)
+    out_proj: Linear  # (d, Hv·Dv)
+    n_k_heads: int
+    n_v_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    rope = None  # what generic code reads of a mixer: no positions, no rows in the KV cache, causal
+    kv_source = None
+    causal = True
+    kv_rotate = False
+    kv_shape = None
+
+    def key_offset(self, n_positions: int) -> None:
+        """No KV rows, so no key offset (see :meth:`Attention.key_offset`)."""
+        return None
+
+    @property
+    def taps(self) -> int:
+        return int(self.conv.shape[1])
+
+    @property
+    def conv_dim(self) -> int:
+        return int(self.conv.shape[0])
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(taps − 1, conv_dim) convolution inputs and (Hv, Dk, Dv) delta-rule state, float32."""
+        return (self.taps - 1, self.conv_dim), (self.n_v_heads, self.head_dim_k, self.head_dim_v)
 
 
 @dataclass
@@ -436,7 +494,7 @@ class Block:
     ``out_scale`` (Gemma 4's ``layer_output_scale``).
     """
 
-    attn: Attention | ShortConv
+    attn: Attention | ShortConv | GatedDeltaNet
     mlp: MLP | MoE
     attn_norm: Norm | None = None
     post_attn_norm: Norm | None = None
@@ -510,6 +568,11 @@ class ModelDesc:
         """True when every layer attends causally (then prompts may be split into chunks)."""
         return all(b.attn.causal for b in self.blocks)
 
+    def recurrent_states(self) -> list[tuple[tuple[int, ...], ...] | None]:
+        """Per layer, the shapes of its per-sequence recurrent state (:attr:`GatedDeltaNet.state_shapes`),
+        None for a layer without one."""
+        return [getattr(b.attn, "state_shapes", None) for b in self.blocks]
+
     def linears(self) -> list[Linear]:
         """Every matrix the forward pass streams, output first."""
         out = [self.output]
@@ -517,6 +580,8 @@ class ModelDesc:
             a, m = b.attn, b.mlp
             if isinstance(a, ShortConv):
                 out += [a.in_proj, a.out_proj]
+            elif isinstance(a, GatedDeltaNet):
+                out += [a.qkv_proj, a.z_proj, a.beta_proj, a.alpha_proj, a.out_proj]
             else:
                 out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
             if isinstance(m, MoE):
@@ -535,7 +600,7 @@ class ModelDesc:
 
     def kv_layers(self) -> list[tuple[int, int, int] | None]:
         """Per layer, the (n_head_kv, head_dim_k, head_dim_v) of its own cache; None for a layer that
-        reads another's (``kv_source``)."""
+        reads another's (``kv_source``) or keeps a recurrent state instead (:class:`GatedDeltaNet`)."""
         return [b.attn.kv_shape for b in self.blocks]
 
     def key_offsets(self) -> list[np.ndarray | None]:
@@ -603,6 +668,29 @@ def layer_norm(x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: f
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def l2_normalize(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / max(‖x‖, eps) over the last axis (ggml's l2_norm)."""
+    n = np.sqrt(np.einsum("...i,...i->...", x, x, dtype=np.float32))[..., None]
+    return (x / np.maximum(n, np.float32(eps))).astype(np.float32)
+
+
+def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray,
+               beta: np.ndarray) -> np.ndarray:
+    """The gated delta rule over n tokens, one value head per row of S (H, Dk, Dv), updated in place::
+
+        S = decay_t · S;  S += k_t ⊗ beta_t · (v_t − Sᵀ k_t);  o_t = Sᵀ q_t
+
+    q, k (n, H, Dk) (q already scaled), v (n, H, Dv), decay = exp(g) and beta (n, H). Returns o (n, H, Dv)."""
+    o = np.empty(v.shape, dtype=np.float32)
+    for t in range(q.shape[0]):
+        S *= decay[t][:, None, None]
+        kv = np.einsum("hk,hkv->hv", k[t], S)
+        delta = (v[t] - kv) * beta[t][:, None]
+        S += k[t][:, :, None] * delta[:, None, :]
+        o[t] = np.einsum("hk,hkv->hv", q[t], S)
+    return o
 
 
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))

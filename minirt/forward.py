@@ -17,7 +17,21 @@ from typing import Any
 
 import numpy as np
 
-from .blocks import Block, Linear, ModelDesc, MoE, Norm, Rope, ShortConv, activation, apply_rope
+from .blocks import (
+    Block,
+    GatedDeltaNet,
+    Linear,
+    ModelDesc,
+    MoE,
+    Norm,
+    Rope,
+    ShortConv,
+    activation,
+    apply_rope,
+    delta_rule,
+    l2_normalize,
+    silu,
+)
 from .errors import ContextOverflowError
 from .kv_cache import KVCache
 
@@ -49,6 +63,9 @@ class Config:
     # per layer the powers of two (n_head_kv, head_dim_k) a block-quantized cache scales its keys by
     # (minirt.kv_balance), None for none; None: the model was not balanced
     kv_scales: tuple[np.ndarray | None, ...] | None = field(default=None, kw_only=True, compare=False)
+    # per layer the shapes of its per-sequence recurrent state (GatedDeltaNet.state_shapes), None for a
+    # layer without one; None: no layer has one
+    recurrent: tuple[tuple[tuple[int, ...], ...] | None, ...] | None = field(default=None, kw_only=True)
 
 
 def config_of(desc: ModelDesc) -> Config:
@@ -60,21 +77,22 @@ def config_of(desc: ModelDesc) -> Config:
     rot = tuple(desc.kv_rotate())
     offsets = tuple(desc.key_offsets())
     windows = tuple(desc.kv_windows())
-    n_head = next((b.attn.n_head for b in desc.blocks if not isinstance(b.attn, ShortConv)), 0)
+    n_head = next((b.attn.n_head for b in desc.blocks if hasattr(b.attn, "n_head")), 0)
     return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.n_ff,
                   n_head=n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
                   n_ctx_train=desc.n_ctx_train,
                   kv_layers=None if all(s == (hkv, dk, dv) for s in layers) else layers,
                   kv_rotate=None if all(rot) else rot,
                   kv_offsets=None if all(o is None for o in offsets) else offsets,
-                  kv_windows=windows if any(windows) else None)
+                  kv_windows=windows if any(windows) else None,
+                  recurrent=tuple(desc.recurrent_states()) if any(desc.recurrent_states()) else None)
 
 
 def kv_cache_for(cfg: Config, n_ctx: int, type_k: str | None = None, type_v: str | None = None) -> KVCache:
     """An empty cache of ``n_ctx`` positions laid out for the model ``cfg`` summarises."""
     return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, n_ctx, type_k=type_k, type_v=type_v,
                    layers=cfg.kv_layers, rotate=cfg.kv_rotate, key_offsets=cfg.kv_offsets, windows=cfg.kv_windows,
-                   key_scales=cfg.kv_scales)
+                   key_scales=cfg.kv_scales, recurrent=cfg.recurrent)
 
 
 @dataclass
@@ -215,12 +233,57 @@ class Transformer:
             y[s0:s0 + n] = C[s0:s0 + n] * acc
         return self.mm(c.out_proj, y)
 
+    def delta_net(self, i: int, g: GatedDeltaNet, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
+        """Qwen3.5's gated delta-net of the normed input h (T, d) → (T, d): each segment continues from the
+        convolution inputs and delta-rule state its cache keeps for layer i (:meth:`KVCache.state`) and
+        leaves them there after its last token (a snapshot after its next-to-last too, see
+        :meth:`KVCache.snapshot`)."""
+        T = h.shape[0]
+        Hk, Hv, Dk, Dv, L = g.n_k_heads, g.n_v_heads, g.head_dim_k, g.head_dim_v, g.taps
+        mixed = self.mm(g.qkv_proj, h)  # (T, conv_dim)
+        z = self.mm(g.z_proj, h).reshape(T, Hv, Dv)
+        beta = 1.0 / (1.0 + np.exp(-self.mm(g.beta_proj, h)))  # (T, Hv)
+        decay = np.exp(g.a * np.logaddexp(0.0, self.mm(g.alpha_proj, h) + g.dt_bias)).astype(np.float32)
+        o = np.empty((T, Hv, Dv), dtype=np.float32)
+        w = g.conv.T  # (taps, conv_dim): tap j multiplies position t − taps + 1 + j
+        for seg, s0, p0 in ctx.spans:
+            n = seg.n_tokens
+            conv_state, S = seg.cache.state(i)
+            rows = np.concatenate([conv_state, mixed[s0:s0 + n]])  # (taps − 1 + n, conv_dim)
+            acc = np.zeros((n, g.conv_dim), dtype=np.float32)
+            for j in range(L):
+                acc += rows[j:j + n] * w[j]
+            x = silu(acc)
+            q = l2_normalize(x[:, :Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
+            k = l2_normalize(x[:, Hk * Dk:2 * Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
+            v = x[:, 2 * Hk * Dk:].reshape(n, Hv, Dv)
+            rep = Hv // Hk  # value head j reads key head j mod Hk (tiled)
+            q, k = np.tile(q, (1, rep, 1)) * np.float32(1.0 / np.sqrt(Dk)), np.tile(k, (1, rep, 1))
+            sl = slice(s0, s0 + n)
+            if n > 1:  # the state before the last token: a prompt's reusable prefix (CachePool.acquire)
+                o[s0:s0 + n - 1] = delta_rule(S, q[:-1], k[:-1], v[:-1], decay[s0:s0 + n - 1], beta[s0:s0 + n - 1])
+                seg.cache.snapshot(i, p0 + n - 1, rows[n - 1:n - 1 + L - 1], S)
+                o[s0 + n - 1:s0 + n] = delta_rule(S, q[-1:], k[-1:], v[-1:], decay[s0 + n - 1:s0 + n],
+                                                  beta[s0 + n - 1:s0 + n])
+            else:
+                o[sl] = delta_rule(S, q, k, v, decay[sl], beta[sl])
+            conv_state[:] = rows[n:]
+        y = self.norm(o, g.norm) * silu(z)
+        return self.mm(g.out_proj, y.reshape(T, Hv * Dv))
+
     def attention(self, i: int, b: Block, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         """Projections, q/k norms, RoPE, cache append and attention of the normed input h (T, d) → (T, d)."""
         if isinstance(b.attn, ShortConv):
             return self.short_conv(i, b.attn, h, ctx)
+        if isinstance(b.attn, GatedDeltaNet):
+            return self.delta_net(i, b.attn, h, ctx)
         a, T = b.attn, h.shape[0]
-        q = self.mm(a.wq, h).reshape(T, a.n_head, a.head_dim_k)
+        q = self.mm(a.wq, h)
+        gate = None
+        if a.out_gate:  # per head: its query, then its output gate
+            qg = q.reshape(T, a.n_head, a.head_dim_k + a.head_dim_v)
+            q, gate = qg[:, :, :a.head_dim_k], qg[:, :, a.head_dim_k:].reshape(T, -1)
+        q = q.reshape(T, a.n_head, a.head_dim_k)
         k = v = None  # a layer with kv_source reads what that layer stored for these positions
         if a.kv_source is None:
             k = self.mm(a.wk, h).reshape(T, a.n_head_kv, a.head_dim_k)
@@ -256,6 +319,8 @@ class Transformer:
                 o = self.backend.attention(qs, kc, vc, p0, a.scale, a.window, a.softcap, causal=a.causal,
                                            kv_types=cache.types)
             out[s0:s0 + n] = cache.unrotate_output(src, o)
+        if gate is not None:
+            out *= 1.0 / (1.0 + np.exp(-gate))
         return self.mm(a.wo, out)
 
     # -- the whole pass ----------------------------------------------------------------------------
@@ -273,11 +338,17 @@ class Transformer:
             return out
         ctx = ForwardContext(self, segments)
         x = self.inputs(tokens, ctx)
-        if not self._native_decode(x, ctx):
-            for i in range(len(self.desc.blocks)):
-                x = self.block(i, x, ctx)
+        try:
+            if not self._native_decode(x, ctx):
+                for i in range(len(self.desc.blocks)):
+                    x = self.block(i, x, ctx)
+        except BaseException:
+            for seg in segments:  # a recurrent state may be half-updated: only its snapshot stays usable
+                seg.cache.step_failed()
+            raise
         for seg in segments:
             seg.cache.n_past += seg.n_tokens
+            seg.cache.step_done(seg.n_tokens)
             seg.cache.release_stale()  # sliding-window layers: rows no query reads any more
         # only rows whose logits were asked for go through the (large) output matmul
         rows = logit_rows(ctx.spans)
@@ -322,10 +393,16 @@ class Transformer:
         if not self.desc.causal and any(p0 for _, _, p0 in ctx.spans):
             raise ContextOverflowError("a bidirectional model needs each sequence in one pass (starting at 0)")
         x = self.inputs(tokens, ctx)
-        for i in range(len(self.desc.blocks)):
-            x = self.block(i, x, ctx)
+        try:
+            for i in range(len(self.desc.blocks)):
+                x = self.block(i, x, ctx)
+        except BaseException:
+            for seg in segments:
+                seg.cache.step_failed()
+            raise
         for seg in segments:
             seg.cache.n_past += seg.n_tokens
+            seg.cache.step_done(seg.n_tokens)
         return self.norm(x, self.desc.output_norm)
 
     def head(self, x: np.ndarray) -> np.ndarray:
@@ -361,6 +438,10 @@ class Transformer:
         Cached keys carry RoPE of their old positions; rotating them by ``-n_discard`` positions
         (RoPE is a rotation, so rotations compose) gives exactly the keys of their new positions.
         """
+        if cache.has_state:
+            raise ContextOverflowError(
+                f"the context of {cache.n_ctx} tokens is full and this model's recurrent (linear-attention) "
+                "state cannot be shifted: use a larger n_ctx or context_overflow='stop'")
         n_past = cache.n_past
         src0 = n_keep + n_discard
         if not (0 <= n_keep and n_discard > 0 and src0 <= n_past):

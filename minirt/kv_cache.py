@@ -105,7 +105,8 @@ class KVCache:
                  rotate: Sequence[bool] | None = None,
                  key_offsets: Sequence[np.ndarray | None] | None = None,
                  windows: Sequence[int] | None = None,
-                 key_scales: Sequence[np.ndarray | None] | None = None) -> None:
+                 key_scales: Sequence[np.ndarray | None] | None = None,
+                 recurrent: Sequence[tuple[tuple[int, ...], ...] | None] | None = None) -> None:
         """``type_k`` / ``type_v``: KV element type names (default f32); ``dtype`` (float32 or float16)
         is the older way to ask for f32 / f16 of both. ``layers``: per layer (n_head_kv, head_dim_k,
         head_dim_v), or None for a layer without a cache of its own; the other sizes are then the
@@ -116,7 +117,8 @@ class KVCache:
         layer the window of a causal sliding-window layer (0: it sees its whole context); such a layer
         keeps only recent rows resident (:meth:`release_stale`). ``key_scales``: per layer powers of two
         (n_head_kv, head_dim_k) that a block-quantized K type multiplies its keys by, and the queries
-        over them divided by (:mod:`minirt.kv_balance`), or None."""
+        over them divided by (:mod:`minirt.kv_balance`), or None. ``recurrent``: per layer the shapes of
+        its per-sequence recurrent state (float32 arrays, :meth:`state`), or None."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if dtype is not None:
@@ -156,6 +158,14 @@ class KVCache:
         self._stale = [(0, 0)] * n_layer
         self.keep_rows = 0  # positions never given back (a context shift's n_keep keeps them in use)
         self.n_past = 0
+        # recurrent layers (Qwen3.5's delta-net): the live state belongs to position _state_pos (n_past,
+        # or -1 once a failed step left it half-updated); one snapshot of every such layer at _snap_pos
+        self.recurrent = [None] * n_layer if recurrent is None else list(recurrent)
+        if len(self.recurrent) != n_layer:
+            raise ValueError(f"{len(self.recurrent)} recurrent state shapes for {n_layer} layers")
+        self._state = [None if sh is None else tuple(np.zeros(x, np.float32) for x in sh) for sh in self.recurrent]
+        self._snap: list[tuple[np.ndarray, ...] | None] = [None] * n_layer
+        self._state_pos, self._snap_pos = 0, -1
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
         # repetition penalties see the history
         self.tokens = np.zeros(n_ctx, dtype=np.int32)
@@ -330,8 +340,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved (address space) for the whole context."""
-        return self.k.nbytes + self.v.nbytes
+        """Bytes reserved (address space) for the whole context, recurrent state included."""
+        return self.k.nbytes + self.v.nbytes + self.state_nbytes()
 
     @property
     def bytes_per_token(self) -> int:
@@ -386,7 +396,96 @@ class KVCache:
             for i, (lo, hi) in enumerate(self._stale):
                 if hi > lo and lo < n and (n < hi + self.windows[i] or lo < keep):
                     n, changed = lo, True
+        if self.has_state:  # a recurrent state exists at its position and a snapshot's only
+            snap = self._snap_pos if self._snap_whole() else -1  # a step that failed may have taken only part
+            n = max([0] + [p for p in (self._state_pos, snap) if 0 < p <= n])
         return n
+
+    # -- recurrent state ---------------------------------------------------------------------------
+    @property
+    def has_state(self) -> bool:
+        """True when some layer keeps a per-sequence recurrent state instead of per-position rows."""
+        return any(s is not None for s in self._state)
+
+    def state(self, i: int) -> tuple[np.ndarray, ...]:
+        """Layer i's recurrent state after position ``n_past − 1`` (arrays updated in place by the forward
+        pass). Raises ValueError if a failed step left it inconsistent with the positions."""
+        st = self._state[i]
+        if st is None:
+            raise ValueError(f"layer {i} keeps no recurrent state")
+        if self._state_pos != self.n_past:
+            raise ValueError(f"the recurrent state is not at position {self.n_past} (a step failed); "
+                             "the cache must be cleared")
+        return st
+
+    def snapshot(self, i: int, pos: int, *arrays: np.ndarray) -> None:
+        """Keep a copy of layer i's state as it is after ``pos`` positions (the forward pass takes one
+        before a prompt's last token, which a later request with the same prompt recomputes)."""
+        if pos != self._snap_pos:
+            self._snap = [None] * self.n_layer
+            self._snap_pos = pos
+        self._snap[i] = tuple(a.copy() for a in arrays)
+
+    def step_done(self, n: int) -> None:
+        """The forward pass appended n positions (n_past already advanced): the state is at n_past."""
+        if self.has_state and self._state_pos >= 0:
+            self._state_pos = self.n_past
+
+    def step_failed(self) -> None:
+        """A forward step raised: the recurrent state (if any) may be half-updated; only the snapshot
+        (or position 0) may be continued from."""
+        if self.has_state:
+            self._state_pos = -1
+
+    def _snap_whole(self) -> bool:
+        return all((a is None) == (b is None) for a, b in zip(self._snap, self._state, strict=True))
+
+    def _set_state_at(self, n: int) -> None:
+        # the live state for a kept prefix of n positions: the live one, the snapshot's, or zeros at 0
+        if not self.has_state or n == self._state_pos:
+            return
+        if n == self._snap_pos and self._snap_whole():
+            for live, snap in zip(self._state, self._snap, strict=True):
+                if live is not None:
+                    for dst, src in zip(live, snap, strict=True):
+                        dst[...] = src
+        elif n == 0:
+            for live in self._state:
+                for a in live or ():
+                    a.fill(0)
+        else:
+            raise ValueError(f"no recurrent state at position {n} (kept: {self._state_pos}, snapshot: "
+                             f"{self._snap_pos})")
+        self._state_pos = n
+        if self._snap_pos > n:
+            self._snap, self._snap_pos = [None] * self.n_layer, -1
+
+    def state_size(self) -> int:
+        """Float32 values of every layer's live recurrent state (the length of :meth:`export_state`)."""
+        return sum(a.size for st in self._state for a in (st or ()))
+
+    def export_state(self) -> np.ndarray:
+        """Every layer's live recurrent state, flattened in layer order, (state_size,) float32 (state
+        files); raises ValueError when it is not at n_past (a failed step)."""
+        if self._state_pos != self.n_past:
+            raise ValueError(f"the recurrent state is not at position {self.n_past} (a step failed)")
+        parts = [a.reshape(-1) for st in self._state for a in (st or ())]
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def import_state(self, flat: np.ndarray, n: int) -> None:
+        """Set the live recurrent state from :meth:`export_state`'s layout, as the state after n positions."""
+        if flat.shape != (self.state_size(),):
+            raise ValueError(f"recurrent state of {flat.shape} values, expected ({self.state_size()},)")
+        j = 0
+        for st in self._state:
+            for a in st or ():
+                a[...] = flat[j:j + a.size].reshape(a.shape)
+                j += a.size
+        self._state_pos, self._snap, self._snap_pos = n, [None] * self.n_layer, -1
+
+    def state_nbytes(self) -> int:
+        """Bytes of the recurrent state and its snapshot."""
+        return sum(a.nbytes for st in self._state + self._snap for a in (st or ()))
 
     def stale_after_shift(self, n_keep: int, n_discard: int) -> None:
         """Update the given-back ranges after a context shift moved positions n_keep + n_discard.. down
@@ -408,6 +507,8 @@ class KVCache:
         self._stale = [(0, 0)] * self.n_layer
         self.keep_rows = 0
         self._drop(0)
+        self._snap_pos = -1
+        self._set_state_at(0)
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions (e.g. to reuse a shared prompt prefix). The pages of
@@ -415,6 +516,7 @@ class KVCache:
         (its ``n_past`` positions) rather than every page it ever touched."""
         if not 0 <= n <= self.n_past:
             raise ValueError(f"cannot truncate a cache of {self.n_past} positions to {n}")
+        self._set_state_at(n)  # before anything changes: raises where no state exists (valid_prefix says where)
         self.n_past = n
         self._stale = [(min(lo, n), min(hi, n)) for lo, hi in self._stale]
         self._drop(n)
@@ -436,6 +538,15 @@ class KVCache:
             raise ValueError(f"cannot copy a {other.types} cache into a {self.types} one")
         if n > self.n_ctx or n > other.n_past:
             raise ValueError(f"cannot copy {n} positions (source has {other.n_past}, room {self.n_ctx})")
+        if other.has_state:
+            src = (other._state if n == other._state_pos else other._snap if n == other._snap_pos else
+                   None if n else [None if s is None else tuple(np.zeros_like(a) for a in s) for s in other._state])
+            if src is None:
+                raise ValueError(f"the source cache has no recurrent state at position {n}")
+            for live, st in zip(self._state, src, strict=True):
+                for dst, a in zip(live or (), st or (), strict=True):
+                    dst[...] = a
+            self._state_pos, self._snap, self._snap_pos = n, [None] * self.n_layer, -1
         if self._views is None:
             self.k[:, :, :n] = other.k[:, :, :n]
             self.v[:, :, :n] = other.v[:, :, :n]
@@ -451,6 +562,8 @@ class KVCache:
         """Drop the arrays so their memory returns to the OS now rather than at garbage collection."""
         empty = np.zeros((self.n_layer, 0, 0, 0), dtype=self.k.dtype)
         self.k = self.v = empty
+        self._state = [None] * self.n_layer
+        self._snap = [None] * self.n_layer
         if self._views is not None:
             self._views = [None] * self.n_layer
         self.n_ctx = 0

@@ -54,6 +54,13 @@ def _total_memory() -> int:
         return 8 << 30
 
 
+def state_positions(cache: KVCache) -> int:
+    """A cache's recurrent state and snapshot (Qwen3.5's delta-net layers) as KV positions of the same
+    bytes: what the KV budget, counted in positions, charges for them."""
+    n = cache.state_nbytes()
+    return -(-n // max(1, cache.bytes_per_token)) if n else 0
+
+
 class CachePool:
     """Idle KV caches kept after requests end, reused by the next request sharing their prefix.
 
@@ -100,9 +107,10 @@ class CachePool:
             return self._idle[-1] if self._idle else None
 
     def tokens(self) -> int:
-        """Positions held by idle caches (they count against the KV budget)."""
+        """Positions held by idle caches, recurrent states counted as the positions of their bytes (they
+        count against the KV budget)."""
         with self._lock:
-            return sum(c.n_past for c in self._idle)
+            return sum(c.n_past + state_positions(c) for c in self._idle)
 
     def evict_tokens(self, n: int) -> bool:
         """Drop least recently used idle caches until ``n`` positions are freed; False if impossible."""
@@ -110,7 +118,7 @@ class CachePool:
             freed = 0
             while self._idle and freed < n:
                 c = self._idle.pop(0)
-                freed += c.n_past
+                freed += c.n_past + state_positions(c)
                 c.release()
             return freed >= n
 
@@ -509,6 +517,17 @@ class Model:
     def kv_bytes_per_token(self) -> int:
         """Bytes one position of the KV cache takes, in the cache types (all layers, keys and values)."""
         return self._kv_bytes_per_token(self.model.cfg)
+
+    @property
+    def state_positions(self) -> int:
+        """One sequence's recurrent state and its snapshot (float32, Qwen3.5's delta-net layers) as KV
+        positions of the same bytes; 0 for a model without recurrent layers. A request reserves them
+        on top of its positions."""
+        rec = self.model.cfg.recurrent
+        if not rec:
+            return 0
+        n = 2 * 4 * sum(int(np.prod(sh)) for shapes in rec if shapes for sh in shapes)
+        return -(-n // max(1, self.kv_bytes_per_token))
 
     def attach_cache(self, seq: Sequence) -> None:
         """Give a sequence a KV cache, reusing the longest cached prefix of its prompt."""
@@ -911,11 +930,17 @@ class Model:
                   "arch": self.arch, "n_tokens": n, "kv_dtype": str(cache.k.dtype),
                   "cache_type_k": cache.types[0], "cache_type_v": cache.types[1],
                   "kv_basis": int(cache.transformed)}
-        from .state import SCALE_MEMBER, scale_exponents
+        from .state import SCALE_MEMBER, STATE_MEMBER, scale_exponents
 
         scales = scale_exponents(cache)
         extra = {} if scales is None else {SCALE_MEMBER: scales}
         header["kv_key_scales"] = scales is not None
+        header["recurrent"] = cache.has_state
+        if cache.has_state:  # Qwen3.5's delta-net layers: their state after the n saved positions
+            try:
+                extra[STATE_MEMBER] = cache.export_state()
+            except ValueError as e:
+                raise StateError(f"cannot save the most recent conversation: {e}") from None
         path = os.fspath(path)
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         k, v = cache.export(n)

@@ -64,7 +64,9 @@ class Scheduler:
     # -- client side -------------------------------------------------------------------------------
     def submit(self, seq: Sequence, sink: Callable[[TokenEvent], None]) -> Request:
         """Queue ``seq``; events go to ``sink`` (called on the scheduler thread, must not block)."""
-        reserve = min(len(seq.prompt_ids) + seq.max_tokens, self.model.n_ctx)
+        # recurrent layers: the sequence's state counts as the positions of its bytes
+        reserve = (min(len(seq.prompt_ids) + seq.max_tokens, self.model.n_ctx)
+                   + getattr(self.model, "state_positions", 0))
         if reserve > self.kv_budget_tokens:
             raise CapacityError(f"request needs {reserve} KV positions but the whole budget is "
                                 f"{self.kv_budget_tokens}; lower max_tokens or raise the budget", retryable=False)

@@ -10,7 +10,10 @@ of the other basis, converts them through float32). A fifth member ``kscale`` (`
 head_dim_k)`` int8, the base-2 exponents of the key scales of :mod:`minirt.kv_balance`,
 ``kv_balance.to_exponents``) is
 there exactly when the header's ``kv_key_scales`` is true; a model whose caches scale keys otherwise
-converts the rows through float32 too.
+converts the rows through float32 too. A member ``rstate`` (``(state_size,)`` float32, every recurrent
+layer's state after the saved positions in :meth:`minirt.kv_cache.KVCache.export_state`'s layout) is
+there exactly when the header's ``recurrent`` is true, which it must be for a model with recurrent
+(Qwen3.5 delta-net) layers and only for one.
 
 Reading one is hostile-input work: it ends up in the prefix cache, where a wrong value would
 silently change every later request sharing its tokens. So :func:`read_state` checks everything
@@ -53,6 +56,7 @@ NPY_HEADER_MAX = 10_000  # numpy's own limit for the npy header (np.lib.format)
 ZIP_SLACK = 1 << 16  # local headers, zip64 extras, central directory
 MEMBERS = ("header", "tokens", "k", "v")
 SCALE_MEMBER = "kscale"  # present when the header's kv_key_scales is true
+STATE_MEMBER = "rstate"  # present when the header's recurrent is true
 _EOCD = b"PK\x05\x06"
 
 
@@ -67,7 +71,8 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
     tok_dtype = cache.tokens.dtype
     # the largest state of this model: a full context in float32, whatever types the file holds
     per_token = n_layer * n_head_kv * (dk + dv) * 4 + tok_dtype.itemsize
-    max_size = cache.n_ctx * per_token + 4 * (NPY_HEADER_MAX + ZIP_SLACK) + 4 * MAX_HEADER_CHARS
+    n_state = cache.state_size()
+    max_size = cache.n_ctx * per_token + 4 * n_state + 5 * (NPY_HEADER_MAX + ZIP_SLACK) + 4 * MAX_HEADER_CHARS
     with _open_regular(name) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > max_size:
@@ -81,9 +86,11 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
         with zf:
             infos = zf.infolist()
             names = sorted(i.filename for i in infos)
-            if names not in (sorted(f"{m}.npy" for m in MEMBERS), sorted(f"{m}.npy" for m in (*MEMBERS, SCALE_MEMBER))):
-                raise StateError(f"{name}: not a minirt state file (members {names[:8]}, expected "
-                                 f"{', '.join(MEMBERS)} and optionally {SCALE_MEMBER})")
+            rec = (STATE_MEMBER,) if n_state else ()
+            if names not in (sorted(f"{m}.npy" for m in (*MEMBERS, *rec)),
+                             sorted(f"{m}.npy" for m in (*MEMBERS, *rec, SCALE_MEMBER))):
+                raise StateError(f"{name}: not a minirt state file for this model (members {names[:8]}, expected "
+                                 f"{', '.join(MEMBERS + rec)} and optionally {SCALE_MEMBER})")
             member = {i.filename[:-4]: i for i in infos}
 
             hdr = _read_array(name, zf, member["header"], _header_ok, 4 * MAX_HEADER_CHARS)
@@ -123,6 +130,14 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
                 e = _read_array(name, zf, member[SCALE_MEMBER], _exactly(np.dtype(np.int8), want_s),
                                 int(np.prod(want_s)))
                 file_scales = _scales_of(name, cache, e)
+            rstate = None
+            if header.get("recurrent", False) is not bool(n_state):
+                raise StateError(f"{name}: recurrent {str(header.get('recurrent'))[:40]!r} does not match this "
+                                 f"model ({'with' if n_state else 'without'} recurrent layers)")
+            if n_state:
+                rstate = _read_array(name, zf, member[STATE_MEMBER], _exactly(np.dtype(np.float32), (n_state,)),
+                                     4 * n_state)
+                _finite(name, STATE_MEMBER, rstate)
     basis = header.get("kv_basis", 0)
     if basis not in (0, 1) or isinstance(basis, bool):
         raise StateError(f"{name}: unknown kv_basis {str(basis)[:40]!r} (expected 0 or 1)")
@@ -140,6 +155,8 @@ def read_state(path: str | os.PathLike[str], cache: Any, n_vocab: int,
                           stored_scales=file_scales if basis else None)
     cache.tokens[:n] = tokens
     cache.n_past = n
+    if rstate is not None:
+        cache.import_state(rstate, n)
     return tokens.tolist()
 
 

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import ShortConv
+from ..blocks import GatedDeltaNet, ShortConv
 from ..errors import BackendError, InvalidRequestError, UnsupportedQuantError
 
 log = logging.getLogger(__name__)
@@ -982,6 +982,10 @@ def _block_weights(b: Any) -> dict[str, Any]:
 
 def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
+    if isinstance(b.attn, GatedDeltaNet):
+        return "a gated delta-net mixer (its recurrent state is updated layer by layer)"
+    if getattr(b.attn, "out_gate", False):
+        return "a gated attention output"
     a, m = _mixer(b), b.mlp
     c = getattr(a, "conv", None)
     if c is not None and (c.weight.dtype != np.float32 or c.weight.ndim != 2 or not 2 <= c.taps <= 64

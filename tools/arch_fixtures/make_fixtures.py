@@ -266,6 +266,31 @@ ARCHS: dict[str, dict[str, Any]] = {
                     block_ffn_dim_multiplier=1.0,
                     layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Qwen3.5: gated delta-net layers between gated attention layers; 2 key heads / 4 value heads so the
+    # converter's tiled value-head order (value head j reads key head j mod 2) is exercised
+    "qwen35": dict(
+        config="Qwen3_5TextConfig", model="Qwen3_5ForCausalLM", tokenizer="bpe", pre="qwen35",
+        convert_args=("--no-mtp",),  # a model made from a config has no multi-token-prediction layer
+        features="4 layers linear, linear, full, linear: gated delta-net (conv 4 taps, 2 key heads / 4 value "
+                 "heads of 32) and gated attention (sigmoid output gate from q_proj, per-head q/k RMSNorm, "
+                 "partial rotary 0.25, multi-section rope), (1 + w) norms, GQA 4/2, BPE vocab",
+        kwargs=dict(_common(layers=4), rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [3, 3, 2], "mrope_interleaved": True})),
+    "qwen35moe": dict(
+        config="Qwen3_5MoeTextConfig", model="Qwen3_5MoeForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"),
+        tokenizer="bpe", pre="qwen35", convert_args=("--no-mtp",),
+        features="as qwen35 (linear, full, linear, full) with 4 experts top-2 (softmax, renormalised), expert FFN "
+                 "256, shared expert FFN 256 with sigmoid gate, BPE vocab",
+        kwargs=dict(_common(layers=4), rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                    shared_expert_intermediate_size=256,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [3, 3, 2], "mrope_interleaved": True})),
     "gemma4": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         # attention scale is 1 (q/k are RMS-normed): q/k norm weights ~1/3 keep q.k ~ N(0, 1) instead of a
@@ -472,10 +497,11 @@ runpy.run_path(llama_dir + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def convert(llama_dir: Path, model_dir: Path, out: Path, pre: str | None) -> None:
-    """``convert_hf_to_gguf.py --outtype f16`` (with the pre-tokenizer named for BPE vocabularies)."""
+def convert(llama_dir: Path, model_dir: Path, out: Path, pre: str | None, extra: tuple[str, ...] = ()) -> None:
+    """``convert_hf_to_gguf.py --outtype f16`` (with the pre-tokenizer named for BPE vocabularies);
+    ``extra``: more converter options (the spec's ``convert_args``)."""
     cmd = [sys.executable, "-c", _CONVERT, str(llama_dir), pre or "", str(model_dir), "--outtype", "f16",
-           "--outfile", str(out)]
+           "--outfile", str(out), *extra]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"convert failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}")
@@ -603,7 +629,8 @@ def make(arch: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
     hf_config = build_hf(spec, model_dir, seed)
 
     files = {"f16": out / "model-f16.gguf"}
-    convert(llama_dir, model_dir, files["f16"], spec.get("pre") if spec["tokenizer"] == "bpe" else None)
+    convert(llama_dir, model_dir, files["f16"], spec.get("pre") if spec["tokenizer"] == "bpe" else None,
+            tuple(spec.get("convert_args", ())))
     quant_logs = {}
     for q in QUANTS + tuple(spec.get("extra_quants", ())):
         files[q] = out / f"model-{q}.gguf"

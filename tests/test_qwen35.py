@@ -1,0 +1,209 @@
+"""Qwen3.5's gated delta-net layers beyond their logits (those are in tests/test_archs.py): the
+recurrent state each sequence keeps beside its KV cache (convolution inputs and the delta-rule
+state), and what the runtime does with it — batching several sequences in one pass, token-by-token
+decode, the prefix cache (the live state and the snapshot before a prompt's last token), state
+files, the KV budget, a failed step, context shift (refused).
+
+The fixture (``tests/data/archs/qwen35``, made by llama.cpp's converter from a random transformers
+Qwen3.5): 4 layers linear, linear, full, linear; hidden 256, 2 key heads / 4 value heads of 32,
+4 convolution taps, GQA 4/2 gated attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import minirt
+from minirt.blocks import GatedDeltaNet, delta_rule
+from minirt.forward import Segment, kv_cache_for
+from tests.arch_parity import ARCH_DIR, rel_rms
+
+QD = ARCH_DIR / "qwen35"
+
+
+@pytest.fixture(scope="module")
+def q8_path() -> str:
+    p = QD / "model-q8_0.gguf"
+    if not p.is_file():
+        pytest.fail(f"missing fixture {p}")
+    return str(p)
+
+
+def test_description_and_cache_layout(q8_path):
+    with minirt.load(q8_path, n_ctx=64) as llm:
+        d = llm.model.desc
+        rec = [isinstance(b.attn, GatedDeltaNet) for b in d.blocks]
+        assert rec == [True, True, False, True]
+        g = d.blocks[0].attn
+        assert (g.n_k_heads, g.n_v_heads, g.head_dim_k, g.head_dim_v, g.taps) == (2, 4, 32, 32, 4)
+        assert g.state_shapes == ((3, 2 * 2 * 32 + 4 * 32), (4, 32, 32))
+        assert d.blocks[2].attn.out_gate and d.blocks[2].attn.rope.dim == 16
+        # only the attention layer has rows per position (f16 K and V of 2 heads of 64)
+        assert d.kv_layers() == [None, None, (2, 64, 64), None]
+        assert llm.kv_bytes_per_token == 2 * 2 * 64 * 2
+        # a state (3 layers: conv 3 x 256 + 4 x 32 x 32, float32) and its snapshot, in positions of 512 bytes
+        assert llm.state_positions == -(-2 * 4 * 3 * (3 * 256 + 4 * 32 * 32) // 512)
+        assert llm.model.native_stack is None  # decode runs layer by layer
+
+
+def test_delta_rule_against_the_definition():
+    """The vectorised delta rule against its definition written out per head with plain loops."""
+    rng = np.random.default_rng(0)
+    n, H, Dk, Dv = 5, 3, 4, 6
+    q, k = rng.standard_normal((n, H, Dk), dtype=np.float32), rng.standard_normal((n, H, Dk), dtype=np.float32)
+    v = rng.standard_normal((n, H, Dv), dtype=np.float32)
+    decay, beta = rng.uniform(0.5, 1.0, (n, H)).astype(np.float32), rng.uniform(0, 1, (n, H)).astype(np.float32)
+    S0 = rng.standard_normal((H, Dk, Dv), dtype=np.float32)
+    S = S0.copy()
+    got = delta_rule(S, q, k, v, decay, beta)
+    want = np.zeros((n, H, Dv))
+    for h in range(H):
+        s = S0[h].astype(np.float64)
+        for t in range(n):
+            s = decay[t, h] * s
+            err = v[t, h] - s.T @ k[t, h]
+            s = s + np.outer(k[t, h], beta[t, h] * err)
+            want[t, h] = s.T @ q[t, h]
+        np.testing.assert_allclose(S[h], s, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _logits(m, ids):
+    caches = [kv_cache_for(m.cfg, 64) for _ in ids]
+    out = m.forward(np.concatenate([np.asarray(x) for x in ids]),
+                    [Segment(c, len(x), "all") for c, x in zip(caches, ids, strict=True)])
+    return out, caches
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_batched_and_stepwise_passes_agree(q8_path, backend):
+    """Two sequences in one pass, one sequence token by token, and a prefill split in two give what
+    each gets alone in one pass: each segment continues from its own state."""
+    ref = np.load(QD / "ref.npz")
+    a, b = ref["tokens"][0][:20], ref["tokens"][1][:13]
+    # native: batches of other sizes take other matmul kernels (from 17 tokens the integer GEMM), equal
+    # up to float32 summation order, which this random model amplifies to ~1e-4
+    tol = 1e-4 if backend == "reference" else 5e-4
+    with minirt.load(q8_path, n_ctx=64, backend=backend) as llm:
+        m = llm.model
+        alone = [_logits(m, [x])[0][0] for x in (a, b)]
+        together, _ = _logits(m, [a, b])
+        for got, want in zip(together, alone, strict=True):
+            assert rel_rms(got, want) < (1e-5 if backend == "reference" else tol)
+        cache = kv_cache_for(m.cfg, 64)
+        steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
+        assert rel_rms(np.stack(steps), alone[0]) < tol
+        cache = kv_cache_for(m.cfg, 64)
+        m.forward(a[:7], [Segment(cache, 7, "none")])
+        rest = m.forward(a[7:], [Segment(cache, 13, "all")])[0]
+        assert rel_rms(rest, alone[0][7:]) < tol
+        c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
+        m.forward(a[:10], [Segment(c1, 10, "none")])
+        m.forward(b[:5], [Segment(c2, 5, "none")])
+        both = m.forward(np.array([a[10], b[5]]), [Segment(c1, 1, "last"), Segment(c2, 1, "last")])
+        assert rel_rms(both[0], alone[0][10]) < tol and rel_rms(both[1], alone[1][5]) < tol
+
+
+def test_prefix_cache_state_files_and_batching(q8_path, tmp_path):
+    st = tmp_path / "q35.state"
+    prompt = list(range(10, 60))
+    with minirt.load(q8_path, n_ctx=128) as m:
+        first = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        # the same prompt again (regenerate): the snapshot before its last token is reused
+        again = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert again.usage["cached_tokens"] == len(prompt) - 1 and again.token_ids == first.token_ids
+        # the conversation continued: the live state after every cached position
+        cont = prompt + first.token_ids + [5, 6, 7]
+        c = m.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert c.usage["cached_tokens"] == len(prompt) + len(first.token_ids) - 1
+        # a prompt sharing only part of a cached one: no state there, so nothing is reused
+        part = prompt[:30] + [7, 8, 9]
+        partial = m.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert partial.usage["cached_tokens"] == 0
+        saved = m.save_state(st)
+        follow = saved + [11]
+        want = m.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids
+    with minirt.load(q8_path, n_ctx=128) as m2:
+        assert m2.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids == c.token_ids
+        assert m2.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids == partial.token_ids
+        assert m2.load_state(st) == saved
+        got = m2.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert got.usage["cached_tokens"] == len(saved) and got.token_ids == want
+        # three requests batched by the scheduler get what each gets alone
+        prompts = [prompt, part, cont]
+        alone = [m2.generate(p, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+        m2.cache_pool.clear()
+        handles = [m2.submit(p, max_tokens=5, temperature=0.0, ignore_eos=True) for p in prompts]
+        assert [h.result(timeout=120).token_ids for h in handles] == alone
+
+
+def test_state_file_checks(q8_path, tmp_path):
+    """A state file of this model without its recurrent state, or with a non-finite one, is refused."""
+    import zipfile
+
+    st = tmp_path / "q35.state"
+    with minirt.load(q8_path, n_ctx=64) as m:
+        m.generate(list(range(10, 30)), max_tokens=2, temperature=0.0, ignore_eos=True)
+        m.save_state(st)
+        with zipfile.ZipFile(st) as z:
+            members = {n: z.read(n) for n in z.namelist()}
+        assert "rstate.npy" in members
+        bad = tmp_path / "bad.state"
+        with zipfile.ZipFile(bad, "w") as z:
+            for n, data in members.items():
+                if n != "rstate.npy":
+                    z.writestr(n, data)
+        with pytest.raises(minirt.StateError, match="rstate"):
+            m.load_state(bad)
+        import io
+        arr = np.load(io.BytesIO(members["rstate.npy"]))
+        arr[3] = np.nan
+        buf = io.BytesIO()
+        np.save(buf, arr)
+        with zipfile.ZipFile(bad, "w") as z:
+            for n, data in members.items():
+                z.writestr(n, buf.getvalue() if n == "rstate.npy" else data)
+        with pytest.raises(minirt.StateError, match="finite|rstate"):
+            m.load_state(bad)
+
+
+def test_failed_step_leaves_only_the_snapshot(q8_path, monkeypatch):
+    """A forward step that raises midway (after some layers updated their state) marks the live state
+    unusable: the cache is not continued from it, only from the snapshot or from position 0."""
+    with minirt.load(q8_path, n_ctx=64, backend="reference") as llm:
+        m = llm.model
+        cache = kv_cache_for(m.cfg, 64)
+        ids = np.arange(10, 30)
+        m.forward(ids, [Segment(cache, 20, "last")])
+        orig = m.mlp
+        calls = []
+
+        def boom(b, h):
+            calls.append(1)
+            if len(calls) == 2:  # after layer 0's and 1's delta-net state moved on
+                raise RuntimeError("injected")
+            return orig(b, h)
+
+        monkeypatch.setattr(m, "mlp", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            m.forward(np.array([5]), [Segment(cache, 1, "last")])
+        monkeypatch.setattr(m, "mlp", orig)
+        assert cache.n_past == 20
+        with pytest.raises(ValueError, match="step failed"):
+            cache.state(0)
+        assert cache.valid_prefix(20) == 19  # the snapshot before the prompt's last token
+        cache.truncate(19)
+        out = m.forward(ids[19:], [Segment(cache, 1, "last")])[0]
+        fresh = kv_cache_for(m.cfg, 64)
+        want = m.forward(ids, [Segment(fresh, 20, "last")])[0]
+        assert rel_rms(out, want) < 1e-5
+
+
+def test_context_shift_is_refused_with_a_clear_error(q8_path):
+    with minirt.load(q8_path, n_ctx=32) as m:
+        with pytest.raises(minirt.ContextOverflowError, match="recurrent"):
+            m.generate(list(range(10, 30)), max_tokens=40, temperature=0.0, ignore_eos=True,
+                       context_overflow="shift")
+        # with the default ("stop") the request ends at the context's end
+        r = m.generate(list(range(10, 30)), max_tokens=40, temperature=0.0, ignore_eos=True)
+        assert r.finish_reason == "length" and len(r.token_ids) == 12
