@@ -29,6 +29,10 @@ _QWEN3MOE = dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tied=Fals
 _LFM2 = dict(config="Lfm2Config", model="Lfm2ForCausalLM", tied=True,
              extra=dict(norm_eps=1e-5, conv_L_cache=3, conv_bias=False, block_auto_adjust_ff_dim=True,
                         block_multiple_of=256, block_ffn_dim_multiplier=1.0))
+_QWEN35 = dict(config="Qwen3_5TextConfig", model="Qwen3_5ForCausalLM", tied=True, convert_args=["--no-mtp"],
+               extra=dict(rms_norm_eps=1e-6, linear_conv_kernel_dim=4),
+               rope={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 # name -> (family, transformers config sizes)
 SHAPES = {
     "default": (_QWEN3MOE, dict(hidden_size=2048, num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
@@ -44,6 +48,13 @@ SHAPES = {
                               layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention",
                                            "conv", "conv", "full_attention", "conv", "full_attention", "conv",
                                            "full_attention", "conv", "full_attention", "conv"])),
+    # Qwen3.5-0.8B's proportions (the delta-net hybrid of issue 17): 18 gated delta-net layers (16 key and
+    # 16 value heads of 128) and 6 gated attention layers (8 query / 2 KV heads of 256), FFN 3584
+    "qwen35-0.8b": (_QWEN35, dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                                  linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                                  linear_num_value_heads=16,
+                                  layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)),
 }
 
 # Run by --ref-python: writes a seeded random checkpoint of the shape's family (bfloat16, parameters
@@ -60,7 +71,8 @@ specials = write_bpe(out, 512)
 cfg = getattr(transformers, fam["config"])(vocab_size=512, max_position_embeddings=32768,
                                             tie_word_embeddings=fam["tied"], bos_token_id=specials["bos"],
                                             eos_token_id=specials["eos"], pad_token_id=specials["pad"],
-                                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                            rope_parameters=fam.get("rope", {"rope_type": "default",
+                                                                             "rope_theta": 1000000.0}),
                                             **fam["extra"], **shape)
 torch.manual_seed(seed)
 with torch.device("meta"):
@@ -103,8 +115,8 @@ def build(args: argparse.Namespace) -> Path:
     mf = module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mf)
-    run([args.ref_python, "-c", mf._CONVERT, str(llama), "qwen2", str(hf), "--outtype", "bf16", "--outfile", str(f16)],
-        "convert_hf_to_gguf.py")
+    run([args.ref_python, "-c", mf._CONVERT, str(llama), "qwen2", str(hf), "--outtype", "bf16", "--outfile", str(f16),
+         *fam.get("convert_args", [])], "convert_hf_to_gguf.py")
     run([str(Path(args.bin or llama / "build" / "bin") / "llama-quantize"), str(f16), str(gguf), args.quant.upper()],
         "llama-quantize")
     if not args.keep:

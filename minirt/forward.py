@@ -28,7 +28,6 @@ from .blocks import (
     ShortConv,
     activation,
     apply_rope,
-    delta_rule,
     l2_normalize,
     silu,
 )
@@ -259,14 +258,14 @@ class Transformer:
             v = x[:, 2 * Hk * Dk:].reshape(n, Hv, Dv)
             rep = Hv // Hk  # value head j reads key head j mod Hk (tiled)
             q, k = np.tile(q, (1, rep, 1)) * np.float32(1.0 / np.sqrt(Dk)), np.tile(k, (1, rep, 1))
-            sl = slice(s0, s0 + n)
+            dr, bt = decay[s0:s0 + n], beta[s0:s0 + n]
             if n > 1:  # the state before the last token: a prompt's reusable prefix (CachePool.acquire)
-                o[s0:s0 + n - 1] = delta_rule(S, q[:-1], k[:-1], v[:-1], decay[s0:s0 + n - 1], beta[s0:s0 + n - 1])
-                seg.cache.snapshot(i, p0 + n - 1, rows[n - 1:n - 1 + L - 1], S)
-                o[s0 + n - 1:s0 + n] = delta_rule(S, q[-1:], k[-1:], v[-1:], decay[s0 + n - 1:s0 + n],
-                                                  beta[s0 + n - 1:s0 + n])
+                m = n - 1
+                o[s0:s0 + m] = self.backend.delta_rule(S, q[:m], k[:m], v[:m], dr[:m], bt[:m])
+                seg.cache.snapshot(i, p0 + m, rows[m:m + L - 1], S)
+                o[s0 + m:s0 + n] = self.backend.delta_rule(S, q[m:], k[m:], v[m:], dr[m:], bt[m:])
             else:
-                o[sl] = delta_rule(S, q, k, v, decay[sl], beta[sl])
+                o[s0:s0 + n] = self.backend.delta_rule(S, q, k, v, dr, bt)
             conv_state[:] = rows[n:]
         y = self.norm(o, g.norm) * silu(z)
         return self.mm(g.out_proj, y.reshape(T, Hv * Dv))

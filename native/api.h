@@ -193,6 +193,14 @@ int mr_attention_prefill(const float *q, long long n, long long n_head, long lon
                          const void *v, int type_k, int type_v, long long n_kv, long long n_ctx, long long p0, float scale,
                          long long window, float softcap, float *out, int threads, int isa);
 
+/* The gated delta rule of n tokens over n_head value heads, each head's state S (n_head, dk, dv)
+ * updated in place: per token t, S = decay_t * S; S += k_t (x) beta_t * (v_t - S^T k_t); o_t = S^T q_t.
+ * q, k (n, n_head, dk) (q already scaled, key heads already repeated per value head), v and o
+ * (n, n_head, dv), decay and beta (n, n_head). dv <= MR_DR_MAX_DV. */
+enum { MR_DR_MAX_DV = 1024 };
+int mr_delta_rule(float *S, const float *q, const float *k, const float *v, const float *decay, const float *beta,
+                  float *o, long long n, long long n_head, long long dk, long long dv, int threads);
+
 /* 1 when `isa` has the vectorized attention kernels (else mr_attention_prefill is correct but may be
  * slower than a BLAS-based implementation). */
 int mr_attention_fast(int isa);

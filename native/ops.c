@@ -343,3 +343,59 @@ int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, i
     }
     return MR_OK;
 }
+
+/* ---------------------------------------------------------------- gated delta rule (Qwen3.5's linear attention) */
+
+typedef struct {
+    const float *q, *k, *v, *decay, *beta;
+    float *S, *o;
+    int64_t n, H, Dk, Dv;
+} dr_ctx;
+
+/* item = one value head: its state S_h (Dk x Dv, row i = key dimension i) stays in L1/L2 over the n
+ * tokens; two passes over it per token (decay + S^T k, then the rank-1 update + S^T q) */
+static void dr_task(const void *c_, int64_t h, int worker, float *buf) {
+    (void)worker;
+    (void)buf;
+    const dr_ctx *c = (const dr_ctx *)c_;
+    const int64_t H = c->H, Dk = c->Dk, Dv = c->Dv;
+    float *S = c->S + h * Dk * Dv;
+    float kv[MR_DR_MAX_DV], delta[MR_DR_MAX_DV];
+    for (int64_t t = 0; t < c->n; t++) {
+        const float *q = c->q + (t * H + h) * Dk, *k = c->k + (t * H + h) * Dk, *v = c->v + (t * H + h) * Dv;
+        const float d = c->decay[t * H + h], b = c->beta[t * H + h];
+        float *o = c->o + (t * H + h) * Dv;
+        for (int64_t j = 0; j < Dv; j++) kv[j] = 0.0f;
+        for (int64_t i = 0; i < Dk; i++) {
+            float *s = S + i * Dv;
+            const float ki = k[i];
+            for (int64_t j = 0; j < Dv; j++) {
+                s[j] *= d;
+                kv[j] += ki * s[j];
+            }
+        }
+        for (int64_t j = 0; j < Dv; j++) {
+            delta[j] = (v[j] - kv[j]) * b;
+            o[j] = 0.0f;
+        }
+        for (int64_t i = 0; i < Dk; i++) {
+            float *s = S + i * Dv;
+            const float ki = k[i], qi = q[i];
+            for (int64_t j = 0; j < Dv; j++) {
+                s[j] += ki * delta[j];
+                o[j] += qi * s[j];
+            }
+        }
+    }
+}
+
+int mr_delta_rule(float *S, const float *q, const float *k, const float *v, const float *decay, const float *beta,
+                  float *o, long long n, long long n_head, long long dk, long long dv, int threads) {
+    if (n < 0 || n_head <= 0 || dk <= 0 || dv <= 0 || dv > MR_DR_MAX_DV) return MR_E_SHAPE;
+    if (n == 0) return MR_OK;
+    const dr_ctx c = {q, k, v, decay, beta, S, o, n, n_head, dk, dv};
+    mr_call_lock();
+    const int rc = mr_parallel_for(dr_task, NULL, &c, sizeof c, n_head, 0, threads);
+    mr_call_unlock();
+    return rc;
+}

@@ -207,3 +207,31 @@ def test_context_shift_is_refused_with_a_clear_error(q8_path):
         # with the default ("stop") the request ends at the context's end
         r = m.generate(list(range(10, 30)), max_tokens=40, temperature=0.0, ignore_eos=True)
         assert r.finish_reason == "length" and len(r.token_ids) == 12
+
+
+def test_native_delta_rule_matches_numpy_and_checks_shapes():
+    """The C kernel gives the numpy rule's outputs and state (one value head per thread item); shapes C
+    would read through bare pointers are refused before the call."""
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    rng = np.random.default_rng(1)
+    n, H, Dk, Dv = 9, 5, 32, 48
+    q, k = rng.standard_normal((n, H, Dk), dtype=np.float32), rng.standard_normal((n, H, Dk), dtype=np.float32)
+    v = rng.standard_normal((n, H, Dv), dtype=np.float32)
+    decay, beta = rng.uniform(0.5, 1.0, (n, H)).astype(np.float32), rng.uniform(0, 1, (n, H)).astype(np.float32)
+    S0 = rng.standard_normal((H, Dk, Dv), dtype=np.float32) * np.float32(0.1)
+    S1, S2 = S0.copy(), S0.copy()
+    want = delta_rule(S1, q, k, v, decay, beta)
+    got = native.delta_rule(S2, q, k, v, decay, beta, threads=2)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(S2, S1, rtol=2e-5, atol=2e-5)
+    with pytest.raises(minirt.InvalidRequestError, match="do not match"):
+        native.delta_rule(S2, q[:, :4].copy(), k, v, decay, beta)
+    with pytest.raises(minirt.InvalidRequestError, match="decay"):
+        native.delta_rule(S2, q, k, v, decay[:-1], beta)
+    with pytest.raises(minirt.InvalidRequestError, match="float32"):
+        native.delta_rule(S2, q.astype(np.float64), k, v, decay, beta)
+    with pytest.raises(minirt.InvalidRequestError, match="overlap"):  # q read from the state being written
+        native.delta_rule(S2, S2.reshape(-1)[:n * H * Dk].reshape(n, H, Dk), k, v, decay, beta)

@@ -225,6 +225,12 @@ class NativeBackend(Backend):
                                                    softcap=softcap, threads=self.threads, kv_types=kv_types)
         return super().attention(q, kc, vc, p0, scale, window, softcap, kv_types)
 
+    def delta_rule(self, S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray,
+                   beta: np.ndarray) -> np.ndarray:
+        """The gated delta rule in C, a value head per thread item (the numpy version loops per token)."""
+        return self._mod.delta_rule(S, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                                    np.ascontiguousarray(decay), np.ascontiguousarray(beta), threads=self.threads)
+
     def moe_experts(self, x: np.ndarray, m: Any, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The routed experts in one native call (``mr_moe_experts``: tokens grouped by expert, each
         chosen expert's packed or ggml rows read once); the per-op loop where it cannot run them."""

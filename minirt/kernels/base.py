@@ -85,6 +85,12 @@ class Backend:
         k, v = _visible(kc, vc, lo, p0 + n, kv_types)
         return blocks.attention(q, k, v, p0 - lo, scale, window, softcap)
 
+    def delta_rule(self, S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray,
+                   beta: np.ndarray) -> np.ndarray:
+        """The gated delta rule over n tokens (:func:`minirt.blocks.delta_rule`): S (H, Dk, Dv) updated
+        in place, returns o (n, H, Dv)."""
+        return blocks.delta_rule(S, q, k, v, decay, beta)
+
     def attention_sinks(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
                         softcap: float, sinks: np.ndarray, kv_types: tuple[str, str] | None = None) -> np.ndarray:
         """:meth:`attention` with per-head sink logits ``sinks`` (H,) in each softmax's denominator."""

@@ -1781,6 +1781,36 @@ def attention_fast(isa: str | None = None) -> bool:
     return bool(lib.mr_attention_fast(_isa_id(isa)))
 
 
+def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+               threads: int | None = None) -> np.ndarray:
+    """The gated delta rule of :func:`minirt.blocks.delta_rule` in C, one value head per thread item:
+    S (H, Dk, Dv) updated in place; q, k (n, H, Dk), v (n, H, Dv), decay, beta (n, H) float32. Returns
+    o (n, H, Dv). Every shape is checked here (C reads them through bare pointers)."""
+    ffi, lib = _lib()
+    S = _f32_array(S, "S", (3,))
+    if not S.flags.writeable:
+        raise InvalidRequestError("S must be writeable")
+    H, dk, dv = S.shape
+    q, k, v = (_f32_array(a, name, (3,)) for a, name in ((q, "q"), (k, "k"), (v, "v")))
+    n = q.shape[0]
+    if q.shape != (n, H, dk) or k.shape != (n, H, dk) or v.shape != (n, H, dv):
+        raise InvalidRequestError(f"q {q.shape}, k {k.shape}, v {v.shape} do not match the state {S.shape}")
+    decay, beta = _f32_array(decay, "decay", (2,)), _f32_array(beta, "beta", (2,))
+    if decay.shape != (n, H) or beta.shape != (n, H):
+        raise InvalidRequestError(f"decay {decay.shape} and beta {beta.shape} must be ({n}, {H})")
+    if dv > lib.MR_DR_MAX_DV:
+        raise InvalidRequestError(f"value head size {dv} is over {lib.MR_DR_MAX_DV}")
+    if any(_overlaps(S, a) for a in (q, k, v, decay, beta)):
+        raise InvalidRequestError("S must not overlap the inputs")
+    o = np.empty((n, H, dv), dtype=np.float32)
+    fb = ffi.from_buffer
+    _check_rc(lib.mr_delta_rule(fb("float[]", S, require_writable=True), fb("float[]", q), fb("float[]", k),
+                                fb("float[]", v), fb("float[]", decay), fb("float[]", beta),
+                                fb("float[]", o, require_writable=True), n, H, dk, dv, _threads_arg(threads)),
+              "delta_rule")
+    return o
+
+
 def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p0: int, scale: float,
                       out: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
                       threads: int | None = None, isa: str | None = None,
