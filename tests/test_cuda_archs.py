@@ -53,6 +53,7 @@ from tests.test_cuda_sim import (  # noqa: F401
 )
 
 D, H, DK, F = 32, 2, 16, 64  # the shrunk sizes: hidden, query heads, head size, MLP width
+SG, SV, SK = 1, 2, 16  # Qwen3.5's delta-net: key heads, value heads, head size
 E = 32  # per-layer input width (Gemma 4; a Q8_0 row needs 32)
 N_CTX = 16
 
@@ -68,6 +69,8 @@ HOST_PATH = {
     "phi3": "RoPE with a magnitude factor",
     "gemma4": "per-layer inputs or layers with different KV shapes",
     "lfm2": "a short convolution mixer",
+    "qwen35": "a gated delta-net mixer or a gated attention output",
+    "qwen35moe": "a gated delta-net mixer or a gated attention output",
     # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)
     "gpt_oss": "a mixture-of-experts feed-forward",
     "granitemoe": "a logit scale",
@@ -142,7 +145,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
              # Gemma 4: its sliding layers get the same head size here (their RoPE the same ratio)
              "attention.key_length_swa": DK, "attention.value_length_swa": DK,
              "rope.dimension_count_swa": _even(DK * int(orig("rope.dimension_count_swa", dk_swa0)) / dk_swa0),
-             "embedding_length_per_layer_input": E}
+             "embedding_length_per_layer_input": E,
+             "ssm.state_size": SK, "ssm.group_count": SG, "ssm.time_step_rank": SV, "ssm.inner_size": SV * SK}
     n_expert = int(orig("expert_count", 0))
 
     w = gguf.GGUFWriter(str(dst), arch)
@@ -163,10 +167,27 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     tensors = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in r.tensors}  # numpy order
     q_rows, kv_rows = H * DK, hkv * DK
+    conv_dim = 2 * SG * SK + SV * SK  # Qwen3.5's delta-net convolution channels
 
     def shape_of(name: str, shape0: tuple[int, ...]) -> tuple[int, ...]:
         base = re.sub(r"^blk\.\d+\.", "", name)
         kind, _, part = base.rpartition(".")
+        if base == "ssm_a":  # Qwen3.5: −exp(A_log) per value head (a name without ".weight")
+            return (SV,)
+        if kind in ("ssm_dt", "ssm_beta", "ssm_alpha"):
+            return (SV,) if part == "bias" else (SV, D)
+        if kind == "ssm_conv1d":
+            return (conv_dim, shape0[1])
+        if kind == "ssm_norm":
+            return (SK,)
+        if kind == "ssm_out":
+            return (D, SV * SK)
+        if kind == "attn_gate":
+            return (SV * SK, D)
+        if kind == "attn_qkv" and arch.startswith("qwen35"):
+            return (conv_dim, D)
+        if kind == "attn_q" and shape0[0] == 2 * h0 * dk0:  # Qwen3.5: each head's query and output gate
+            return (2 * q_rows, D)
         if kind in ("token_embd", "output"):
             return (shape0[0], D)
         if kind in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
@@ -214,8 +235,10 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     for name, shape0 in tensors.items():
         shape = shape_of(name, shape0)
         kind = name.rsplit(".", 2)[-2]
-        if "shortconv.conv." in name:  # the convolution taps stay F32, as the converter writes them
+        if "shortconv.conv." in name or "ssm_conv1d." in name:  # taps stay F32, as the converter writes them
             w.add_tensor(name, (rng.normal(size=shape) * 0.5).astype(np.float32))
+        elif name.endswith(".ssm_a"):  # negative (a log decay rate)
+            w.add_tensor(name, -rng.uniform(0.5, 2.0, shape).astype(np.float32))
         elif len(shape) == 3 or (len(shape) == 2 and "bias" not in name):
             arr = rng.normal(0.0, 1.0 if kind in ("token_embd", "output") else shape[-1] ** -0.5, shape)
             w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), QT.Q8_0), raw_dtype=QT.Q8_0)
