@@ -666,6 +666,11 @@ def layer_norm(x: np.ndarray, w: np.ndarray | None, b: np.ndarray | None, eps: f
     return y
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^−x), written with tanh so that large |x| neither overflows nor warns."""
+    return (np.float32(0.5) * np.tanh(np.float32(0.5) * x) + np.float32(0.5)).astype(np.float32)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 

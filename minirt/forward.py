@@ -29,6 +29,7 @@ from .blocks import (
     activation,
     apply_rope,
     l2_normalize,
+    sigmoid,
     silu,
 )
 from .errors import ContextOverflowError
@@ -241,7 +242,7 @@ class Transformer:
         Hk, Hv, Dk, Dv, L = g.n_k_heads, g.n_v_heads, g.head_dim_k, g.head_dim_v, g.taps
         mixed = self.mm(g.qkv_proj, h)  # (T, conv_dim)
         z = self.mm(g.z_proj, h).reshape(T, Hv, Dv)
-        beta = 1.0 / (1.0 + np.exp(-self.mm(g.beta_proj, h)))  # (T, Hv)
+        beta = sigmoid(self.mm(g.beta_proj, h))  # (T, Hv)
         decay = np.exp(g.a * np.logaddexp(0.0, self.mm(g.alpha_proj, h) + g.dt_bias)).astype(np.float32)
         o = np.empty((T, Hv, Dv), dtype=np.float32)
         w = g.conv.T  # (taps, conv_dim): tap j multiplies position t − taps + 1 + j
@@ -319,7 +320,7 @@ class Transformer:
                                            kv_types=cache.types)
             out[s0:s0 + n] = cache.unrotate_output(src, o)
         if gate is not None:
-            out *= 1.0 / (1.0 + np.exp(-gate))
+            out *= sigmoid(gate)
         return self.mm(a.wo, out)
 
     # -- the whole pass ----------------------------------------------------------------------------
