@@ -283,7 +283,9 @@ def test_spm_runs_of_spaces_are_linear():
     small, large = " " * 20_000 + "a", " " * 80_000 + "a"
     assert len(tok.encode(large)) == 20_001  # "▁▁▁▁" x 20000 and "a"
     ratio = _cpu(lambda: tok.encode(large)) / max(_cpu(lambda: tok.encode(small)), 1e-4)
-    assert ratio < 8, ratio  # 4x the input: about 4x the work (quadratic would be 16x)
+    # 4x the input: the merge queue is a heap (n log n, as llama.cpp's), and its 4x larger heap misses the
+    # caches more: 5-8x measured on an idle machine, 9.5x once with the other core busy; quadratic is 16x
+    assert ratio < 12, ratio
 
 
 class _Pieces:
