@@ -11,6 +11,7 @@ head sizes. Activations are float32 row-major ``(T, features)``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,6 +35,8 @@ from .blocks import (
 )
 from .errors import ContextOverflowError
 from .kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Transformer:
         # called as probe(layer, cache_layer, q (T, H, Dk), k (T, Hkv, Dk) or None) with each layer's
         # queries and keys as attention sees them (minirt.kv_balance measures them); None: not called
         self.probe: Any = None
+        self.lora: Any = None  # minirt.lora.LoraSet: adapters applied next to each matmul (attach_lora)
         self.ropes = desc.ropes()  # distinct RoPE variants, in the order the fused decode step indexes them
         backend.prepare(self)  # e.g. repack weights for the backend's kernels, once
 
@@ -127,6 +131,16 @@ class Transformer:
                            else tuple(scales))
         if self.native_stack is not None:
             self.native_stack.set_key_scales(self.cfg.kv_scales)
+
+    def attach_lora(self, adapters: Sequence[Any]) -> None:
+        """Run with these LoRA adapters (:mod:`minirt.lora`) from now on. The fused native decode step
+        knows no adapters: decode then runs layer by layer."""
+        from .lora import LoraSet
+
+        self.lora = LoraSet(adapters) if adapters else None
+        if self.lora is not None and self.native_stack is not None:
+            self.native_stack = None
+            log.info("LoRA adapters: decode runs layer by layer (the fused native step has no adapters)")
 
     # -- shared pieces ---------------------------------------------------------------------------
     def linears(self) -> list[Linear]:
@@ -150,12 +164,16 @@ class Transformer:
         y = self.backend.matmul(x, lin)
         if lin.bias is not None:
             y += lin.bias
+        if self.lora is not None:
+            self.lora.add_linear(y, x, lin)
         return y
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """(T,) token ids → (T, d) float32, dequantizing only the rows used."""
         t, out = self.desc.tok_embd, self.desc.output
         x = self.backend.embedding_rows(t.data, t.qtype, self.desc.n_embd, ids, out if out.name == t.name else None)
+        if self.lora is not None:
+            self.lora.add_embedding(x, ids, t.name)
         if self.desc.embed_scale != 1.0:
             x *= np.float32(self.desc.embed_scale)
         return x
@@ -368,6 +386,8 @@ class Transformer:
             x += self.backend.dequantize_rows(d.pos_embd.data[pos], d.pos_embd.qtype, d.n_embd)
         if d.type_embd is not None:
             x += d.type_embd[0]  # every token is of type 0 ("sentence A"), as llama.cpp feeds them
+            if self.lora is not None:  # (llama.cpp leaves the type embedding's adapter out; jina's model applies it)
+                x += self.lora.row_delta("token_types.weight", 0, d.n_embd)
         if d.per_layer_inputs is not None:
             ctx.per_layer = self.per_layer_inputs(tokens, x)
         return self.norm(x, d.embd_norm)

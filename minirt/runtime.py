@@ -26,6 +26,7 @@ import numpy as np
 
 from . import gguf as gguf_mod
 from . import kv_types, registry
+from . import lora as lora_mod
 from .archs import build, read_config
 from .errors import ContextOverflowError, InvalidRequestError, ModelClosedError, TokenizerError
 from .forward import Segment, kv_cache_for
@@ -201,10 +202,12 @@ class Model:
                  progress: Callable[[int, int], Any] | None = None, embedding: bool = False,
                  pooling: str | None = None,
                  cache_type_k: str | None = kv_types.DEFAULT_CACHE_TYPE,
-                 cache_type_v: str | None = kv_types.DEFAULT_CACHE_TYPE) -> None:
+                 cache_type_v: str | None = kv_types.DEFAULT_CACHE_TYPE,
+                 lora: Any = None) -> None:
         """``cache_type_k`` / ``cache_type_v``: KV cache element types as llama.cpp names them
         (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; default f16); ``n_ctx`` defaults to what fits a
-        quarter of RAM in bytes of these types."""
+        quarter of RAM in bytes of these types. ``lora``: LoRA adapter GGUFs (llama.cpp's ``--lora``):
+        a path, ``(path, scale)`` or a list of them (:mod:`minirt.lora`)."""
         from .chat import ChatTemplate
         from .tokenizer import Tokenizer
 
@@ -234,6 +237,9 @@ class Model:
             self.n_vocab = cfg.n_vocab
             self.n_ctx = self._pick_n_ctx(n_ctx, cfg)
             self.model = build(self.file, self.backend, self.n_ctx)
+            self.lora_adapters = lora_mod.load(lora, self.file)
+            if self.lora_adapters:
+                self.model.attach_lora(self.lora_adapters)
             if kv_types.get(self.cache_types[0]).quantized and not self.embedding:
                 from . import kv_balance
 
@@ -899,7 +905,8 @@ class Model:
     # -- state save / load -----------------------------------------------------------------------
     def fingerprint(self) -> str:
         """Identity of the model file: sha256 of its header (metadata + tensor table), its size and
-        17 slices of the tensor data spread over the file (cheap, yet differs between fine-tunes)."""
+        17 slices of the tensor data spread over the file (cheap, yet differs between fine-tunes);
+        with LoRA adapters, also their factors and scales (a cache made with them is theirs)."""
         if self._fingerprint is None:
             import hashlib
 
@@ -912,6 +919,11 @@ class Model:
                 for i in range(17):
                     fh.seek(self.file.data_offset + span * i // 17)
                     h.update(fh.read(1 << 16))
+            for ad in self.lora_adapters:
+                for name, pair in sorted(ad.pairs.items()):
+                    h.update(f"{name}:{pair.scale!r}".encode())
+                    h.update(pair.a.tobytes())
+                    h.update(pair.b.tobytes())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

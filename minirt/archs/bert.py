@@ -1,5 +1,5 @@
 """Encoders for embeddings and reranking: BERT (also RoBERTa / XLM-RoBERTa files, which the
-converter writes as ``bert``), nomic-bert and ModernBERT. All attend bidirectionally
+converter writes as ``bert``), nomic-bert, jina-bert-v3 and ModernBERT. All attend bidirectionally
 and have no generation head (their tied "output" is never used for text).
 
 - **bert**: token + absolute position + token-type (type 0) embeddings, LayerNorm; post-norm blocks
@@ -7,6 +7,10 @@ and have no generation head (their tied "output" is never used for text).
   biases. bge-reranker style cross-encoders add the ``cls`` / ``cls.output`` classifier (rank pooling).
 - **nomic-bert**: the BERT block with rotary embeddings (NEOX pairs) instead of position
   embeddings, a fused ``attn_qkv`` and a SwiGLU MLP.
+- **jina-bert-v3** (jina-embeddings-v3, XLM-RoBERTa with rotary positions): the BERT block (biased
+  projections, erf-GELU MLP with biases, one token type) with a fused ``attn_qkv`` and rotary
+  embeddings (NEOX pairs, ``rope.freq_base``) instead of position embeddings. Its task adapters are
+  LoRA files (``minirt.load(..., lora=...)``, :mod:`minirt.lora`).
 - **modern-bert**: pre-norm LayerNorm without biases (layer 0's attention norm is the identity),
   fused QKV, GeGLU MLP (``ffn_up`` holds gate then up), rotary on every layer with
   ``rope.freq_base`` on global layers and ``rope.freq_base_swa`` on local ones; local layers see
@@ -106,6 +110,14 @@ def describe_nomic_bert(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=True)
     blocks = [_post_norm_block(f, i, hp, rope, "silu", gated=True) for i in range(hp.n_layer)]
+    return _encoder(f, hp, blocks, pos=False, embd_norm=_embd_norm(f, hp))
+
+
+@register("jina-bert-v3")
+def describe_jina_bert_v3(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    hp = read_hparams(f)
+    rope = rope_from_meta(f, hp, neox=True)
+    blocks = [_post_norm_block(f, i, hp, rope, "gelu", gated=False) for i in range(hp.n_layer)]
     return _encoder(f, hp, blocks, pos=False, embd_norm=_embd_norm(f, hp))
 
 

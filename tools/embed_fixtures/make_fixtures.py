@@ -100,6 +100,23 @@ MODELS: dict[str, dict[str, Any]] = {
                     model_type="nomic_bert", pad_token_id=0,
                     # the names the converter's generic readers look up first
                     hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=4)),
+    "jina_bert_v3": dict(
+        config=None, model=None, tokenizer="unigram", pooling="mean", quants=True, jina=True,
+        tasks=("retrieval.query", "text-matching"),
+        features="jina-bert-v3 (jina-embeddings-v3): XLM-RoBERTa post-norm blocks with rotary positions (NEOX, "
+                 "base 20000), fused biased Wqkv, erf-GELU MLP with biases, one token type, Unigram vocab; two "
+                 "task LoRA adapters (rank 4, alpha 1) on every matrix and the token embedding, written by the "
+                 "converter as separate adapter GGUFs. Reference: jina's own remote-code model "
+                 "(XLMRobertaLoRA, --jina-impl) in float32, without and with each task's adapter",
+        kwargs=dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=FFN, max_position_embeddings=8194, type_vocab_size=1, layer_norm_eps=1e-5,
+                    position_embedding_type="rotary", rotary_emb_base=20000.0, use_flash_attn=False,
+                    lora_adaptations=["retrieval.query", "text-matching"],
+                    task_instructions={"retrieval.query": "Represent the query for retrieving evidence documents: ",
+                                       "text-matching": ""},
+                    lora_rank=4, lora_alpha=1, lora_dropout_p=0.0, lora_main_params_trainable=False,
+                    load_trained_adapters=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                    architectures=["XLMRobertaModel"], model_type="xlm-roberta")),
     "modern_bert": dict(
         config="ModernBertConfig", model="ModernBertModel", tokenizer="bpe", pre="modern-bert", pooling="mean",
         features="ModernBERT: pre-norm LayerNorm without bias, layer 0 without attention norm, GeGLU, "
@@ -220,6 +237,8 @@ def build(spec: dict[str, Any], out: Path, seed: int) -> tuple[dict[str, Any], l
         # Qwen3 rerankers read 'yes' / 'no' (and '|') as tokens: added when the tiny vocabulary lacks them
         specials = af.write_bpe(out, kw["vocab_size"], ("yes", "no", "|") if spec.get("yes_no") else ())
         kw.update(bos_token_id=specials["bos"], eos_token_id=specials["eos"], pad_token_id=specials.get("pad"))
+    if spec.get("jina"):  # jina's remote code (XLMRobertaLoRA) builds and saves the checkpoint
+        return write_jina(out, kw, seed), []
     if spec["config"] is None:  # no transformers class: the checkpoint in the family's own layout
         return write_nomic(out, kw, seed), []
     config = getattr(transformers, spec["config"])(**kw)
@@ -262,6 +281,73 @@ def write_nomic(out: Path, kw: dict[str, Any], seed: int) -> dict[str, Any]:
     (out / "config.json").write_text(json.dumps(kw, indent=1))
     write_st_modules(out, "mean", (), None, seed)
     return kw
+
+
+JINA_IMPL: Path | None = None  # --jina-impl: jina's xlm-roberta-flash-implementation folder
+
+
+def _jina_module(name: str) -> Any:
+    """A module of jina's remote code (relative imports inside it), imported as package ``jina_xlmr``."""
+    import importlib
+    import importlib.util
+    if JINA_IMPL is None:
+        raise SystemExit("jina_bert_v3 needs --jina-impl DIR (jina's xlm-roberta-flash-implementation code)")
+    if "jina_xlmr" not in sys.modules:
+        init = JINA_IMPL / "__init__.py"
+        spec = importlib.util.spec_from_file_location("jina_xlmr", init if init.exists() else None,
+                                                      submodule_search_locations=[str(JINA_IMPL)])
+        pkg = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules["jina_xlmr"] = pkg
+    return importlib.import_module(f"jina_xlmr.{name}")
+
+
+def _jina_model(out: Path, kw: dict[str, Any]) -> Any:
+    cfg = _jina_module("configuration_xlm_roberta").XLMRobertaFlashConfig(**kw)
+    cfg._name_or_path = str(out)  # the model loads its tokenizer from here
+    return _jina_module("modeling_lora").XLMRobertaLoRA(cfg).to("cpu").float().eval()
+
+
+def write_jina(out: Path, kw: dict[str, Any], seed: int) -> dict[str, Any]:
+    """jina-embeddings-v3's checkpoint made by its own code: every tensor redrawn as :func:`write_nomic`
+    draws them (the LoRA factors too: N(0, 0.05), so that each adapter changes the output), saved
+    with the parametrized names the converter reads; config.json as the real model's."""
+    import torch
+    from safetensors.torch import save_file
+    model = _jina_model(out, kw)
+    gen = torch.Generator().manual_seed(seed)
+    sd = model.state_dict()
+    new = {}
+    for k, v in sd.items():
+        if k.endswith("norm1.weight") or k.endswith("norm2.weight") or k.endswith("emb_ln.weight"):
+            new[k] = 1 + torch.randn(v.shape, generator=gen) * 0.1
+        elif k.endswith("lora_A") or k.endswith("lora_B"):
+            new[k] = torch.randn(v.shape, generator=gen) * 0.05
+        else:
+            new[k] = torch.randn(v.shape, generator=gen) * 0.05
+    model.load_state_dict(new)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(kw, indent=1))
+    write_st_modules(out, "mean", (), None, seed)
+    return kw
+
+
+def jina_outputs(model_dir: Path, kw: dict[str, Any], seqs: list[np.ndarray], task: str | None) -> np.ndarray:
+    """jina's model in float32, mean-pooled and normalized, without an adapter (task None) or with the
+    task's adapter (its ``adapter_mask``), one sequence at a time."""
+    import torch
+    from safetensors.torch import load_file
+    model = _jina_model(model_dir, kw)
+    model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
+    outs = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.from_numpy(s.astype(np.int64))[None]
+            extra = {} if task is None else {"adapter_mask": torch.tensor([kw["lora_adaptations"].index(task)],
+                                                                          dtype=torch.int32)}
+            h = model.roberta(ids, **extra).last_hidden_state[0].double().numpy()
+            v = h.mean(0)
+            outs.append(v / np.linalg.norm(v))
+    return np.asarray(outs, dtype=np.float32)
 
 
 def hf_outputs(spec: dict[str, Any], model_dir: Path, seqs: list[np.ndarray], dense: list[np.ndarray],
@@ -321,13 +407,14 @@ def _no_repack(llama_cpp: Any) -> None:
     low._embed_fixtures_patched = True
 
 
-def llamacpp_outputs(path: Path, seqs: list[np.ndarray], pooling: str) -> np.ndarray:
+def llamacpp_outputs(path: Path, seqs: list[np.ndarray], pooling: str, lora: Path | None = None) -> np.ndarray:
     """llama.cpp's pooled output per sequence (binding, embedding=True, one sequence per decode),
-    L2-normalized like the HF reference (rank: the raw score)."""
+    L2-normalized like the HF reference (rank: the raw score); ``lora``: with that adapter (scale 1)."""
     import llama_cpp
     _no_repack(llama_cpp)
     llm = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=256, n_batch=256, n_ubatch=256,
-                          n_threads=2, verbose=False, pooling_type=POOLING[pooling])
+                          n_threads=2, verbose=False, pooling_type=POOLING[pooling],
+                          lora_path=None if lora is None else str(lora))
     n_out = 1 if pooling == "rank" else llm.n_embd()
     outs = []
     for s in seqs:
@@ -382,7 +469,10 @@ def make(name: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
                                 "poolings": poolings, "lengths": list(lengths), "llamacpp_vs_hf": {},
                                 "gguf": {k: af.gguf_summary(v) for k, v in files.items()}}
         for pooling in poolings:
-            hf = hf_outputs(spec, hf_dir, seqs, dense, pooling) if spec["model"] else None
+            if spec.get("jina"):
+                hf = jina_outputs(hf_dir, config, seqs, None)
+            else:
+                hf = hf_outputs(spec, hf_dir, seqs, dense, pooling) if spec["model"] else None
             if hf is None:  # llama.cpp's F16 result is the reference
                 hf = llamacpp_outputs(files["f16"], seqs, pooling)
             ref[f"hf_{pooling}"] = hf
@@ -395,9 +485,30 @@ def make(name: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
                     meta["llamacpp_vs_hf"][f"{pooling}_{k}"] = {"abs_err": np.abs(cpp - hf).tolist()}
                 else:
                     meta["llamacpp_vs_hf"][f"{pooling}_{k}"] = {"cosine": cosines(cpp, hf)}
+        if spec.get("jina"):
+            jina_references(spec, config, hf_dir, out, files, seqs, ref, meta)
         np.savez_compressed(out / "ref.npz", **ref)
         (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     log.info("%s: %s", name, json.dumps(meta["llamacpp_vs_hf"]))
+
+
+def jina_references(spec: dict[str, Any], config: dict[str, Any], hf_dir: Path, out: Path, files: dict[str, Path],
+                    seqs: list[np.ndarray], ref: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """The converter's task adapters (``lora-<task>-model-f16.gguf``, moved to ``lora-<task>.gguf``) and,
+    per task, jina's float32 output with the adapter (``hf_mean_lora_<task>``) and llama.cpp's on every
+    base file with the adapter (``llamacpp_mean_lora_<task>_<type>``)."""
+    meta["lora"] = {}
+    for task in spec["tasks"]:
+        made = out / f"lora-{task}-model-f16.gguf"
+        dst = out / f"lora-{task}.gguf"
+        made.rename(dst)
+        hf = jina_outputs(hf_dir, config, seqs, task)
+        ref[f"hf_mean_lora_{task}"] = hf
+        meta["lora"][task] = {"file": dst.name, "llamacpp_vs_hf": {}}
+        for k, path in files.items():
+            cpp = llamacpp_outputs(path, seqs, "mean", lora=dst)
+            ref[f"llamacpp_mean_lora_{task}_{k}"] = cpp
+            meta["lora"][task]["llamacpp_vs_hf"][k] = {"cosine": cosines(cpp, hf)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp", type=Path, required=True, help="the llama.cpp tree (with build/bin)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "tests" / "data" / "embed")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--jina-impl", type=Path, help="jina's xlm-roberta-flash-implementation code (for jina_bert_v3; "
+                                                   "its imports need transformers < 5)")
     args = ap.parse_args(argv)
+    global JINA_IMPL
+    JINA_IMPL = args.jina_impl
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for name in args.names or list(MODELS):
         make(name, MODELS[name], args.out, args.llama_cpp, args.llama_cpp / "build" / "bin", args.seed)

@@ -644,6 +644,8 @@ class CudaBackend(Backend):
         segment's cache grows by its count, and the result holds per segment (n_vocab,) for
         "last", (n_tokens, n_vocab) for "all", None for "none".
         """
+        if getattr(model, "lora", None) is not None:
+            return None  # LoRA adapters are applied next to each host-path matmul (minirt.lora)
         with self._lock:
             self._check_open()
             p = self._plan(model)

@@ -1,0 +1,162 @@
+"""LoRA adapters (minirt.lora) on a tiny decoder: logits and greedy generation with an adapter equal the
+float64 reference of the merged weights ``W + s·B·A`` (the layout llama.cpp's adapters use, written
+here with gguf-py), the fused decode step is bypassed, and broken adapter files get typed errors.
+
+jina-embeddings-v3's task adapters against jina's own model are in tests/test_embeddings.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import minirt
+from minirt.errors import GGUFError, InvalidRequestError
+from tests.tiny_models import TinySpec, reference_llama, write_tiny
+
+RANK = 3
+ALPHA = 6.0
+
+
+def _adapter(path: Path, spec: TinySpec, names: list[str], *, arch: str = "llama", seed: int = 7,
+             alpha: float = ALPHA, drop: str | None = None, bad_shape: str | None = None,
+             nan: bool = False, general_type: str = "adapter", extra: dict[str, np.ndarray] | None = None
+             ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """An adapter GGUF in llama.cpp's layout for the weights ``names``; returns {name: (A, B)} as numpy
+    arrays in minirt's order (token_embd flipped: A (n_vocab, r), B (n_embd, r))."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type(general_type)
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    w.add_string("adapter.lora.task_name", "test-task")
+    out = {}
+    for name in names:
+        W = spec.weights[name]
+        if name == "token_embd.weight":
+            a, b = rng.normal(0, 0.3, (W.shape[0], RANK)), rng.normal(0, 0.3, (W.shape[1], RANK))
+        else:
+            a, b = rng.normal(0, 0.3, (RANK, W.shape[1])), rng.normal(0, 0.3, (W.shape[0], RANK))
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        if nan and name == names[-1]:
+            a[0, 0] = np.nan
+        if bad_shape == name:
+            b = b[:-1]
+        out[name] = (a, b)
+        if drop != name + ".lora_a":
+            w.add_tensor(name + ".lora_a", a)
+        if drop != name + ".lora_b":
+            w.add_tensor(name + ".lora_b", b)
+    for k, v in (extra or {}).items():
+        w.add_tensor(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _merged(spec: TinySpec, pairs: dict[str, tuple[np.ndarray, np.ndarray]], scale: float) -> TinySpec:
+    """The spec whose weights are W + s·B·A (token embedding: E + s·A·Bᵀ), s = scale · alpha / rank."""
+    s = scale * ALPHA / RANK
+    m = TinySpec(**{k: v for k, v in spec.__dict__.items() if k != "weights"})
+    m.weights = dict(spec.weights)
+    for name, (a, b) in pairs.items():
+        delta = a.astype(np.float64) @ b.T.astype(np.float64) if name == "token_embd.weight" else \
+            b.astype(np.float64) @ a.astype(np.float64)
+        m.weights[name] = spec.weights[name] + s * delta
+    return m
+
+
+NAMES = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.ffn_down.weight",
+         "blk.1.attn_output.weight", "output.weight"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
+    d = tmp_path_factory.mktemp("lora")
+    spec = write_tiny(d / "base.gguf", TinySpec(seed=3))
+    pairs = _adapter(d / "adapter.gguf", spec, NAMES)
+    return d, spec, pairs
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_logits_equal_the_merged_reference(tiny, scale: float) -> None:  # type: ignore[no-untyped-def]
+    d, spec, pairs = tiny
+    ids = [1, 5, 9, 14, 3, 22, 7, 11]
+    lora = str(d / "adapter.gguf") if scale == 1.0 else (str(d / "adapter.gguf"), scale)
+    with minirt.load(str(d / "base.gguf"), pull=False, lora=lora, cache_type_k="f32", cache_type_v="f32") as llm:
+        got = llm.logits(ids)
+        assert llm.lora_adapters[0].info()["task_name"] == "test-task"
+    ref = reference_llama(_merged(spec, pairs, scale), ids)
+    base = reference_llama(spec, ids)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < 2e-3, err
+    # the adapter matters: the base model's logits are far from these
+    assert np.abs(base - ref).max() / np.abs(ref).max() > 50 * err
+
+
+def test_scale_zero_is_the_base_model(tiny) -> None:  # type: ignore[no-untyped-def]
+    d, spec, _ = tiny
+    ids = [1, 4, 8, 15]
+    with minirt.load(str(d / "base.gguf"), pull=False) as a, \
+            minirt.load(str(d / "base.gguf"), pull=False, lora=[(str(d / "adapter.gguf"), 0.0)]) as b:
+        np.testing.assert_allclose(a.logits(ids), b.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generation_follows_the_merged_reference(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Decode steps run layer by layer with the adapter (not the fused native step, which has none)."""
+    d, spec, pairs = tiny
+    prompt = [1, 6, 2 + 30, 17]
+    with minirt.load(str(d / "base.gguf"), pull=False, lora=str(d / "adapter.gguf"),
+                     cache_type_k="f32", cache_type_v="f32") as llm:
+        assert llm.model.native_stack is None
+        out = llm.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+    seq = prompt + list(out.token_ids)
+    ref = reference_llama(_merged(spec, pairs, 1.0), seq)
+    for i, tok in enumerate(out.token_ids):
+        row = ref[len(prompt) - 1 + i]
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] > 1e-3:  # a decisive position: minirt's token is the reference's argmax
+            assert tok == int(np.argmax(row)), (i, tok, int(np.argmax(row)))
+
+
+def test_state_fingerprint_depends_on_the_adapter(tiny) -> None:  # type: ignore[no-untyped-def]
+    d, _, _ = tiny
+    with minirt.load(str(d / "base.gguf"), pull=False) as a, \
+            minirt.load(str(d / "base.gguf"), pull=False, lora=str(d / "adapter.gguf")) as b, \
+            minirt.load(str(d / "base.gguf"), pull=False, lora=[(str(d / "adapter.gguf"), 0.5)]) as c:
+        assert len({a.fingerprint(), b.fingerprint(), c.fingerprint()}) == 3
+
+
+@pytest.mark.parametrize("case", ["wrong_arch", "missing_half", "bad_shape", "nan", "not_adapter", "unknown_tensor",
+                                  "stray_tensor", "model_file"])
+def test_broken_adapters_are_refused(tiny, tmp_path, case: str) -> None:  # type: ignore[no-untyped-def]
+    d, spec, _ = tiny
+    p = tmp_path / "bad.gguf"
+    names = ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"]
+    want = {"wrong_arch": "model is 'llama'", "missing_half": "lacks its lora_b", "bad_shape": "do not fit",
+            "nan": "NaN", "not_adapter": "not a LoRA adapter", "unknown_tensor": "not in the model",
+            "stray_tensor": "neither a .lora_a", "model_file": "not a LoRA adapter"}[case]
+    if case == "model_file":
+        p = d / "base.gguf"
+    elif case == "unknown_tensor":
+        _adapter(p, spec, names, extra={"blk.9.attn_q.weight.lora_a": np.zeros((RANK, 64), np.float32),
+                                        "blk.9.attn_q.weight.lora_b": np.zeros((64, RANK), np.float32)})
+    else:
+        _adapter(p, spec, names, arch="qwen2" if case == "wrong_arch" else "llama",
+                 drop="blk.1.ffn_down.weight.lora_b" if case == "missing_half" else None,
+                 bad_shape="blk.0.attn_q.weight" if case == "bad_shape" else None, nan=case == "nan",
+                 general_type="model" if case == "not_adapter" else "adapter",
+                 extra={"blk.0.attn_q.weight.extra": np.zeros(4, np.float32)} if case == "stray_tensor" else None)
+    with pytest.raises(GGUFError, match=want):
+        minirt.load(str(d / "base.gguf"), pull=False, lora=str(p))
+
+
+@pytest.mark.parametrize("bad", [3, [("a.gguf", "x")], [("a.gguf", float("nan"))], [("a", 1.0, 2)], [b"a.gguf"]])
+def test_bad_lora_arguments(tiny, bad) -> None:  # type: ignore[no-untyped-def]
+    d, _, _ = tiny
+    with pytest.raises(InvalidRequestError):
+        minirt.load(str(d / "base.gguf"), pull=False, lora=bad)
