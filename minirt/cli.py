@@ -82,11 +82,18 @@ def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: physical cores)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device (default auto)")
     p.add_argument("--backend", choices=["auto", "native", "numba", "reference"], help="CPU kernels (default auto)")
+    _add_lora_args(p)
     from .kv_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 
     for half in ("k", "v"):
         p.add_argument(f"-ct{half}", f"--cache-type-{half}", choices=CACHE_TYPES, type=str.lower,
                        help=f"KV cache type for {'keys' if half == 'k' else 'values'} (default {DEFAULT_CACHE_TYPE})")
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", action="append", metavar="FILE", help="LoRA adapter GGUF (repeatable; llama.cpp's --lora)")
+    p.add_argument("--lora-scaled", action="append", nargs=2, metavar=("FILE", "SCALE"),
+                   help="LoRA adapter GGUF with a user scale (repeatable)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temp: float) -> None:
@@ -460,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device (default auto)")
     p.add_argument("--backend", choices=["auto", "native", "numba", "reference"], help="CPU kernels (default auto)")
     p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"], help="instead of the file's")
+    _add_lora_args(p)
     p.add_argument("--dimensions", type=int, help="keep the first N dimensions, renormalized (Matryoshka)")
     p.add_argument("--no-normalize", action="store_true", help="raw pooled vectors (no L2 normalization)")
     p.add_argument("--rerank", metavar="QUERY", help="score the texts as documents for QUERY (a reranker)")

@@ -222,7 +222,7 @@ class Transformer:
             return self.backend.moe(h, m)
         u = self.mm(m.up, h)
         if m.gate is None:
-            return self.mm(m.down, activation(m.act, u, m.act_params))
+            return self.mm(m.down, self.backend.activation(u, m.act, m.act_params))
         return self.mm(m.down, self.backend.act_mul(self.mm(m.gate, h), u, m.act))
 
     def short_conv(self, i: int, c: ShortConv, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:

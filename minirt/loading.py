@@ -18,13 +18,23 @@ _OPTIONS = {"ctx": "n_ctx", "threads": "threads", "device": "device", "backend":
 
 def load_options(args: Any, progress: Callable[[int, int], None] | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of :func:`minirt.load` from a namespace with optional ``ctx``,
-    ``threads``, ``device`` and ``backend`` attributes (unset or None: the library's default);
+    ``threads``, ``device``, ``backend``, cache types, ``lora`` and ``lora_scaled`` attributes (unset or None: the library's default);
     ``progress`` reports a pull, ``overrides`` win over everything."""
     opts: dict[str, Any] = {} if progress is None else {"progress": progress}
     for attr, kw in _OPTIONS.items():
         v = getattr(args, attr, None)
         if v:
             opts[kw] = v
+    lora = [(f, 1.0) for f in getattr(args, "lora", None) or []]
+    for f, scale in getattr(args, "lora_scaled", None) or []:
+        try:
+            lora.append((f, float(scale)))
+        except ValueError:
+            from .errors import InvalidRequestError
+
+            raise InvalidRequestError(f"--lora-scaled {f}: the scale must be a number, got {scale!r}") from None
+    if lora:
+        opts["lora"] = lora
     opts.update(overrides)
     return opts
 

@@ -1183,6 +1183,8 @@ def router_from_args(args: Any) -> Any:
         if isinstance(getattr(args, "model", None), list):
             args.model = specs[0] if specs else None  # one model: the plain server
         return None
+    if getattr(args, "lora", None) or getattr(args, "lora_scaled", None):
+        raise InvalidRequestError("--lora / --lora-scaled apply to one model: not with several models")
     models = scan_models_dir(models_dir) if models_dir else {}
     for name, path in parse_model_specs(specs).items():
         if name in models:

@@ -305,6 +305,23 @@ def test_cli_embed_and_rerank(capsys, monkeypatch) -> None:  # type: ignore[no-u
     assert cli.main(["embed", str(DATA / "bert" / "model-f16.gguf"), "--rerank", "q", "d"]) == 2  # not a reranker
 
 
+@pytest.mark.skipif("jina_bert_v3" not in MODELS, reason="no jina-bert-v3 fixture")
+def test_cli_embed_with_task_adapter(capsys) -> None:  # type: ignore[no-untyped-def]
+    from minirt import cli
+
+    d = DATA / "jina_bert_v3"
+    path, adapter = str(d / "model-f16.gguf"), str(d / "lora-retrieval.query.gguf")
+    with_ad = minirt.load(path, embedding=True, pull=False, lora=adapter).embed("a b c")[0]
+    base = load("jina_bert_v3").embed("a b c")[0]
+    assert cli.main(["embed", path, "--lora", adapter, "a b c"]) == 0
+    got = np.array(json.loads(capsys.readouterr().out)["data"][0]["embedding"])
+    np.testing.assert_allclose(got, with_ad, atol=1e-6)
+    assert cli.main(["embed", path, "--lora-scaled", adapter, "0", "a b c"]) == 0
+    got = np.array(json.loads(capsys.readouterr().out)["data"][0]["embedding"])
+    np.testing.assert_allclose(got, base, atol=1e-6)
+    assert np.abs(with_ad - base).max() > 1e-3
+
+
 def test_qwen3_reranker_uses_its_template() -> None:
     """A Qwen3 reranker (converted from the Qwen3-Reranker layout): the pair goes through the
     file's ``rerank`` chat template (instruction, query, document, empty thinking block), and the

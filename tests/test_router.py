@@ -182,6 +182,9 @@ def test_model_specs_and_dir(files, tmp_path):
     r.close()
     single = argparse.Namespace(model=["x.gguf"], models_dir=None)
     assert router_from_args(single) is None and single.model == "x.gguf"
+    ns.lora = ["adapter.gguf"]  # an adapter belongs to one model's architecture
+    with pytest.raises(minirt.InvalidRequestError, match="one model"):
+        router_from_args(ns)
 
 
 def test_http_multi_model(files, cost, expected):

@@ -70,6 +70,14 @@ class Backend:
         """``act(g) * u`` of a gated MLP, g and u (T, n_ff); may overwrite g."""
         return blocks.activation(act, g) * u
 
+    def activation(self, x: np.ndarray, act: str, params: Sequence[float] = ()) -> np.ndarray:
+        """``act(x)`` of an ungated MLP, x (T, n_ff) float32; may overwrite x."""
+        if act == "gelu" and x.dtype == np.float32:
+            from .numba_backend import gelu_erf
+
+            return gelu_erf(x)
+        return blocks.activation(act, x, params)
+
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
                   softcap: float, causal: bool = True, kv_types: tuple[str, str] | None = None) -> np.ndarray:
         """Causal attention of n queries q (n, H, Dk) at positions p0.. over one layer's cache

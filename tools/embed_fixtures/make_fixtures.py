@@ -523,7 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     global JINA_IMPL
     JINA_IMPL = args.jina_impl
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for name in args.names or list(MODELS):
+    names = args.names or [n for n in MODELS if JINA_IMPL or not MODELS[n].get("jina")]
+    if not args.names and not JINA_IMPL:
+        log.info("jina_bert_v3 skipped: it needs --jina-impl")
+    for name in names:
         make(name, MODELS[name], args.out, args.llama_cpp, args.llama_cpp / "build" / "bin", args.seed)
     return 0
 
