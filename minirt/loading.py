@@ -18,8 +18,9 @@ _OPTIONS = {"ctx": "n_ctx", "threads": "threads", "device": "device", "backend":
 
 def load_options(args: Any, progress: Callable[[int, int], None] | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of :func:`minirt.load` from a namespace with optional ``ctx``,
-    ``threads``, ``device``, ``backend``, cache types, ``lora`` and ``lora_scaled`` attributes (unset or None: the library's default);
-    ``progress`` reports a pull, ``overrides`` win over everything."""
+    ``threads``, ``device``, ``backend``, cache types, ``lora`` and ``lora_scaled`` attributes
+    (unset or None: the library's default); ``progress`` reports a pull, ``overrides`` win over
+    everything."""
     opts: dict[str, Any] = {} if progress is None else {"progress": progress}
     for attr, kw in _OPTIONS.items():
         v = getattr(args, attr, None)

@@ -113,6 +113,15 @@ MR_INLINE float mr_bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* erf(x) by Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7 (the formula of minirt.blocks.erf; the
+ * SIMD erf-GELU kernels evaluate the same polynomial) */
+MR_INLINE float mr_erf_as(float x) {
+    const float a = fabsf(x), t = 1.0f / (1.0f + 0.3275911f * a);
+    const float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+    const float y = 1.0f - poly * expf(-a * a);
+    return x < 0.0f ? -y : y;
+}
+
 MR_INLINE uint16_t mr_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 MR_INLINE uint32_t mr_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 MR_INLINE float mr_rdf16(const uint8_t *p) { return mr_f16_to_f32(mr_rd16(p)); }
@@ -263,6 +272,7 @@ typedef struct {
     void (*axpy)(float a, const float *x, float *y, int64_t n);  /* y += a x */
     void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
     /* out[i] = act(g[i]) * u[i]; act: 0 = SiLU x / (1 + e^-x), 1 = GELU tanh approximation. */
+    /* act(g) * u (u NULL: act(g)); act 0 SiLU, 1 tanh GELU, 2 erf GELU */
     void (*act_mul)(const float *g, const float *u, float *out, int64_t n, int act);
     /* x[i] = e^x[i] in place (e^-inf = 0). */
     void (*vexp)(float *x, int64_t n);

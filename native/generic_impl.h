@@ -480,13 +480,15 @@ static void MR_SFX(attn_block)(const float *Qt, const float *Kr, const float *Vr
 
 static void MR_SFX(act_mul)(const float *g, const float *u, float *out, int64_t n, int act) {
     if (act == 0) {
-        for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * (u ? u[i] : 1.0f);
+    } else if (act == 1) {
         const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
         for (int64_t i = 0; i < n; i++) {
             const float x = g[i];
-            out[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * u[i];
+            out[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * (u ? u[i] : 1.0f);
         }
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = 0.5f * g[i] * (1.0f + mr_erf_as(g[i] * 0.70710678118654752f)) * (u ? u[i] : 1.0f);
     }
 }
 

@@ -82,7 +82,7 @@ int mr_attention_decode(const float *q, const void *k, const void *v, int type_k
 int mr_act_mul(const float *g, const float *u, float *out, long long n, int act, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
-    if (n < 0 || act < 0 || act > 1) return MR_E_SHAPE;
+    if (n < 0 || act < 0 || act > 2) return MR_E_SHAPE;
     K->act_mul(g, u, out, n, act);
     return MR_OK;
 }

@@ -919,16 +919,29 @@ static void hv_act_mul(const float *g, const float *u, float *out, int64_t n, in
     const __m512 c = _mm512_set1_ps(0.7978845608028654f), c3 = _mm512_set1_ps(0.044715f);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(k, g + i), uu = _mm512_maskz_loadu_ps(k, u + i);
+        const __m512 x = _mm512_maskz_loadu_ps(k, g + i), uu = u ? _mm512_maskz_loadu_ps(k, u + i) : one;
         __m512 a;
         if (act == 0) {
             a = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        } else { /* tanh(z) = 1 - 2 / (e^2z + 1) */
+        } else if (act == 1) { /* tanh(z) = 1 - 2 / (e^2z + 1) */
             const __m512 z = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(c3, x), _mm512_mul_ps(x, x), x));
             const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp512(_mm512_mul_ps(two, z)), one)));
             a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, th));
+        } else { /* erf GELU: mr_erf_as (A&S 7.1.26) of x / sqrt(2), 16 lanes at a time */
+            const __m512 z = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));
+            const __m512 az = _mm512_abs_ps(z);
+            const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), az, one));
+            __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
+            p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+            p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+            p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+            p = _mm512_mul_ps(p, t);
+            const __m512 e = _mm512_fnmadd_ps(p, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), az), az)), one);
+            const __m512 erf = _mm512_mask_sub_ps(e, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                                  _mm512_setzero_ps(), e);
+            a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, erf));
         }
-        _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(a, uu));
+        _mm512_mask_storeu_ps(out + i, k, u ? _mm512_mul_ps(a, uu) : a);
     }
 }
 

@@ -937,6 +937,32 @@ def test_act_mul(nat):
         native.act_mul(g, u, "relu")
 
 
+def test_ungated_activation(nat):
+    """``native.activation`` (mr_act_mul without u): erf GELU against math.erf in float64 (A&S 7.1.26:
+    |erf error| <= 1.5e-7, evaluated in float32: |GELU error| <= 2.5e-7·|x| + float32 rounding of the
+    result), SiLU and tanh GELU
+    against their numpy definitions, on every ISA; the tails (|x| = 100) exact."""
+    import math
+
+    from minirt.blocks import gelu_tanh, silu
+
+    rng = np.random.default_rng(23)
+    x = (rng.standard_normal((3, 1001)) * 6).astype(np.float32)
+    x[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    x64 = x.astype(np.float64)
+    gelu = 0.5 * x64 * (1 + np.vectorize(math.erf)(x64 / math.sqrt(2)))
+    for isa in isas_to_test():
+        y = native.activation(x, "gelu", isa=isa)
+        assert np.all(np.abs(y - gelu) <= 2.5e-7 * np.abs(x64) + 2e-7 * np.abs(gelu)), isa
+        assert y[0, 0] == 0.0 and y[0, 1] == 100.0
+        for act, f in (("silu", silu), ("gelu_tanh", gelu_tanh)):
+            np.testing.assert_allclose(native.activation(x, act, isa=isa), f(x64), rtol=2e-6, atol=1e-6)
+    out = x.copy()
+    assert native.activation(out, "gelu", out=out) is out
+    with pytest.raises(minirt.InvalidRequestError, match="act"):
+        native.activation(x, "relu")
+
+
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ2_XXS", "MXFP4"])
 def test_backend_decodes_low_bit_types_natively(nat, qtype, monkeypatch):
     """The native kernels of these types agree with the float64 reference for few-token and

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -278,6 +279,12 @@ class NativeBackend(Backend):
                 or act not in self._mod._ACTS:  # e.g. erf GELU: the numpy version
             return super().act_mul(g, u, act)
         return self._mod.act_mul(g, u, act, out=g)
+
+    def activation(self, x: np.ndarray, act: str, params: Sequence[float] = ()) -> np.ndarray:
+        """``act(x)`` of an ungated MLP, x (T, n_ff), in place where the native kernel has ``act``."""
+        if act not in self._mod._UNGATED_ACTS or not (x.flags.c_contiguous and x.dtype == np.float32 and x.ndim <= 2):
+            return super().activation(x, act, params)
+        return self._mod.activation(x, act, out=x)
 
     def info(self) -> dict[str, Any]:
         d = dict(self._mod.info())

@@ -1758,6 +1758,28 @@ def act_mul(g: np.ndarray, u: np.ndarray, act: str, out: np.ndarray | None = Non
     return out
 
 
+_UNGATED_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # mr_act_mul without u; 2: erf GELU (A&S 7.1.26)
+
+
+def activation(x: np.ndarray, act: str, out: np.ndarray | None = None, isa: str | None = None) -> np.ndarray:
+    """``act(x)`` elementwise of float32 x (T, n) or (n,) (act: "silu", "gelu_tanh" or "gelu", the erf
+    GELU with |erf error| <= 1.5e-7); ``out`` may be ``x`` (in place)."""
+    ffi, lib = _lib()
+    if act not in _UNGATED_ACTS:
+        raise InvalidRequestError(f"act must be one of {sorted(_UNGATED_ACTS)}, got {act!r}")
+    x = _f32_array(x, "x", (1, 2))
+    if out is None:
+        out = np.empty_like(x)
+    elif out is not x:
+        _out_array(out, x.shape)
+    if x.size:
+        _check_rc(lib.mr_act_mul(ffi.from_buffer("float[]", x), ffi.NULL,
+                                 ffi.from_buffer("float[]", out, require_writable=True), x.size, _UNGATED_ACTS[act],
+                                 _isa_id(isa)),
+                  "activation")
+    return out
+
+
 PROFILE_PHASES = ("qkv", "rope_kv", "attention", "attn_out", "gate_up", "down")
 
 
