@@ -105,20 +105,22 @@ def describe_bert(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     return _encoder(f, hp, blocks, pos=True, embd_norm=_embd_norm(f, hp))
 
 
-@register("nomic-bert")
-def describe_nomic_bert(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+def _rotary_encoder(f: GGUFFile, act: str, gated: bool) -> ModelDesc:
+    """BERT blocks with rotary positions (NEOX pairs) instead of position embeddings."""
     hp = read_hparams(f)
     rope = rope_from_meta(f, hp, neox=True)
-    blocks = [_post_norm_block(f, i, hp, rope, "silu", gated=True) for i in range(hp.n_layer)]
+    blocks = [_post_norm_block(f, i, hp, rope, act, gated=gated) for i in range(hp.n_layer)]
     return _encoder(f, hp, blocks, pos=False, embd_norm=_embd_norm(f, hp))
+
+
+@register("nomic-bert")
+def describe_nomic_bert(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    return _rotary_encoder(f, "silu", gated=True)
 
 
 @register("jina-bert-v3")
 def describe_jina_bert_v3(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
-    hp = read_hparams(f)
-    rope = rope_from_meta(f, hp, neox=True)
-    blocks = [_post_norm_block(f, i, hp, rope, "gelu", gated=False) for i in range(hp.n_layer)]
-    return _encoder(f, hp, blocks, pos=False, embd_norm=_embd_norm(f, hp))
+    return _rotary_encoder(f, "gelu", gated=False)
 
 
 @register("modern-bert")
