@@ -88,10 +88,11 @@ MODELS: dict[str, dict[str, Any]] = {
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
                     rms_norm_eps=1e-6, tie_word_embeddings=False)),
     "nomic_bert": dict(
-        config=None, model=None, tokenizer="wordpiece", pre="default", pooling="mean", quants=False,
+        config=None, model=None, hf_model="NomicBertModel", tokenizer="wordpiece", pre="default", pooling="mean",
+        quants=True,
         features="nomic-bert: post-norm, rotary (NEOX, base 1000), fused Wqkv, SwiGLU, no biases, 2 token "
-                 "types. transformers has no NomicBertModel (it is remote code): the checkpoint is written "
-                 "here in its layout and llama.cpp is the only reference",
+                 "types. The checkpoint is written here in nomic's own layout (what the converter reads); "
+                 "transformers' NomicBertModel (5.x) loads that layout and is the reference",
         kwargs=dict(vocab_size=VOCAB, n_embd=HIDDEN, n_inner=FFN, n_layer=2, n_head=4, n_positions=2048,
                     max_trained_positions=2048, activation_function="swiglu", causal=False, qkv_proj_bias=False,
                     mlp_fc1_bias=False, mlp_fc2_bias=False, prenorm=False, rotary_emb_fraction=1.0,
@@ -356,7 +357,7 @@ def hf_outputs(spec: dict[str, Any], model_dir: Path, seqs: list[np.ndarray], de
     vectors (n, dim), or the cross-encoder's logits (n,)."""
     import torch
     import transformers
-    cls = getattr(transformers, spec["model"])
+    cls = getattr(transformers, spec.get("hf_model") or spec["model"])
     model = cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
     outs = []
     with torch.no_grad():
@@ -472,7 +473,8 @@ def make(name: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
             if spec.get("jina"):
                 hf = jina_outputs(hf_dir, config, seqs, None)
             else:
-                hf = hf_outputs(spec, hf_dir, seqs, dense, pooling) if spec["model"] else None
+                hf = hf_outputs(spec, hf_dir, seqs, dense, pooling) if spec["model"] or spec.get("hf_model") \
+                    else None
             if hf is None:  # llama.cpp's F16 result is the reference
                 hf = llamacpp_outputs(files["f16"], seqs, pooling)
             ref[f"hf_{pooling}"] = hf
