@@ -121,7 +121,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "modern_bert": dict(
         config="ModernBertConfig", model="ModernBertModel", tokenizer="bpe", pre="modern-bert", pooling="mean",
         features="ModernBERT: pre-norm LayerNorm without bias, layer 0 without attention norm, GeGLU, "
-                 "global layer 0 (rope 160000) and local layer 1 (window 16, rope 10000)", quants=False,
+                 "global layer 0 (rope 160000) and local layer 1 (window 16, rope 10000)", quants=True,
         kwargs=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
                     num_attention_heads=4, max_position_embeddings=128, global_attn_every_n_layers=2,
                     local_attention=16, hidden_activation="gelu", norm_eps=1e-5,
