@@ -53,6 +53,13 @@ class LoraAdapter:
     prompt_prefix: str = ""  # absent in the file: none (as llama.cpp reads it)
     pairs: dict[str, LoraPair] = field(default_factory=dict)
 
+    def set_scale(self, scale: float) -> None:
+        """The user scale from now on (every pair's effective scale follows)."""
+        for p in self.pairs.values():
+            rank = p.b.shape[1]
+            p.scale = float(scale * self.alpha / rank if self.alpha else scale)
+        self.scale = float(scale)
+
     def info(self) -> dict[str, Any]:
         """What llama-server's ``/lora-adapters`` shows of an adapter."""
         return {"path": self.path, "scale": self.scale, "task_name": self.task_name,

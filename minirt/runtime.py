@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -901,6 +902,24 @@ class Model:
             return fmt.chat_chunks(self, self._stream_seq(seq), cid, created, logprobs, seq.parser)
         c = self.chat(messages, max_tokens, tools=tools, **kw)
         return fmt.chat_dict(self, c, cid, created, logprobs)
+
+    def set_lora_scales(self, scales: dict[int, float]) -> None:
+        """Set the scale of each loaded LoRA adapter by index (llama-server's ``POST /lora-adapters``):
+        adapters not named get 0, as there. Takes effect from the next forward pass, also for running
+        requests; cached prefixes (computed with the old scales) are dropped."""
+        if not isinstance(scales, dict):
+            raise InvalidRequestError("LoRA scales must be a mapping of adapter index to scale")
+        n = len(self.lora_adapters)
+        for i, v in scales.items():
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                raise InvalidRequestError(f"no LoRA adapter with id {i!r} (the model has {n})")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidRequestError(f"LoRA adapter {i}: the scale must be a finite number, got {v!r}")
+        with self._step_lock:
+            for i, ad in enumerate(self.lora_adapters):
+                ad.set_scale(float(scales.get(i, 0.0)))
+            self.cache_pool.clear()
+            self._fingerprint = None
 
     # -- state save / load -----------------------------------------------------------------------
     def fingerprint(self) -> str:

@@ -720,11 +720,14 @@ async def _off_loop(size: int, fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(_parse_pool, fn, *args)
 
 
-def _decode_json(raw: bytes) -> dict[str, Any]:
+def _decode_json(raw: bytes, array: bool = False) -> Any:
+    """A JSON object (``array``: or an array, as ``POST /lora-adapters`` takes)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise HTTPError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if array and isinstance(body, list):
+        return body
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
     return body
@@ -736,11 +739,11 @@ def _parse_request(raw: bytes, state: ServerState, parse: Callable[[dict[str, An
     return parse(body, _check_model(body, state))
 
 
-async def _read_json(request: Any, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, refusing bodies over ``limit`` bytes before reading them
-    (decoded off the event loop when big)."""
+async def _read_json(request: Any, limit: int, array: bool = False) -> Any:
+    """The request body as a JSON object (``array``: or array), refusing bodies over ``limit`` bytes
+    before reading them (decoded off the event loop when big)."""
     raw = await _read_body(request, limit)
-    return await _off_loop(len(raw), _decode_json, raw)
+    return await _off_loop(len(raw), _decode_json, raw, array)
 
 
 async def _read_body(request: Any, limit: int) -> bytes:

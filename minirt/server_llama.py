@@ -289,6 +289,26 @@ def props(llm: Model, state: ServerState, name: str) -> dict[str, Any]:
     }
 
 
+def lora_adapters(llm: Model) -> list[dict[str, Any]]:
+    """``GET /lora-adapters``: the loaded adapters as llama-server lists them."""
+    return [{"id": i, "path": ad.path, "scale": ad.scale, "task_name": ad.task_name or "",
+             "prompt_prefix": ad.prompt_prefix} for i, ad in enumerate(llm.lora_adapters)]
+
+
+def set_lora_adapters(llm: Model, body: Any) -> dict[str, Any]:
+    """``POST /lora-adapters`` with ``[{"id": 0, "scale": 0.5}, ...]``: adapters not named get scale 0."""
+    if not isinstance(body, list) or not all(isinstance(e, dict) for e in body):
+        raise InvalidRequestError("the body must be an array of {\"id\": ..., \"scale\": ...} objects")
+    scales: dict[int, float] = {}
+    for e in body:
+        i = e.get("id", -1)
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise InvalidRequestError(f"a LoRA adapter id must be an integer, got {i!r}")
+        scales[i] = e.get("scale", 0.0)
+    llm.set_lora_scales(scales)
+    return {"success": True}
+
+
 def slots(llm: Model) -> list[dict[str, Any]]:
     """``GET /slots``: ``n_parallel`` slots; the running requests fill the first ones."""
     sched = llm.scheduler
@@ -402,6 +422,13 @@ def routes(state: ServerState, endpoint: Callable[..., Any]) -> list[Any]:
         body = await _read_json(request, state.max_body_bytes) if action != "erase" else {}
         return JSONResponse(await with_model(request, body, slot_action, state, id_slot, action, body))
 
+    async def lora_get_ep(request: Any) -> Any:
+        return JSONResponse(await with_model(request, {}, lora_adapters))
+
+    async def lora_post_ep(request: Any) -> Any:
+        body = await _read_json(request, state.max_body_bytes, array=True)
+        return JSONResponse(await with_model(request, {}, set_lora_adapters, body))
+
     async def metrics_ep(request: Any) -> Any:
         if state.metrics is None:
             raise HTTPError(501, "metrics need prometheus-client: pip install 'minirt[server]'",
@@ -419,6 +446,8 @@ def routes(state: ServerState, endpoint: Callable[..., Any]) -> list[Any]:
         Route("/slots", endpoint(slots_ep), methods=["GET"]),
         Route("/slots/{id}", endpoint(slot_action_ep), methods=["POST"]),
         Route("/metrics", endpoint(metrics_ep), methods=["GET"]),
+        Route("/lora-adapters", endpoint(lora_get_ep), methods=["GET"]),
+        Route("/lora-adapters", endpoint(lora_post_ep), methods=["POST"]),
     ]
 
 

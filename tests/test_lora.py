@@ -160,3 +160,50 @@ def test_bad_lora_arguments(tiny, bad) -> None:  # type: ignore[no-untyped-def]
     d, _, _ = tiny
     with pytest.raises(InvalidRequestError):
         minirt.load(str(d / "base.gguf"), pull=False, lora=bad)
+
+
+def test_set_scales_equals_loading_with_them(tiny) -> None:  # type: ignore[no-untyped-def]
+    """``set_lora_scales`` (llama-server's POST /lora-adapters): the logits of loading with that
+    scale; unnamed adapters get 0 (the base model); the prefix cache and fingerprint follow."""
+    d, _, _ = tiny
+    ids = [1, 5, 9, 14, 3]
+    with minirt.load(str(d / "base.gguf"), pull=False, lora=str(d / "adapter.gguf")) as llm, \
+            minirt.load(str(d / "base.gguf"), pull=False, lora=[(str(d / "adapter.gguf"), 0.5)]) as half, \
+            minirt.load(str(d / "base.gguf"), pull=False) as base:
+        llm.generate(ids, max_tokens=2, temperature=0.0)  # leaves a cached prefix
+        fp = llm.fingerprint()
+        llm.set_lora_scales({0: 0.5})
+        assert llm.cache_pool.tokens() == 0 and llm.fingerprint() == half.fingerprint() != fp
+        np.testing.assert_allclose(llm.logits(ids), half.logits(ids), rtol=1e-5, atol=1e-5)
+        llm.set_lora_scales({})
+        np.testing.assert_allclose(llm.logits(ids), base.logits(ids), rtol=1e-5, atol=1e-5)
+        assert llm.lora_adapters[0].info()["scale"] == 0.0
+        for bad in ({1: 1.0}, {0: float("inf")}, {"0": 1.0}, [(0, 1.0)]):
+            with pytest.raises(InvalidRequestError):
+                llm.set_lora_scales(bad)  # type: ignore[arg-type]
+
+
+def test_lora_adapters_routes(tiny) -> None:  # type: ignore[no-untyped-def]
+    httpx = pytest.importorskip("httpx", reason="the server tests need httpx")
+    pytest.importorskip("starlette", reason="the server needs starlette")
+    from minirt.server import BackgroundServer, build_app
+
+    d, _, _ = tiny
+    ids = [1, 5, 9, 14, 3]
+    with minirt.load(str(d / "base.gguf"), pull=False, lora=str(d / "adapter.gguf")) as llm, \
+            minirt.load(str(d / "base.gguf"), pull=False) as base:
+        want_base = base.generate(ids, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids
+        app = build_app(llm, model_id="tiny")
+        with BackgroundServer(app) as srv:
+            got = httpx.get(srv.url + "/lora-adapters", timeout=30).json()
+            assert got == [{"id": 0, "path": str(d / "adapter.gguf"), "scale": 1.0, "task_name": "test-task",
+                            "prompt_prefix": ""}]
+            r = httpx.post(srv.url + "/lora-adapters", json=[{"id": 0, "scale": 0.0}], timeout=30)
+            assert r.status_code == 200 and r.json() == {"success": True}
+            assert httpx.get(srv.url + "/lora-adapters", timeout=30).json()[0]["scale"] == 0.0
+            r = httpx.post(srv.url + "/completion", json={"prompt": ids, "n_predict": 4, "temperature": 0,
+                                                          "ignore_eos": True}, timeout=60)
+            assert r.json()["tokens"] == want_base
+            for bad in ({"id": 0}, [{"id": 7, "scale": 1}], [{"id": [0], "scale": 1}], [3]):
+                r = httpx.post(srv.url + "/lora-adapters", json=bad, timeout=30)
+                assert r.status_code == 400, (bad, r.text)
