@@ -69,6 +69,7 @@ HOST_PATH = {
     "phi3": "RoPE with a magnitude factor",
     "gemma4": "per-layer inputs or layers with different KV shapes",
     "lfm2": "a short convolution mixer",
+    "lfm2moe": "a short convolution mixer",
     "qwen35": "a gated delta-net mixer or a gated attention output",
     "qwen35moe": "a gated delta-net mixer or a gated attention output",
     # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)

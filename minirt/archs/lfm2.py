@@ -7,7 +7,10 @@ converter writes one value per layer). Its mixer (:class:`minirt.blocks.ShortCon
 ``shortconv.l_cache`` taps (``shortconv.conv``). Attention layers have per-head q/k RMSNorm and
 NEOX RoPE. The final norm is the file's ``token_embd_norm`` (the converter's name for it).
 
-The MoE variant (``lfm2moe``) is not described here.
+The MoE variant (``lfm2moe``, LFM2-8B-A1B / LFM2-24B-A2B) has the same mixers; its first
+``leading_dense_block_count`` layers keep the dense SwiGLU MLP and the others a mixture of experts:
+sigmoid router (``expert_gating_func``), selection bias ``exp_probs_b``, top-k weights renormalised
+(unless the file's ``expert_weights_norm`` says otherwise; the converter writes none).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .base import (
     linear,
     meta_int,
     meta_layers,
+    moe_ffn,
     norm,
     read_hparams,
     register,
@@ -38,7 +42,17 @@ MAX_TAPS = 64
 
 @register("lfm2")
 def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    return _describe(f, moe=False)
+
+
+@register("lfm2moe")
+def describe_moe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    return _describe(f, moe=True)
+
+
+def _describe(f: GGUFFile, moe: bool) -> ModelDesc:
     hp = read_hparams(f, varying=("attention.head_count_kv",))
+    dense = meta_int(f, "leading_dense_block_count", 0, lo=0, hi=hp.n_layer) if moe else hp.n_layer
     d, eps = hp.n_embd, hp.rms_eps
     heads_kv = meta_layers(f, "attention.head_count_kv", hp.n_layer) or [hp.n_head_kv] * hp.n_layer
     taps = meta_int(f, "shortconv.l_cache", 3, lo=2, hi=MAX_TAPS)
@@ -61,6 +75,7 @@ def describe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
                 raise GGUFError(f"{f.path}: layer {i}: head_count {hp.n_head} is not a multiple of head_count_kv {hk}")
             mixer = attention(f, i, dataclasses.replace(hp, n_head_kv=hk), rope, qk_norm=True, window=window,
                               bias=False, out_bias=False)
+        mlp = gated_mlp(f, i, hp) if i < dense else moe_ffn(f, i, hp, norm_topk=True)
         blocks.append(Block(attn_norm=norm(f, p + "attn_norm", d, eps), attn=mixer,
-                            ffn_norm=norm(f, p + "ffn_norm", d, eps), mlp=gated_mlp(f, i, hp)))
+                            ffn_norm=norm(f, p + "ffn_norm", d, eps), mlp=mlp))
     return decoder(f, hp, blocks, output_norm_name="token_embd_norm")

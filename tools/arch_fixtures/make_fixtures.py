@@ -266,6 +266,18 @@ ARCHS: dict[str, dict[str, Any]] = {
                     block_ffn_dim_multiplier=1.0,
                     layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "lfm2moe": dict(
+        config="Lfm2MoeConfig", model="Lfm2MoeForCausalLM", no_repack=True, tokenizer="bpe", pre="lfm2",
+        # sigmoid routing: x8 routers saturate most experts' scores near 1 (near ties again); x3 spreads them
+        scale={"feed_forward.gate.weight": 3.0}, buffers={"expert_bias": 0.1},
+        features="LFM2-MoE (LFM2-8B-A1B layout): 4 layers conv, full, conv, full; layer 0 dense (FFN 512), "
+                 "then 4 experts top-2 of FFN 256 with sigmoid routing, a selection bias (expert_bias) and "
+                 "renormalised weights; GQA 4/2 with per-head q/k RMSNorm, tied, BPE vocab",
+        kwargs=dict(_common(layers=4, tied=True), intermediate_size=512, moe_intermediate_size=256, norm_eps=1e-5,
+                    conv_L_cache=3, conv_bias=False, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                    use_expert_bias=True, routed_scaling_factor=1.0, norm_topk_prob=True,
+                    layer_types=["conv", "full_attention", "conv", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # Qwen3.5: gated delta-net layers between gated attention layers; 2 key heads / 4 value heads so the
     # converter's tiled value-head order (value head j reads key head j mod 2) is exercised
     "qwen35": dict(
@@ -464,6 +476,12 @@ def build_hf(spec: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = getattr(transformers, spec["model"])(config).to(torch.float32)
     reinit(model, seed, spec.get("scale"))
+    gen = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():  # buffers the file carries (e.g. LFM2-MoE's expert selection bias): N(0, sd)
+        for key, sd in (spec.get("buffers") or {}).items():
+            for name, b in sorted(model.named_buffers()):
+                if key in name:
+                    b.copy_(torch.randn(b.shape, generator=gen) * sd)
     model.save_pretrained(str(out), safe_serialization=True)
     return json.loads((out / "config.json").read_text())
 
