@@ -322,7 +322,9 @@ class GatedDeltaNet:
         q, k, v = split(qkv)                         (T, Hk, Dk), (T, Hk, Dk), (T, Hv, Dv); q, k L2-normalised
         g = a · softplus(alpha_proj(h) + dt_bias)    (T, Hv) log decay, a = −exp(A_log) as the file stores it
         beta = sigmoid(beta_proj(h))                 (T, Hv)
-        per value head j (key head j mod Hk, the file's tiled order), state S (Dk, Dv), from zeros:
+        per value head j (key head j mod Hk, Qwen3.5's tiled order; Qwen3-Next: ``grouped``, key head
+        j // (Hv/Hk), with beta and alpha from one ``ba_proj`` holding per key head [beta (Hv/Hk), alpha
+        (Hv/Hk)] rows), state S (Dk, Dv), from zeros:
             S = exp(g_t) · S;  S += k_t ⊗ beta_t · (v_t − Sᵀ k_t);  o_t = Sᵀ q_t / sqrt(Dk)
         out = out_proj(rmsnorm(o) · norm.weight · silu(z_proj(h)))   (norm over each head's Dv)
 
@@ -333,8 +335,8 @@ class GatedDeltaNet:
 
     qkv_proj: Linear  # (conv_dim, d)
     z_proj: Linear  # (Hv·Dv, d)
-    beta_proj: Linear  # (Hv, d)
-    alpha_proj: Linear  # (Hv, d)
+    beta_proj: Linear | None  # (Hv, d); None with ba_proj
+    alpha_proj: Linear | None  # (Hv, d); None with ba_proj
     dt_bias: np.ndarray  # (Hv,) float32
     a: np.ndarray  # (Hv,) float32, negative
     conv: np.ndarray  # (conv_dim, taps) float32
@@ -344,6 +346,8 @@ class GatedDeltaNet:
     n_v_heads: int
     head_dim_k: int
     head_dim_v: int
+    ba_proj: Linear | None = None  # (2·Hv, d): per key head [beta rows, alpha rows] (Qwen3-Next)
+    grouped: bool = False  # value head j reads key head j // (Hv/Hk) instead of j mod Hk
     rope = None  # what generic code reads of a mixer: no positions, no rows in the KV cache, causal
     kv_source = None
     causal = True
@@ -581,7 +585,8 @@ class ModelDesc:
             if isinstance(a, ShortConv):
                 out += [a.in_proj, a.out_proj]
             elif isinstance(a, GatedDeltaNet):
-                out += [a.qkv_proj, a.z_proj, a.beta_proj, a.alpha_proj, a.out_proj]
+                out += [lin for lin in (a.qkv_proj, a.z_proj, a.beta_proj, a.alpha_proj, a.ba_proj, a.out_proj)
+                        if lin is not None]
             else:
                 out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
             if isinstance(m, MoE):

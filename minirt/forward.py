@@ -260,8 +260,13 @@ class Transformer:
         Hk, Hv, Dk, Dv, L = g.n_k_heads, g.n_v_heads, g.head_dim_k, g.head_dim_v, g.taps
         mixed = self.mm(g.qkv_proj, h)  # (T, conv_dim)
         z = self.mm(g.z_proj, h).reshape(T, Hv, Dv)
-        beta = sigmoid(self.mm(g.beta_proj, h))  # (T, Hv)
-        decay = np.exp(g.a * np.logaddexp(0.0, self.mm(g.alpha_proj, h) + g.dt_bias)).astype(np.float32)
+        if g.ba_proj is not None:  # per key head: its value heads' beta rows, then their alpha rows
+            ba = self.mm(g.ba_proj, h).reshape(T, Hk, 2, Hv // Hk)
+            b_in, a_in = ba[:, :, 0].reshape(T, Hv), ba[:, :, 1].reshape(T, Hv)
+        else:
+            b_in, a_in = self.mm(g.beta_proj, h), self.mm(g.alpha_proj, h)  # type: ignore[arg-type]
+        beta = sigmoid(b_in)  # (T, Hv)
+        decay = np.exp(g.a * np.logaddexp(0.0, a_in + g.dt_bias)).astype(np.float32)
         o = np.empty((T, Hv, Dv), dtype=np.float32)
         w = g.conv.T  # (taps, conv_dim): tap j multiplies position t − taps + 1 + j
         for seg, s0, p0 in ctx.spans:
@@ -275,8 +280,11 @@ class Transformer:
             q = l2_normalize(x[:, :Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
             k = l2_normalize(x[:, Hk * Dk:2 * Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
             v = x[:, 2 * Hk * Dk:].reshape(n, Hv, Dv)
-            rep = Hv // Hk  # value head j reads key head j mod Hk (tiled)
-            q, k = np.tile(q, (1, rep, 1)) * np.float32(1.0 / np.sqrt(Dk)), np.tile(k, (1, rep, 1))
+            rep = Hv // Hk  # value head j reads key head j mod Hk (tiled) or j // rep (grouped)
+            if g.grouped:
+                q, k = np.repeat(q, rep, axis=1) * np.float32(1.0 / np.sqrt(Dk)), np.repeat(k, rep, axis=1)
+            else:
+                q, k = np.tile(q, (1, rep, 1)) * np.float32(1.0 / np.sqrt(Dk)), np.tile(k, (1, rep, 1))
             dr, bt = decay[s0:s0 + n], beta[s0:s0 + n]
             if n > 1:  # the state before the last token: a prompt's reusable prefix (CachePool.acquire)
                 m = n - 1

@@ -72,6 +72,7 @@ HOST_PATH = {
     "lfm2moe": "a short convolution mixer",
     "qwen35": "a gated delta-net mixer or a gated attention output",
     "qwen35moe": "a gated delta-net mixer or a gated attention output",
+    "qwen3next": "a gated delta-net mixer or a gated attention output",
     # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)
     "gpt_oss": "a mixture-of-experts feed-forward",
     "granitemoe": "a logit scale",
@@ -177,6 +178,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
             return (SV,)
         if kind in ("ssm_dt", "ssm_beta", "ssm_alpha"):
             return (SV,) if part == "bias" else (SV, D)
+        if kind == "ssm_ba":  # Qwen3-Next: beta and alpha rows of every value head
+            return (2 * SV, D)
         if kind == "ssm_conv1d":
             return (conv_dim, shape0[1])
         if kind == "ssm_norm":
@@ -185,7 +188,7 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
             return (D, SV * SK)
         if kind == "attn_gate":
             return (SV * SK, D)
-        if kind == "attn_qkv" and arch.startswith("qwen35"):
+        if kind == "attn_qkv" and (arch.startswith("qwen35") or arch == "qwen3next"):
             return (conv_dim, D)
         if kind == "attn_q" and shape0[0] == 2 * h0 * dk0:  # Qwen3.5: each head's query and output gate
             return (2 * q_rows, D)

@@ -14,6 +14,11 @@ input), ``attn_gate`` (the output gate z), ``ssm_beta`` / ``ssm_alpha``, ``ssm_d
 key heads and ``ssm.time_step_rank`` value heads of ``ssm.state_size`` (the converter stores value heads
 in tiled order: value head j reads key head j mod group_count).
 
+Qwen3-Next (``qwen3next``) has the same layers and MoE: the converter reorders its interleaved
+``in_proj_qkvz`` into the same ``attn_qkv`` / ``attn_gate`` but keeps the value heads grouped by key head
+(value head j reads key head j // (value heads / key heads)), and its beta / alpha projection is one
+``ssm_ba`` with, per key head, the beta rows then the alpha rows of its value heads.
+
 Multi-token prediction layers (``nextn_predict_layers``, stored after the main ones) are not run.
 """
 
@@ -54,7 +59,7 @@ def _recurrent_layers(f: GGUFFile, n_layer: int) -> list[bool]:
     return [(i + 1) % every != 0 for i in range(n_layer)]
 
 
-def _delta_net(f: GGUFFile, i: int, hp: HParams) -> GatedDeltaNet:
+def _delta_net(f: GGUFFile, i: int, hp: HParams, grouped: bool = False) -> GatedDeltaNet:
     p, d = f"blk.{i}.", hp.n_embd
     taps = meta_int(f, "ssm.conv_kernel", required=True, lo=2, hi=MAX_TAPS)
     Dk = meta_int(f, "ssm.state_size", required=True, hi=MAX_STATE)
@@ -70,10 +75,13 @@ def _delta_net(f: GGUFFile, i: int, hp: HParams) -> GatedDeltaNet:
     a = vector(f, p + "ssm_a", Hv)
     if not np.all(a <= 0):
         raise GGUFError(f"{f.path}: {p}ssm_a must be −exp(A_log) (no positive values)")
+    fused_ba = p + "ssm_ba.weight" in f.tensors  # Qwen3-Next: per key head [beta, alpha] rows
     return GatedDeltaNet(qkv_proj=linear(f, p + "attn_qkv", conv_dim, d, bias=False),
                          z_proj=linear(f, p + "attn_gate", Hv * Dv, d, bias=False),
-                         beta_proj=linear(f, p + "ssm_beta", Hv, d, bias=False),
-                         alpha_proj=linear(f, p + "ssm_alpha", Hv, d, bias=False),
+                         beta_proj=None if fused_ba else linear(f, p + "ssm_beta", Hv, d, bias=False),
+                         alpha_proj=None if fused_ba else linear(f, p + "ssm_alpha", Hv, d, bias=False),
+                         ba_proj=linear(f, p + "ssm_ba", 2 * Hv, d, bias=False) if fused_ba else None,
+                         grouped=grouped,
                          dt_bias=vector(f, p + "ssm_dt.bias", Hv), a=a,
                          conv=np.ascontiguousarray(w, dtype=np.float32),
                          norm=norm(f, p + "ssm_norm", Dv, hp.rms_eps),
@@ -81,7 +89,7 @@ def _delta_net(f: GGUFFile, i: int, hp: HParams) -> GatedDeltaNet:
                          n_k_heads=Hk, n_v_heads=Hv, head_dim_k=Dk, head_dim_v=Dv)
 
 
-def _describe(f: GGUFFile, moe: bool) -> ModelDesc:
+def _describe(f: GGUFFile, moe: bool, grouped: bool = False) -> ModelDesc:
     hp = read_hparams(f)
     if hp.head_dim_k != hp.head_dim_v:
         raise GGUFError(f"{f.path}: key and value head sizes differ ({hp.head_dim_k}, {hp.head_dim_v})")
@@ -92,7 +100,7 @@ def _describe(f: GGUFFile, moe: bool) -> ModelDesc:
     for i, rec in enumerate(_recurrent_layers(f, hp.n_layer)[:n_main]):
         p = f"blk.{i}."
         if rec:
-            mixer: Attention | GatedDeltaNet = _delta_net(f, i, hp)
+            mixer: Attention | GatedDeltaNet = _delta_net(f, i, hp, grouped)
         else:  # attn_q is (H · 2·Dk, d): each head's query, then its output gate
             mixer = Attention(n_head=H, n_head_kv=Hkv, head_dim_k=Dk, head_dim_v=Dk,
                               wq=linear(f, p + "attn_q", H * 2 * Dk, d, bias=False),
@@ -115,3 +123,8 @@ def describe_qwen35(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
 @register("qwen35moe")
 def describe_qwen35moe(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
     return _describe(f, moe=True)
+
+
+@register("qwen3next")
+def describe_qwen3next(f: GGUFFile, n_ctx: int | None = None) -> ModelDesc:
+    return _describe(f, moe=True, grouped=True)

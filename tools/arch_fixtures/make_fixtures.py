@@ -303,6 +303,21 @@ ARCHS: dict[str, dict[str, Any]] = {
                     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
                     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                      "mrope_section": [3, 3, 2], "mrope_interleaved": True})),
+    "qwen3next": dict(
+        config="Qwen3NextConfig", model="Qwen3NextForCausalLM", no_repack=True, scale=ROUTER("mlp.gate.weight"),
+        tokenizer="bpe", pre="qwen2", convert_args=("--no-mtp",),
+        features="Qwen3-Next: linear, linear, linear, full; gated delta-net with the converter's reordered qkvz "
+                 "(value head j reads key head j // 2) and fused beta/alpha rows, gated attention with per-head "
+                 "q/k RMSNorm (1 + w norms), partial RoPE 0.25; 4 experts top-2 (softmax, renormalised), expert "
+                 "FFN 256, shared expert FFN 256 with sigmoid gate, BPE vocab",
+        kwargs=dict(_common(layers=4), rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                    shared_expert_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1,
+                    mlp_only_layers=[],
+                    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                     "partial_rotary_factor": 0.25})),
     "gemma4": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         # attention scale is 1 (q/k are RMS-normed): q/k norm weights ~1/3 keep q.k ~ N(0, 1) instead of a
