@@ -390,6 +390,36 @@ class MLP:
 
 
 @dataclass
+class ParallelMoE:
+    """Gemma 4's MoE layers: a dense MLP and a mixture of experts side by side on the block's
+    residual x (T, d), each with its own norms::
+
+        y = post_1(mlp(pre_1(x))) + post_2(experts(pre_2(x)))      (the block's post-FFN norm follows)
+
+    The experts' router reads ``rmsnorm(x) · router_scale`` (``router_scale`` holds the file's scale
+    vector times d^-0.5), softmax, top-k renormalised; each chosen expert's weight is multiplied by
+    its ``expert_scale``."""
+
+    mlp: MLP
+    moe: MoE
+    pre_1: Norm
+    post_1: Norm
+    pre_2: Norm
+    post_2: Norm
+    router_norm: Norm  # RMSNorm without gain
+    router_scale: np.ndarray  # (d,) float32
+    expert_scale: np.ndarray  # (n_expert,) float32
+
+    @property
+    def n_ff(self) -> int:
+        return self.mlp.n_ff
+
+    def linears(self) -> list[Linear]:
+        return ([self.mlp.gate] if self.mlp.gate is not None else []) + [self.mlp.up, self.mlp.down] + \
+            self.moe.linears()
+
+
+@dataclass
 class Router:
     """Which experts each token goes to, and with what weight.
 
@@ -499,7 +529,7 @@ class Block:
     """
 
     attn: Attention | ShortConv | GatedDeltaNet
-    mlp: MLP | MoE
+    mlp: MLP | MoE | ParallelMoE
     attn_norm: Norm | None = None
     post_attn_norm: Norm | None = None
     ffn_norm: Norm | None = None
@@ -589,7 +619,7 @@ class ModelDesc:
                         if lin is not None]
             else:
                 out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
-            if isinstance(m, MoE):
+            if isinstance(m, (MoE, ParallelMoE)):
                 out += m.linears()
             else:
                 out += ([m.gate] if m.gate is not None else []) + [m.up, m.down]

@@ -25,11 +25,13 @@ from .blocks import (
     ModelDesc,
     MoE,
     Norm,
+    ParallelMoE,
     Rope,
     ShortConv,
     activation,
     apply_rope,
     l2_normalize,
+    route,
     sigmoid,
     silu,
 )
@@ -220,6 +222,21 @@ class Transformer:
         m = b.mlp
         if isinstance(m, MoE):
             return self.backend.moe(h, m)
+        if isinstance(m, ParallelMoE):
+            return self.parallel_moe(m, h)
+        return self.dense(m, h)
+
+    def parallel_moe(self, m: ParallelMoE, x: np.ndarray) -> np.ndarray:
+        """Gemma 4's dense MLP and experts side by side on the residual x (T, d) → (T, d)."""
+        y = self.norm(self.dense(m.mlp, self.norm(x, m.pre_1)), m.post_1)
+        r = m.moe.router
+        ids, w = route(self.mm(r.gate, self.norm(x, m.router_norm) * m.router_scale), r)
+        w *= m.expert_scale[ids]
+        e = self.backend.moe_experts(np.ascontiguousarray(self.norm(x, m.pre_2)), m.moe, ids, w)
+        return y + self.norm(e, m.post_2)
+
+    def dense(self, m: Any, h: np.ndarray) -> np.ndarray:
+        """A dense MLP (:class:`minirt.blocks.MLP`) of h (T, d)."""
         u = self.mm(m.up, h)
         if m.gate is None:
             return self.mm(m.down, self.backend.activation(u, m.act, m.act_params))

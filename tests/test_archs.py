@@ -29,7 +29,7 @@ import pytest
 
 import minirt
 from minirt.archs import supported
-from minirt.blocks import GatedDeltaNet, MoE
+from minirt.blocks import GatedDeltaNet, MoE, ParallelMoE
 from tests.arch_parity import ARCH_DIR, QUANTS, compare, decode_logits, fixtures, rel_rms, same_routing_positions
 
 ARCHS = fixtures()
@@ -96,10 +96,11 @@ def test_decode_steps_run_fused_and_match(arch, quant):
     path = d / meta["files"][quant]["file"]
     if native.available():  # F16 matrices run there too (dequantized rows, float dots)
         with minirt.load(str(path), n_ctx=64, backend="native") as llm:
-            # mixtures of experts decode layer by layer (per-op matmuls of the chosen experts only), and so
-            # do Qwen3.5's delta-net layers and gated attention (no fused kernel for them yet)
+            # mixtures of experts (Gemma 4's beside a dense MLP too) decode layer by layer (per-op matmuls of
+            # the chosen experts only), and so do Qwen3.5's delta-net layers and gated attention (no fused
+            # kernel for them yet)
             blocks = llm.model.desc.blocks
-            per_op = any(isinstance(b.mlp, MoE) or isinstance(b.attn, GatedDeltaNet) for b in blocks)
+            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, GatedDeltaNet) for b in blocks)
             assert (llm.model.native_stack is None) == per_op, f"{arch}: fused decode step prepared: {not per_op}"
     ours = decode_logits(path, tokens, n0)  # (n_seq, T - n0, V): logits after positions n0-1 .. T-2
     hf = ref["hf"][:, n0 - 1:-1]

@@ -12,7 +12,12 @@ attention, plus:
 - per-layer MLP widths (``feed_forward_length`` per layer: the shared layers' double-wide MLP),
   ``layer_output_scale`` per block, final logit soft-cap, output tied to the embedding.
 
-The MoE variant (``ffn_gate_inp``: Gemma 4 26B-A4B) is not described here yet and is refused.
+The MoE variant (``ffn_gate_inp``: Gemma 4 26B-A4B) runs the dense MLP and a mixture of experts
+side by side in every such layer (:class:`minirt.blocks.ParallelMoE`): the MLP between ``ffn_norm`` and
+``post_ffw_norm_1``, the experts (fused ``ffn_gate_up_exps``, GELU-tanh, per-expert
+``ffn_down_exps.scale``) between ``pre_ffw_norm_2`` and ``post_ffw_norm_2``, their router on the
+RMS-normed residual times ``ffn_gate_inp.scale`` and d^-0.5 (softmax, top-k renormalised); the sum
+goes through ``post_ffw_norm``.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..blocks import Attention, Block, ModelDesc, Norm, PerLayerGate, PerLayerInputs, Rope
-from ..errors import GGUFError, UnsupportedArchitectureError
+import numpy as np
+
+from ..blocks import Attention, Block, ModelDesc, Norm, ParallelMoE, PerLayerGate, PerLayerInputs, Rope
+from ..errors import GGUFError
 from ..gguf import GGUFFile
 from .base import (
     HParams,
@@ -32,6 +39,7 @@ from .base import (
     meta_float,
     meta_int,
     meta_layers,
+    moe_ffn,
     norm,
     read_hparams,
     register,
@@ -59,8 +67,6 @@ def _kv_sources(local: list[bool], n_shared: int) -> list[int | None]:
 def _block(f: GGUFFile, i: int, hp: HParams, rope: Rope, window: int, source: int | None,
            per_layer: int) -> Block:
     p, d, eps = f"blk.{i}.", hp.n_embd, hp.rms_eps
-    if p + "ffn_gate_inp.weight" in f.tensors:
-        raise UnsupportedArchitectureError("Gemma 4 mixture-of-experts layers (ffn_gate_inp) are not supported yet")
     if source is not None:  # queries only: keys and values are layer `source`'s
         H, Dk = hp.n_head, hp.head_dim_k
         a = Attention(n_head=H, n_head_kv=hp.n_head_kv, head_dim_k=Dk, head_dim_v=hp.head_dim_v,
@@ -80,9 +86,19 @@ def _block(f: GGUFFile, i: int, hp: HParams, rope: Rope, window: int, source: in
         else:
             a = attention(f, i, hp, rope, qk_norm=True, window=window, bias=False, out_bias=False, scale=1.0)
         a.v_norm = Norm(None, eps)
+    mlp = gated_mlp(f, i, hp, act="gelu_tanh")
+    ffn_norm: Norm | None = norm(f, p + "ffn_norm", d, eps)
+    if p + "ffn_gate_inp.weight" in f.tensors:  # 26B-A4B: the dense MLP and the experts side by side
+        moe = moe_ffn(f, i, hp, norm_topk=True, act="gelu_tanh")
+        mlp = ParallelMoE(mlp=mlp, moe=moe, pre_1=ffn_norm, post_1=norm(f, p + "post_ffw_norm_1", d, eps),
+                          pre_2=norm(f, p + "pre_ffw_norm_2", d, eps), post_2=norm(f, p + "post_ffw_norm_2", d, eps),
+                          router_norm=Norm(None, eps),
+                          router_scale=vector(f, p + "ffn_gate_inp.scale", d) * np.float32(d ** -0.5),
+                          expert_scale=vector(f, p + "ffn_down_exps.scale", moe.n_expert))
+        ffn_norm = None  # each path has its own
     b = Block(attn_norm=norm(f, p + "attn_norm", d, eps), attn=a,
-              post_attn_norm=norm(f, p + "post_attention_norm", d, eps), ffn_norm=norm(f, p + "ffn_norm", d, eps),
-              mlp=gated_mlp(f, i, hp, act="gelu_tanh"), post_ffn_norm=norm(f, p + "post_ffw_norm", d, eps))
+              post_attn_norm=norm(f, p + "post_attention_norm", d, eps), ffn_norm=ffn_norm,
+              mlp=mlp, post_ffn_norm=norm(f, p + "post_ffw_norm", d, eps))
     if per_layer:
         b.per_layer = PerLayerGate(gate=linear(f, p + "inp_gate", per_layer, d, bias=False),
                                    proj=linear(f, p + "proj", d, per_layer, bias=False),

@@ -336,6 +336,24 @@ ARCHS: dict[str, dict[str, Any]] = {
                     rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                         "rope_theta": 1000000.0},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "gemma4moe": dict(
+        config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
+        no_repack=True,
+        # the router reads its input times d^-0.5: x64 (not ROUTER's x8) gives logits of std ~3, decisive
+        scale={"self_attn.q_norm": 0.33, "self_attn.k_norm": 0.33, "router.proj.weight": 64.0},
+        features="Gemma 4 MoE (26B-A4B layout): 4 layers s,f,s,f (window 16), sliding head_dim 64 / global 128, "
+                 "proportional partial rope on global layers; every layer a dense GeGLU MLP (FFN 256) beside 4 "
+                 "experts top-2 (FFN 256) with their own pre/post norms, the router on the RMS-normed residual "
+                 "(scale vector, d^-0.5), softmax, renormalised, per-expert scales; final softcap 30, tied, "
+                 "gemma4 vocab",
+        kwargs=dict(_common(layers=4, tied=True), rms_norm_eps=1e-6, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    global_head_dim=128, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                    hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=False,
+                    enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=256,
+                    rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                        "rope_theta": 1000000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 

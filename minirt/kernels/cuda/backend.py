@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ...blocks import GatedDeltaNet, MoE, ShortConv
+from ...blocks import GatedDeltaNet, MoE, ParallelMoE, ShortConv
 from ...errors import BackendError
 from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
@@ -501,7 +501,7 @@ class CudaBackend(Backend):
         b0 = desc.blocks[0]
         for i, b in enumerate(desc.blocks):
             a, m = b.attn, b.mlp
-            if isinstance(m, MoE) or isinstance(b0.mlp, MoE):
+            if isinstance(m, (MoE, ParallelMoE)) or isinstance(b0.mlp, (MoE, ParallelMoE)):
                 return f"layer {i}: a mixture-of-experts feed-forward"
             norms = [b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm]
             if b.parallel or b.residual_scale != 1.0:
