@@ -61,6 +61,17 @@ def _layer_types(n: int, pattern: int) -> list[str]:
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
+def _gemma4_kw(layers: int, **extra: Any) -> dict[str, Any]:
+    """Gemma 4 fixtures' shared config: sliding (window 16) / full layers alternating, global head_dim 128
+    with "proportional" partial RoPE, final softcap 30, GELU-tanh, tied."""
+    return dict(_common(layers=layers, tied=True), rms_norm_eps=1e-6, sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                global_head_dim=128, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, **extra)
+
+
 def ROUTER(name: str) -> dict[str, float]:  # noqa: N802 (reads like a constant in the table)
     """Router weights x8 (logits with a standard deviation of about 4 over the experts, as trained
     routers are decisive): with N(0, 0.05) routers the top-k choice is a near tie at many positions
@@ -327,15 +338,9 @@ ARCHS: dict[str, dict[str, Any]] = {
                  "head_dim 128, global rope 'proportional' partial 0.25 theta 1e6 (rope_freqs.weight), local theta "
                  "10000, per-layer token embeddings (64 per layer), last 2 layers reuse earlier KV, double-wide MLP "
                  "on KV-shared layers, q/k/v norms (q/k norm weights ~0.33), final softcap 30, tied, gemma4 vocab",
-        kwargs=dict(_common(layers=6, tied=True), rms_norm_eps=1e-6, sliding_window=16,
-                    # llama.cpp's KV reuse takes the last non-shared layer as full and the one before as sliding
-                    layer_types=["sliding_attention", "full_attention"] * 3,
-                    global_head_dim=128, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
-                    vocab_size_per_layer_input=512, hidden_size_per_layer_input=64, num_kv_shared_layers=2,
-                    use_double_wide_mlp=True, attention_k_eq_v=False,
-                    rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                                        "rope_theta": 1000000.0},
-                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        # llama.cpp's KV reuse takes the last non-shared layer as full and the one before as sliding
+        kwargs=_gemma4_kw(6, vocab_size_per_layer_input=512, hidden_size_per_layer_input=64, num_kv_shared_layers=2,
+                          use_double_wide_mlp=True, attention_k_eq_v=False)),
     "gemma4moe": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         no_repack=True,
@@ -346,14 +351,8 @@ ARCHS: dict[str, dict[str, Any]] = {
                  "experts top-2 (FFN 256) with their own pre/post norms, the router on the RMS-normed residual "
                  "(scale vector, d^-0.5), softmax, renormalised, per-expert scales; final softcap 30, tied, "
                  "gemma4 vocab",
-        kwargs=dict(_common(layers=4, tied=True), rms_norm_eps=1e-6, sliding_window=16,
-                    layer_types=["sliding_attention", "full_attention"] * 2,
-                    global_head_dim=128, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
-                    hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=False,
-                    enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=256,
-                    rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                                        "rope_theta": 1000000.0},
-                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        kwargs=_gemma4_kw(4, hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=False,
+                          enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=256)),
 }
 
 
