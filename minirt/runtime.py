@@ -221,6 +221,11 @@ class Model:
         self.file = gguf_mod.open(self.path)
         try:
             self.metadata = self.file.metadata
+            if self.metadata.get("general.type") == "adapter":
+                from .errors import GGUFError
+
+                raise GGUFError(f"{self.path} is a LoRA adapter, not a model: load its base model with "
+                                f"lora={os.fspath(self.path)!r} (--lora on the command line)")
             self.tokenizer = Tokenizer.from_gguf(self.file)
             self.chat_template = ChatTemplate.from_gguf(self.file, self.tokenizer, override=chat_template)
             dflt = kv_types.DEFAULT_CACHE_TYPE

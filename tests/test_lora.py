@@ -155,6 +155,12 @@ def test_broken_adapters_are_refused(tiny, tmp_path, case: str) -> None:  # type
         minirt.load(str(d / "base.gguf"), pull=False, lora=str(p))
 
 
+def test_an_adapter_is_not_a_model(tiny) -> None:  # type: ignore[no-untyped-def]
+    d, _, _ = tiny
+    with pytest.raises(GGUFError, match="is a LoRA adapter, not a model"):
+        minirt.load(str(d / "adapter.gguf"), pull=False)
+
+
 @pytest.mark.parametrize("bad", [3, [("a.gguf", "x")], [("a.gguf", float("nan"))], [("a", 1.0, 2)], [b"a.gguf"]])
 def test_bad_lora_arguments(tiny, bad) -> None:  # type: ignore[no-untyped-def]
     d, _, _ = tiny
