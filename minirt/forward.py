@@ -137,8 +137,17 @@ class Transformer:
     def attach_lora(self, adapters: Sequence[Any]) -> None:
         """Run with these LoRA adapters (:mod:`minirt.lora`) from now on. The fused native decode step
         knows no adapters: decode then runs layer by layer."""
+        from .errors import UnsupportedArchitectureError
         from .lora import LoraSet
 
+        # a mixture of experts runs inside the backend (router, experts and shared expert together)
+        moe = {lin.parent[0] if lin.parent is not None else lin.name
+               for b in self.desc.blocks if isinstance(b.mlp, MoE) for lin in b.mlp.linears()}
+        for ad in adapters:
+            hit = sorted(moe & set(ad.pairs))
+            if hit:
+                raise UnsupportedArchitectureError(f"{ad.path}: LoRA on mixture-of-experts tensors ({hit[0]}) is "
+                                                   "not supported")
         self.lora = LoraSet(adapters) if adapters else None
         if self.lora is not None and self.native_stack is not None:
             self.native_stack = None

@@ -213,3 +213,34 @@ def test_lora_adapters_routes(tiny) -> None:  # type: ignore[no-untyped-def]
             for bad in ({"id": 0}, [{"id": 7, "scale": 1}], [{"id": [0], "scale": 1}], [3]):
                 r = httpx.post(srv.url + "/lora-adapters", json=bad, timeout=30)
                 assert r.status_code == 400, (bad, r.text)
+
+
+def test_lora_on_expert_tensors_is_refused(tmp_path) -> None:
+    """A mixture of experts runs in the backend as a whole (router, experts, shared expert): an adapter on
+    its router is refused with a typed error, one on attention is taken."""
+    from minirt.errors import UnsupportedArchitectureError
+
+    src = Path(__file__).parent / "data" / "archs" / "qwen3moe" / "model-f16.gguf"
+    if not src.exists():
+        pytest.skip("no qwen3moe fixture")
+    f = minirt.gguf.open(str(src))
+
+    def adapter(path: Path, name: str) -> str:
+        out, inp = f.tensors[name].shape
+        w = gguf.GGUFWriter(str(path), "qwen3moe")
+        w.add_type("adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", 1.0)
+        w.add_tensor(name + ".lora_a", np.zeros((2, inp), np.float32))
+        w.add_tensor(name + ".lora_b", np.zeros((out, 2), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(path)
+
+    with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
+        minirt.load(str(src), pull=False, lora=adapter(tmp_path / "a.gguf", "blk.0.ffn_gate_inp.weight"))
+    with minirt.load(str(src), pull=False, lora=adapter(tmp_path / "b.gguf", "blk.0.attn_q.weight")) as llm:
+        assert len(llm.lora_adapters) == 1
+    f.close()
