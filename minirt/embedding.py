@@ -6,15 +6,18 @@ says (mean / first token / last token / none / the reranker's classifier head), 
 projections after pooling and normalizes.
 
 Batching: sequences are packed into forward calls of at most ``n_batch`` tokens (a longer
-sequence goes alone, whole: bidirectional attention needs every position in one pass). Each call
-takes the model's step lock on its own, so generation steps of the scheduler run between them and
-a large embedding request never holds generation up for longer than one batch. Each sequence gets
+sequence goes alone, whole: bidirectional attention needs every position in one pass), the
+sequences of concurrent calls together (:class:`EmbedQueue`). Each call takes the model's step
+lock on its own, so generation steps of the scheduler run between them and a large embedding
+request never holds generation up for longer than one batch. Each sequence gets
 a KV cache of exactly its own length for the duration of its call, nothing sized by ``n_ctx``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -112,43 +115,109 @@ def _check(model: Model, seqs: list[list[int]], truncate: bool, from_text: bool)
     return out
 
 
-def _batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped into forward calls of at most ``budget`` tokens (a longer one alone)."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > budget:
-            groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        groups.append(cur)
-    return groups
+class _Job:
+    """One call's sequences waiting for their hidden states."""
+
+    def __init__(self, seqs: list[list[int]]) -> None:
+        self.seqs = seqs
+        self.out: list[np.ndarray | None] = [None] * len(seqs)
+        self.left = len(seqs)
+        self.error: BaseException | None = None
 
 
-def hidden_states(model: Model, seqs: list[list[int]]) -> list[np.ndarray]:
-    """Final hidden states (n_i, d) of each sequence, in batched forward calls."""
-    tr = model.model
-    c = tr.cfg
-    out: list[np.ndarray | None] = [None] * len(seqs)
-    for group in _batches([len(s) for s in seqs], model.engine.n_batch):
-        caches = [kv_cache_for(c, len(seqs[i])) for i in group]
+class EmbedQueue:
+    """Sequences of concurrent embedding calls packed into shared forward passes.
+
+    Every call queues its sequences; the first caller that finds no pass being run becomes the
+    leader and runs passes of at most ``n_batch`` tokens over the queue in arrival order, other
+    calls' sequences included, until its own are done, then hands over to a waiting caller. So
+    many small concurrent requests (a server's ``/v1/embeddings`` clients) share passes, and no
+    caller waits on work queued after it for longer than its own last pass."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple[_Job, int]] = collections.deque()
+        self._leader = False
+        self.passes = 0  # forward passes run (for tests and stats)
+
+    def hidden_states(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        """Final hidden states (n_i, d) of each sequence."""
+        job = _Job(seqs)
+        if not seqs:
+            return []
+        with self._cv:
+            self._queue.extend((job, i) for i in range(len(seqs)))
+            while job.left and self._leader:
+                self._cv.wait()
+            if not job.left:
+                return self._result(job)
+            self._leader = True
         try:
-            tokens = np.concatenate([np.asarray(seqs[i], dtype=np.int64) for i in group])
-            segs = [Segment(cache, len(seqs[i]), "none") for cache, i in zip(caches, group, strict=True)]
+            while job.left:
+                with self._cv:
+                    group = self._take()
+                self._run(group)
+                with self._cv:
+                    self._cv.notify_all()
+        finally:
+            with self._cv:
+                self._leader = False
+                self._cv.notify_all()
+        return self._result(job)
+
+    @staticmethod
+    def _result(job: _Job) -> list[np.ndarray]:
+        if job.error is not None:
+            raise job.error
+        return job.out  # type: ignore[return-value]
+
+    def _take(self) -> list[tuple[_Job, int]]:
+        """The queue's head: sequences in order up to ``n_batch`` tokens (a longer one alone)."""
+        budget, used, group = self.model.engine.n_batch, 0, []
+        while self._queue:
+            job, i = self._queue[0]
+            n = len(job.seqs[i])
+            if group and used + n > budget:
+                break
+            group.append(self._queue.popleft())
+            used += n
+        return group
+
+    def _run(self, group: list[tuple[_Job, int]]) -> None:
+        """One forward pass over ``group``; its results (or its error) go to each sequence's call."""
+        model, tr = self.model, self.model.model
+        seqs = [job.seqs[i] for job, i in group]
+        caches = [kv_cache_for(tr.cfg, len(s)) for s in seqs]
+        h: np.ndarray | None = None
+        err: BaseException | None = None
+        try:
+            tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
+            segs = [Segment(cache, len(s), "none") for cache, s in zip(caches, seqs, strict=True)]
             with model._step_lock:
                 model._check_open()
                 h = tr.encode(tokens, segs)
+            self.passes += 1
+        except BaseException as e:  # a failed pass fails the calls it served, not the queue
+            err = e
         finally:
             for cache in caches:
                 cache.release()
-        s0 = 0
-        for i in group:
-            out[i] = h[s0:s0 + len(seqs[i])]
-            s0 += len(seqs[i])
-    return out  # type: ignore[return-value]
+        with self._cv:
+            s0 = 0
+            for (job, i), s in zip(group, seqs, strict=True):
+                if err is not None:
+                    job.error = job.error or err
+                else:
+                    job.out[i] = h[s0:s0 + len(s)]  # type: ignore[index]
+                s0 += len(s)
+                job.left -= 1
+
+
+def hidden_states(model: Model, seqs: list[list[int]]) -> list[np.ndarray]:
+    """Final hidden states (n_i, d) of each sequence, in forward passes of at most ``n_batch`` tokens
+    shared with concurrent calls (:class:`EmbedQueue`)."""
+    return model.embed_queue.hidden_states(seqs)
 
 
 def _pool_one(kind: str, h: np.ndarray) -> np.ndarray:

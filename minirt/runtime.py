@@ -266,6 +266,7 @@ class Model:
             self._sched_opts: dict[str, Any] = {}
             self._fingerprint: str | None = None
             self._grammar_engine: Any = None
+            self._embed_queue: Any = None
             # chat content's control-token texts stay text (see _chat_prompt); True: llama.cpp's way
             self.parse_special_content = False
         except BaseException:
@@ -394,6 +395,19 @@ class Model:
         return out
 
     # -- embeddings and reranking (minirt.embedding) ---------------------------------------------------
+    @property
+    def embed_queue(self) -> Any:
+        """Packs the sequences of concurrent embedding calls into shared passes (:mod:`minirt.embedding`)."""
+        q = self._embed_queue
+        if q is None:
+            with self._sched_lock:
+                if self._embed_queue is None:
+                    from .embedding import EmbedQueue
+
+                    self._embed_queue = EmbedQueue(self)
+                q = self._embed_queue
+        return q
+
     def embed(self, texts: str | Seq[str] | Seq[int] | Seq[Seq[int]], normalize: bool = True,
               truncate: bool = True, dimensions: int | None = None) -> Any:
         """Embeddings of ``texts`` (a string, strings, token ids or token-id lists), many per forward

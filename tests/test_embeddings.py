@@ -120,6 +120,64 @@ def test_batched_equals_one_by_one(name: str) -> None:
     np.testing.assert_allclose(together, alone, atol=2e-5)
 
 
+def test_concurrent_calls_share_forward_passes() -> None:
+    """Sequences of concurrent embed calls are packed into shared passes (EmbedQueue): eight
+    threads queued behind a held step lock take at most two passes (what the first leader took
+    before the lock, then the rest together), and each gets what it gets alone."""
+    import threading
+    import time
+
+    name = next((n for n in MODELS if n.startswith("bert")), None)
+    if name is None:
+        pytest.skip("no bert fixture")
+    m = minirt.load(str(DATA / name / "model-f16.gguf"), embedding=True, pull=False)
+    z, _ = ref(name)
+    seqs = (_seqs(z) * 3)[:8]
+    alone = [m.embed([s])[0] for s in seqs]
+    q = m.embed_queue
+    out: dict[int, np.ndarray] = {}
+    before = q.passes
+    taken: list[int] = []  # sizes of the groups the leaders took
+    take = q._take
+    q._take = lambda: (lambda g: (taken.append(len(g)), g)[1])(take())  # type: ignore[method-assign]
+    with m._step_lock:  # nothing runs until every thread has queued
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, m.embed([seqs[i]])[0]))
+                   for i in range(len(seqs))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(taken) + len(q._queue) < len(seqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(timeout=60)
+    assert 1 <= q.passes - before <= 2, q.passes - before  # 8 calls, at most 2 passes
+    for i, want in enumerate(alone):
+        np.testing.assert_allclose(out[i], want, atol=2e-5)
+    m.close()
+
+
+def test_a_failed_pass_fails_its_calls_not_the_queue(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    name = next((n for n in MODELS if n.startswith("bert")), None)
+    if name is None:
+        pytest.skip("no bert fixture")
+    m = minirt.load(str(DATA / name / "model-f16.gguf"), embedding=True, pull=False)
+    good = m.embed("a b c")
+    calls = {"n": 0}
+    real = m.model.encode
+
+    def flaky(*a, **k):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(*a, **k)
+
+    monkeypatch.setattr(m.model, "encode", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        m.embed("a b c")
+    np.testing.assert_allclose(m.embed("a b c"), good, atol=1e-6)  # the queue still serves
+    m.close()
+
+
 def _embed_model() -> minirt.Model:
     name = next((n for n in MODELS if n.startswith("bert")), None)
     if name is None:
