@@ -74,6 +74,11 @@ class Linear:
         self.backend_data: Any = None  # a backend may cache a repacked/uploaded copy here
         self.parent: tuple[str, int] | None = None  # (tensor name, first row) of a row view
 
+    @property
+    def source(self) -> tuple[str, int]:
+        """(tensor name, first row) of the file rows this matrix reads."""
+        return self.parent if self.parent is not None else (self.name, 0)
+
     def experts(self) -> list[Linear]:
         """The per-expert matrices ``(rows, in_features)`` of a 3-D expert tensor, as row views
         named ``<name>[e<i>]`` (zero-copy: a kernel given expert i reads only its bytes)."""
@@ -388,6 +393,9 @@ class MLP:
     def n_ff(self) -> int:
         return self.down.in_features
 
+    def linears(self) -> list[Linear]:
+        return ([self.gate] if self.gate is not None else []) + [self.up, self.down]
+
 
 @dataclass
 class ParallelMoE:
@@ -415,8 +423,7 @@ class ParallelMoE:
         return self.mlp.n_ff
 
     def linears(self) -> list[Linear]:
-        return ([self.mlp.gate] if self.mlp.gate is not None else []) + [self.mlp.up, self.mlp.down] + \
-            self.moe.linears()
+        return self.mlp.linears() + self.moe.linears()
 
 
 @dataclass
@@ -474,8 +481,7 @@ class MoE:
         """Every matrix of this feed-forward (router, experts, shared expert and its gate)."""
         out = [self.router.gate] + (list(self.gate) if self.gate is not None else []) + list(self.up) + list(self.down)
         if self.shared is not None:
-            m = self.shared
-            out += ([m.gate] if m.gate is not None else []) + [m.up, m.down]
+            out += self.shared.linears()
         if self.shared_gate is not None:
             out.append(self.shared_gate)
         return out
@@ -619,10 +625,7 @@ class ModelDesc:
                         if lin is not None]
             else:
                 out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
-            if isinstance(m, (MoE, ParallelMoE)):
-                out += m.linears()
-            else:
-                out += ([m.gate] if m.gate is not None else []) + [m.up, m.down]
+            out += m.linears()
             if b.per_layer is not None:
                 out += [b.per_layer.gate, b.per_layer.proj]
         p = self.pooling

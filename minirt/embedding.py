@@ -143,9 +143,9 @@ class EmbedQueue:
 
     def hidden_states(self, seqs: list[list[int]]) -> list[np.ndarray]:
         """Final hidden states (n_i, d) of each sequence."""
-        job = _Job(seqs)
         if not seqs:
             return []
+        job = _Job(seqs)
         with self._cv:
             self._queue.extend((job, i) for i in range(len(seqs)))
             while job.left and self._leader:

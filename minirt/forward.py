@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .blocks import (
+    MLP,
     Block,
     GatedDeltaNet,
     Linear,
@@ -141,8 +142,7 @@ class Transformer:
         from .lora import LoraSet
 
         # a mixture of experts runs inside the backend (router, experts and shared expert together)
-        moe = {lin.parent[0] if lin.parent is not None else lin.name
-               for b in self.desc.blocks if isinstance(b.mlp, MoE) for lin in b.mlp.linears()}
+        moe = {lin.source[0] for b in self.desc.blocks if isinstance(b.mlp, MoE) for lin in b.mlp.linears()}
         for ad in adapters:
             hit = sorted(moe & set(ad.pairs))
             if hit:
@@ -244,8 +244,8 @@ class Transformer:
         e = self.backend.moe_experts(np.ascontiguousarray(self.norm(x, m.pre_2)), m.moe, ids, w)
         return y + self.norm(e, m.post_2)
 
-    def dense(self, m: Any, h: np.ndarray) -> np.ndarray:
-        """A dense MLP (:class:`minirt.blocks.MLP`) of h (T, d)."""
+    def dense(self, m: MLP, h: np.ndarray) -> np.ndarray:
+        """A dense MLP of h (T, d)."""
         u = self.mm(m.up, h)
         if m.gate is None:
             return self.mm(m.down, self.backend.activation(u, m.act, m.act_params))

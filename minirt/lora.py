@@ -10,8 +10,8 @@ as llama.cpp's ``build_lora_mm`` does. The token embedding's pair is stored flip
 with the text its model card prepends to inputs (``adapter.lora.prompt_prefix``).
 
 The base weights stay quantized and mapped; the low-rank factors are small float32 arrays applied
-next to each matmul (no merged copy of any weight). Pairs whose base tensor the model does not read
-through a matmul (e.g. token types) are kept but unused, as llama.cpp does.
+next to each matmul (no merged copy of any weight), to the token embedding and to the token-type
+row encoders add (jina's adapters change it; llama.cpp leaves that pair out).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class LoraPair:
 
     a: np.ndarray
     b: np.ndarray
-    scale: float
+    scale: float = 0.0  # set by LoraAdapter.set_scale
 
 
 @dataclass
@@ -80,10 +80,15 @@ def parse_spec(spec: Any) -> list[tuple[str, float]]:
         path, scale = it if isinstance(it, tuple) else (it, 1.0)
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidRequestError(f"lora path must be a string or path, got {type(path).__name__}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise InvalidRequestError(f"lora scale must be a finite number, got {scale!r}")
-        out.append((os.fspath(path), float(scale)))
+        out.append((os.fspath(path), check_scale(scale, "lora scale")))
     return out
+
+
+def check_scale(v: Any, what: str) -> float:
+    """An adapter scale: a finite number (bools refused), else :class:`InvalidRequestError` naming ``what``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InvalidRequestError(f"{what} must be a finite number, got {v!r}")
+    return float(v)
 
 
 def _meta_str(f: Any, key: str) -> str | None:
@@ -129,14 +134,16 @@ def load_adapter(path: str, scale: float, base: Any) -> LoraAdapter:
             w = base.tensors.get(name)
             if w is None:
                 raise GGUFError(f"{path}: LoRA tensor {name!r} is not in the model (an adapter for another model?)")
-            ad.pairs[name] = _pair(path, name, w.shape, ab["a"], ab["b"], scale, ad.alpha)
+            ad.pairs[name] = _pair(path, name, w.shape, ab["a"], ab["b"])
     finally:
         f.close()
+    ad.set_scale(scale)
     return ad
 
 
-def _pair(path: str, name: str, wshape: tuple[int, ...], ta: Any, tb: Any, scale: float, alpha: float) -> LoraPair:
-    """The factors of weight ``name`` (numpy shape ``wshape``), checked before anything is read."""
+def _pair(path: str, name: str, wshape: tuple[int, ...], ta: Any, tb: Any) -> LoraPair:
+    """The factors of weight ``name`` (numpy shape ``wshape``), checked before anything is read (the
+    scale is the adapter's to set)."""
     if len(wshape) == 1:  # a one-row table written as a vector (one token type, after llama-quantize)
         wshape = (1, wshape[0])
     if len(wshape) != 2 or len(ta.shape) != 2 or len(tb.shape) != 2:
@@ -155,8 +162,7 @@ def _pair(path: str, name: str, wshape: tuple[int, ...], ta: Any, tb: Any, scale
     b = np.ascontiguousarray(tb.dequantize(), dtype=np.float32).reshape(tb.shape)
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise GGUFError(f"{path}: LoRA tensors of {name!r} hold NaN or infinite values")
-    s = scale * alpha / rank if alpha else scale
-    return LoraPair(a, b, float(s))
+    return LoraPair(a, b)
 
 
 def load(spec: Any, base: Any) -> list[LoraAdapter]:
@@ -171,7 +177,7 @@ def load(spec: Any, base: Any) -> list[LoraAdapter]:
 
 
 class LoraSet:
-    """The adapters a model runs with, indexed by base tensor name for :meth:`delta`."""
+    """The adapters a model runs with, indexed by base tensor name."""
 
     def __init__(self, adapters: Sequence[LoraAdapter]) -> None:
         self.adapters = list(adapters)
@@ -183,7 +189,7 @@ class LoraSet:
     def add_linear(self, y: np.ndarray, x: np.ndarray, lin: Any) -> None:
         """y (T, out) += every adapter's ``s · (x A^T) B_rows^T`` for the matmul of ``lin`` (a whole
         tensor or a row view of a fused one) on x (T, in)."""
-        name, r0 = lin.parent if lin.parent is not None else (lin.name, 0)
+        name, r0 = lin.source
         if name.endswith("token_embd.weight"):  # a tied output head: the embedding pair is not a matmul pair
             return
         for p in self.by_name.get(name, ()):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -932,8 +931,7 @@ class Model:
         for i, v in scales.items():
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
                 raise InvalidRequestError(f"no LoRA adapter with id {i!r} (the model has {n})")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise InvalidRequestError(f"LoRA adapter {i}: the scale must be a finite number, got {v!r}")
+            lora_mod.check_scale(v, f"LoRA adapter {i}: the scale")
         with self._step_lock:
             for i, ad in enumerate(self.lora_adapters):
                 ad.set_scale(float(scales.get(i, 0.0)))

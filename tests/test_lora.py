@@ -20,19 +20,29 @@ RANK = 3
 ALPHA = 6.0
 
 
-def _adapter(path: Path, spec: TinySpec, names: list[str], *, arch: str = "llama", seed: int = 7,
-             alpha: float = ALPHA, drop: str | None = None, bad_shape: str | None = None,
-             nan: bool = False, general_type: str = "adapter", extra: dict[str, np.ndarray] | None = None
-             ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """An adapter GGUF in llama.cpp's layout for the weights ``names``; returns {name: (A, B)} as numpy
-    arrays in minirt's order (token_embd flipped: A (n_vocab, r), B (n_embd, r))."""
-    rng = np.random.default_rng(seed)
+def _write_adapter(path: Path, arch: str, tensors: dict[str, np.ndarray], general_type: str = "adapter") -> None:
+    """An adapter GGUF in llama.cpp's layout holding ``tensors`` (``<weight>.lora_a`` / ``.lora_b``)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_type(general_type)
     w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", alpha)
+    w.add_float32("adapter.lora.alpha", ALPHA)
     w.add_string("adapter.lora.task_name", "test-task")
-    out = {}
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _adapter(path: Path, spec: TinySpec, names: list[str], *, arch: str = "llama", seed: int = 7,
+             drop: str | None = None, bad_shape: str | None = None, nan: bool = False,
+             general_type: str = "adapter", extra: dict[str, np.ndarray] | None = None
+             ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Random factors for the weights ``names`` written by :func:`_write_adapter`; returns {name: (A, B)}
+    as numpy arrays in minirt's order (token_embd flipped: A (n_vocab, r), B (n_embd, r))."""
+    rng = np.random.default_rng(seed)
+    out, tensors = {}, {}
     for name in names:
         W = spec.weights[name]
         if name == "token_embd.weight":
@@ -46,15 +56,10 @@ def _adapter(path: Path, spec: TinySpec, names: list[str], *, arch: str = "llama
             b = b[:-1]
         out[name] = (a, b)
         if drop != name + ".lora_a":
-            w.add_tensor(name + ".lora_a", a)
+            tensors[name + ".lora_a"] = a
         if drop != name + ".lora_b":
-            w.add_tensor(name + ".lora_b", b)
-    for k, v in (extra or {}).items():
-        w.add_tensor(k, v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            tensors[name + ".lora_b"] = b
+    _write_adapter(path, arch, {**tensors, **(extra or {})}, general_type=general_type)
     return out
 
 
@@ -227,16 +232,8 @@ def test_lora_on_expert_tensors_is_refused(tmp_path) -> None:
 
     def adapter(path: Path, name: str) -> str:
         out, inp = f.tensors[name].shape
-        w = gguf.GGUFWriter(str(path), "qwen3moe")
-        w.add_type("adapter")
-        w.add_string("adapter.type", "lora")
-        w.add_float32("adapter.lora.alpha", 1.0)
-        w.add_tensor(name + ".lora_a", np.zeros((2, inp), np.float32))
-        w.add_tensor(name + ".lora_b", np.zeros((out, 2), np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        _write_adapter(path, "qwen3moe", {name + ".lora_a": np.zeros((2, inp), np.float32),
+                                          name + ".lora_b": np.zeros((out, 2), np.float32)})
         return str(path)
 
     with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):

@@ -190,3 +190,21 @@ def test_tbb_preload_is_a_no_op_without_the_library_or_after_start():
     assert nb._preload_tbb(("/nonexistent-prefix",)) is None
     nb.matmul(np.ones((1, 32), np.float32), np.zeros((1, 34), np.uint8), "Q8_0")  # threads started
     assert nb._preload_tbb() is None
+
+
+def test_gelu_erf_against_math_erf():
+    """The numba backend's erf GELU (A&S 7.1.26 in float32, as the native kernel): within 2.5e-7·|x| plus
+    float32 rounding of math.erf's GELU in float64, the tails exact."""
+    import math
+
+    rng = np.random.default_rng(24)
+    x = (rng.standard_normal((5, 333)) * 6).astype(np.float32)
+    x[0, :3] = [-100.0, 100.0, 0.0]
+    x64 = x.astype(np.float64)
+    want = 0.5 * x64 * (1 + np.vectorize(math.erf)(x64 / math.sqrt(2)))
+    got = nb.gelu_erf(x)
+    assert got.shape == x.shape and got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= 2.5e-7 * np.abs(x64) + 2e-7 * np.abs(want))
+    assert got[0, 0] == 0.0 and got[0, 1] == 100.0
+    backend = minirt.kernels.get_backend("numba")
+    np.testing.assert_array_equal(backend.activation(x, "gelu"), got)

@@ -75,6 +75,12 @@ class NumbaBackend(Backend):
     def matmul(self, x: np.ndarray, lin: Any) -> np.ndarray:
         return self._mod.matmul(x, lin.w, lin.qtype)
 
+    def activation(self, x: np.ndarray, act: str, params: Sequence[float] = ()) -> np.ndarray:
+        """The erf GELU compiled (the numpy reference took half of an encoder's time); others as the base."""
+        if act == "gelu" and x.dtype == np.float32:
+            return self._mod.gelu_erf(x)
+        return super().activation(x, act, params)
+
     def info(self) -> dict[str, Any]:
         import numba
 

@@ -72,10 +72,6 @@ class Backend:
 
     def activation(self, x: np.ndarray, act: str, params: Sequence[float] = ()) -> np.ndarray:
         """``act(x)`` of an ungated MLP, x (T, n_ff) float32; may overwrite x."""
-        if act == "gelu" and x.dtype == np.float32:
-            from .numba_backend import gelu_erf
-
-            return gelu_erf(x)
         return blocks.activation(act, x, params)
 
     def attention(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,

@@ -303,8 +303,8 @@ def _gelu_erf_rows(x, out):  # pragma: no cover - compiled
 
 
 def gelu_erf(x: np.ndarray) -> np.ndarray:
-    """``0.5·x·(1 + erf(x/√2))`` of float32 x (..., n), rows split over numba's threads: the numpy
-    version (:func:`minirt.blocks.gelu`, same formula) took half of an encoder's batch time."""
+    """``0.5·x·(1 + erf(x/√2))`` of float32 x (..., n), rows split over numba's threads (the numpy
+    version, :func:`minirt.blocks.gelu`, evaluates the same formula in float64)."""
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1] if x.ndim else 1)
     out = np.empty_like(x2)
     if x2.size:
