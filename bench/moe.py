@@ -9,7 +9,8 @@ llama.cpp on it with ``bench/compare.py`` (decode and prefill, side by side in o
 
 The default shape is a Qwen3-MoE (``qwen3moe``) with hidden 2048, 16 layers, 32 experts of width
 768, top-4, 16 query / 4 KV heads of 128: 2.7 B parameters, about 1.6 GB at Q4_K_M. ``--shape
-lfm2-350m`` builds an LFM2 of LFM2-350M's proportions instead (the short-convolution hybrid). Weights are
+lfm2-350m`` builds an LFM2 of LFM2-350M's proportions instead (the short-convolution hybrid), ``qwen35-0.8b`` a
+Qwen3.5 and ``granite-4.0-h-350m`` a Granite 4.0-H (the Mamba-2 hybrid) of those models' proportions. Weights are
 N(0, 0.02), seeded; the router is scaled so that routing is decisive. The files are cached in
 ``--work`` (made once per shape). Everything after ``--`` goes to bench/compare.py.
 """
@@ -33,6 +34,13 @@ _QWEN35 = dict(config="Qwen3_5TextConfig", model="Qwen3_5ForCausalLM", tied=True
                extra=dict(rms_norm_eps=1e-6, linear_conv_kernel_dim=4),
                rope={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+# Granite 4.0-H (Mamba-2 + attention); transformers 5 saves the layer types under other names than the
+# released checkpoints (and the converter) use
+_GRANITEH = dict(config="GraniteMoeHybridConfig", model="GraniteMoeHybridForCausalLM", tied=True,
+                 layer_type_names={"linear_attention": "mamba", "full_attention": "attention"}, router="router.layer",
+                 extra=dict(rms_norm_eps=1e-5, position_embedding_type=None, mamba_d_conv=4, mamba_expand=2,
+                            mamba_conv_bias=True, mamba_proj_bias=False, embedding_multiplier=12.0,
+                            residual_multiplier=0.246, attention_multiplier=0.0078125, logits_scaling=4.0))
 # name -> (family, transformers config sizes)
 SHAPES = {
     "default": (_QWEN3MOE, dict(hidden_size=2048, num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
@@ -55,6 +63,14 @@ SHAPES = {
                                   linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                                   linear_num_value_heads=16,
                                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)),
+    # Granite-4.0-H-350M's proportions (the Mamba-2 hybrid of issue 17): 28 Mamba-2 layers (48 heads of 32, state
+    # 128, 1 group) and 4 attention layers (12 query / 4 KV heads of 64, no RoPE), dense SwiGLU FFN 2048
+    "granite-4.0-h-350m": (_GRANITEH, dict(hidden_size=768, num_hidden_layers=32, intermediate_size=2048,
+                                           shared_intermediate_size=2048, num_local_experts=0, num_experts_per_tok=0,
+                                           num_attention_heads=12, num_key_value_heads=4, mamba_n_heads=48,
+                                           mamba_d_head=32, mamba_d_state=128, mamba_n_groups=1,
+                                           layer_types=["attention" if i in (7, 15, 23, 31) else "mamba"
+                                                        for i in range(32)])),
 }
 
 # Run by --ref-python: writes a seeded random checkpoint of the shape's family (bfloat16, parameters
@@ -82,10 +98,16 @@ gen = torch.Generator().manual_seed(seed)
 with torch.no_grad():
     for name, p in sorted(model.named_parameters()):
         if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.16 if "mlp.gate.weight" in name else 0.02))
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.16 if fam.get("router", "mlp.gate") + ".weight" in name
+                                                            else 0.02))
         else:
             p.fill_(1.0)
 model.save_pretrained(str(out), safe_serialization=True)
+names = fam.get("layer_type_names")
+if names:
+    c = json.loads((out / "config.json").read_text())
+    c["layer_types"] = [names.get(t, t) for t in c["layer_types"]]
+    (out / "config.json").write_text(json.dumps(c, indent=2))
 """
 
 

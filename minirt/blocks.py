@@ -378,6 +378,62 @@ class GatedDeltaNet:
 
 
 @dataclass
+class Mamba2:
+    """Mamba-2's selective state-space mixer (Granite 4.0-H, Bamba; ``build_mamba2_layer`` in llama.cpp),
+    a block's mixer in place of attention::
+
+        z, xBC, dt = split(in_proj(h), [d_inner, conv_dim, H])       conv_dim = d_inner + 2·G·N
+        xBC = silu(conv(xBC) + conv_bias)                              causal depthwise, ``taps`` per channel
+        x, B, C = split(xBC, [d_inner, G·N, G·N])                      (T, H, P), (T, G, N), (T, G, N)
+        dt = softplus(dt + dt_bias)                                    (T, H)
+        per head h (group g = h // (H/G)), state S (P, N), from zeros:
+            S = exp(dt_t · a) · S + (dt_t · x_t) ⊗ B_t;   y_t = S C_t + d_skip · x_t
+        out = out_proj(grouped_rmsnorm(y · silu(z)) · norm.weight)    (RMS over each group's d_inner / G)
+
+    Its per-sequence state, as :class:`GatedDeltaNet`'s: the last ``taps − 1`` convolution inputs and S of
+    every head (:attr:`state_shapes`), kept by the cache beside its positions."""
+
+    in_proj: Linear  # (2·d_inner + 2·G·N + H, d)
+    conv: np.ndarray  # (conv_dim, taps) float32
+    conv_bias: np.ndarray | None  # (conv_dim,) float32
+    dt_bias: np.ndarray  # (H,) float32
+    a: np.ndarray  # (H,) float32, negative (−exp(A_log), as the file stores it)
+    d_skip: np.ndarray  # (H,) float32
+    norm: Norm  # (d_inner,) weight; the RMS is taken over each of n_group groups
+    out_proj: Linear  # (d, d_inner)
+    n_head: int
+    head_dim: int
+    d_state: int
+    n_group: int
+    rope = None  # what generic code reads of a mixer: no positions, no rows in the KV cache, causal
+    kv_source = None
+    causal = True
+    kv_rotate = False
+    kv_shape = None
+
+    def key_offset(self, n_positions: int) -> None:
+        """No KV rows, so no key offset (see :meth:`Attention.key_offset`)."""
+        return None
+
+    @property
+    def taps(self) -> int:
+        return int(self.conv.shape[1])
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return int(self.conv.shape[0])
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(taps − 1, conv_dim) convolution inputs and (H, P, N) SSM state, float32."""
+        return (self.taps - 1, self.conv_dim), (self.n_head, self.head_dim, self.d_state)
+
+
+@dataclass
 class MLP:
     """``down(act(gate(x)) · up(x))``, or ``down(act(up(x)))`` when ``gate`` is None.
 
@@ -534,7 +590,7 @@ class Block:
     ``out_scale`` (Gemma 4's ``layer_output_scale``).
     """
 
-    attn: Attention | ShortConv | GatedDeltaNet
+    attn: Attention | ShortConv | GatedDeltaNet | Mamba2
     mlp: MLP | MoE | ParallelMoE
     attn_norm: Norm | None = None
     post_attn_norm: Norm | None = None
@@ -620,6 +676,8 @@ class ModelDesc:
             a, m = b.attn, b.mlp
             if isinstance(a, ShortConv):
                 out += [a.in_proj, a.out_proj]
+            elif isinstance(a, Mamba2):
+                out += [a.in_proj, a.out_proj]
             elif isinstance(a, GatedDeltaNet):
                 out += [lin for lin in (a.qkv_proj, a.z_proj, a.beta_proj, a.alpha_proj, a.ba_proj, a.out_proj)
                         if lin is not None]
@@ -638,7 +696,7 @@ class ModelDesc:
 
     def kv_layers(self) -> list[tuple[int, int, int] | None]:
         """Per layer, the (n_head_kv, head_dim_k, head_dim_v) of its own cache; None for a layer that
-        reads another's (``kv_source``) or keeps a recurrent state instead (:class:`GatedDeltaNet`)."""
+        reads another's (``kv_source``) or keeps a recurrent state instead (:class:`GatedDeltaNet`, :class:`Mamba2`)."""
         return [b.attn.kv_shape for b in self.blocks]
 
     def key_offsets(self) -> list[np.ndarray | None]:
@@ -734,6 +792,38 @@ def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay
         S += k[t][:, :, None] * delta[:, None, :]
         o[t] = np.einsum("hk,hkv->hv", q[t], S)
     return o
+
+
+def ssm_scan(S: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, B: np.ndarray,
+             C: np.ndarray) -> np.ndarray:
+    """Mamba-2's selective scan over n tokens, one head per row of S (H, P, N), updated in place::
+
+        S = exp(dt_t · a) · S + (dt_t · x_t) ⊗ B_t;  y_t = S C_t
+
+    x (n, H, P), dt (n, H) (softplus already applied), a (H,), B and C (n, G, N) with head h reading
+    group h // (H / G). Returns y (n, H, P) (without the D skip)."""
+    rep = S.shape[0] // B.shape[1]
+    y = np.empty(x.shape, dtype=np.float32)
+    decay = np.exp(dt * a).astype(np.float32)  # (n, H)
+    for t in range(x.shape[0]):
+        Bt, Ct = np.repeat(B[t], rep, axis=0), np.repeat(C[t], rep, axis=0)  # (H, N)
+        S *= decay[t][:, None, None]
+        S += (x[t] * dt[t][:, None])[:, :, None] * Bt[:, None, :]
+        y[t] = np.einsum("hpn,hn->hp", S, Ct)
+    return y
+
+
+def causal_conv(rows: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """A causal depthwise convolution: rows (taps − 1 + n, c) are the taps − 1 inputs before the n new ones
+    and those; w (c, taps), tap j multiplying position t − taps + 1 + j. Returns (n, c)."""
+    L = w.shape[1]
+    n = rows.shape[0] - (L - 1)
+    acc = np.zeros((n, rows.shape[1]), dtype=np.float32)
+    if bias is not None:
+        acc += bias
+    for j in range(L):
+        acc += rows[j:j + n] * w[:, j]
+    return acc
 
 
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))

@@ -23,6 +23,7 @@ from .blocks import (
     Block,
     GatedDeltaNet,
     Linear,
+    Mamba2,
     ModelDesc,
     MoE,
     Norm,
@@ -69,7 +70,7 @@ class Config:
     # per layer the powers of two (n_head_kv, head_dim_k) a block-quantized cache scales its keys by
     # (minirt.kv_balance), None for none; None: the model was not balanced
     kv_scales: tuple[np.ndarray | None, ...] | None = field(default=None, kw_only=True, compare=False)
-    # per layer the shapes of its per-sequence recurrent state (GatedDeltaNet.state_shapes), None for a
+    # per layer the shapes of its per-sequence recurrent state (GatedDeltaNet / Mamba2 .state_shapes), None for a
     # layer without one; None: no layer has one
     recurrent: tuple[tuple[tuple[int, ...], ...] | None, ...] | None = field(default=None, kw_only=True)
 
@@ -294,15 +295,11 @@ class Transformer:
         beta = sigmoid(b_in)  # (T, Hv)
         decay = np.exp(g.a * np.logaddexp(0.0, a_in + g.dt_bias)).astype(np.float32)
         o = np.empty((T, Hv, Dv), dtype=np.float32)
-        w = g.conv.T  # (taps, conv_dim): tap j multiplies position t − taps + 1 + j
         for seg, s0, p0 in ctx.spans:
             n = seg.n_tokens
             conv_state, S = seg.cache.state(i)
             rows = np.concatenate([conv_state, mixed[s0:s0 + n]])  # (taps − 1 + n, conv_dim)
-            acc = np.zeros((n, g.conv_dim), dtype=np.float32)
-            for j in range(L):
-                acc += rows[j:j + n] * w[j]
-            x = silu(acc)
+            x = silu(self.backend.causal_conv(rows, g.conv))
             q = l2_normalize(x[:, :Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
             k = l2_normalize(x[:, Hk * Dk:2 * Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
             v = x[:, 2 * Hk * Dk:].reshape(n, Hv, Dv)
@@ -323,12 +320,46 @@ class Transformer:
         y = self.norm(o, g.norm) * silu(z)
         return self.mm(g.out_proj, y.reshape(T, Hv * Dv))
 
+    def mamba2(self, i: int, m: Mamba2, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
+        """Mamba-2's mixer of the normed input h (T, d) → (T, d): each segment continues from the convolution
+        inputs and SSM state its cache keeps for layer i and leaves them there (a snapshot before its last
+        token too), as :meth:`delta_net` does."""
+        T = h.shape[0]
+        H, P, N, G, L, di, cd = m.n_head, m.head_dim, m.d_state, m.n_group, m.taps, m.d_inner, m.conv_dim
+        zxbcdt = self.mm(m.in_proj, h)  # (T, 2·d_inner + 2·G·N + H)
+        z, xbc = zxbcdt[:, :di], zxbcdt[:, di:di + cd]
+        dt = np.logaddexp(np.float32(0.0), zxbcdt[:, di + cd:] + m.dt_bias).astype(np.float32)  # softplus, (T, H)
+        y = np.empty((T, H, P), dtype=np.float32)
+        for seg, s0, p0 in ctx.spans:
+            n = seg.n_tokens
+            conv_state, S = seg.cache.state(i)
+            rows = np.concatenate([conv_state, xbc[s0:s0 + n]])  # (taps − 1 + n, conv_dim)
+            xs = self.backend.activation(self.backend.causal_conv(rows, m.conv, m.conv_bias), "silu")
+            x = np.ascontiguousarray(xs[:, :di].reshape(n, H, P))
+            B = np.ascontiguousarray(xs[:, di:di + G * N].reshape(n, G, N))
+            C = np.ascontiguousarray(xs[:, di + G * N:].reshape(n, G, N))
+            d = dt[s0:s0 + n]
+            if n > 1:  # the state before the last token: a prompt's reusable prefix (CachePool.acquire)
+                k = n - 1
+                y[s0:s0 + k] = self.backend.ssm_scan(S, x[:k], d[:k], m.a, B[:k], C[:k])
+                seg.cache.snapshot(i, p0 + k, rows[k:k + L - 1], S)
+                y[s0 + k:s0 + n] = self.backend.ssm_scan(S, x[k:], d[k:], m.a, B[k:], C[k:])
+            else:
+                y[s0:s0 + n] = self.backend.ssm_scan(S, x, d, m.a, B, C)
+            y[s0:s0 + n] += x * m.d_skip[:, None]
+            conv_state[:] = rows[n:]
+        g = self.backend.act_mul(np.ascontiguousarray(z), y.reshape(T, di), "silu")  # gated, then RMS per group
+        out = self.backend.rms_norm(g.reshape(T * G, di // G), None, m.norm.eps).reshape(T, di) * m.norm.weight
+        return self.mm(m.out_proj, out)
+
     def attention(self, i: int, b: Block, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         """Projections, q/k norms, RoPE, cache append and attention of the normed input h (T, d) → (T, d)."""
         if isinstance(b.attn, ShortConv):
             return self.short_conv(i, b.attn, h, ctx)
         if isinstance(b.attn, GatedDeltaNet):
             return self.delta_net(i, b.attn, h, ctx)
+        if isinstance(b.attn, Mamba2):
+            return self.mamba2(i, b.attn, h, ctx)
         a, T = b.attn, h.shape[0]
         q = self.mm(a.wq, h)
         gate = None

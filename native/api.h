@@ -201,6 +201,21 @@ enum { MR_DR_MAX_DV = 1024 };
 int mr_delta_rule(float *S, const float *q, const float *k, const float *v, const float *decay, const float *beta,
                   float *o, long long n, long long n_head, long long dk, long long dv, int threads);
 
+/* A causal depthwise convolution: out (n, c) = bias + sum_j rows[t + j] * w_t[j] over taps j, rows
+ * (taps - 1 + n, c) being the taps - 1 inputs before the n new ones and those, w_t (taps, c) (tap j multiplies
+ * position t - taps + 1 + j), bias (c) or NULL. */
+int mr_causal_conv(const float *rows, const float *w_t, const float *bias, float *out, long long n, long long c,
+                   long long taps, int threads);
+
+/* Mamba-2's selective scan of n tokens over n_head heads, each head's state S (n_head, head_dim, d_state)
+ * updated in place: per token t and head h (group g = h / (n_head / n_group)),
+ * S_h = exp(dt_th * a_h) * S_h + (dt_th * x_th) (x) B_tg; y_th = S_h C_tg.
+ * x and y (n, n_head, head_dim), dt (n, n_head) (softplus applied), a (n_head), B and C (n, n_group, d_state).
+ * n_head a multiple of n_group. */
+int mr_ssm_scan(float *S, const float *x, const float *dt, const float *a, const float *B, const float *C,
+                float *y, long long n, long long n_head, long long head_dim, long long d_state, long long n_group,
+                int threads, int isa);
+
 /* 1 when `isa` has the vectorized attention kernels (else mr_attention_prefill is correct but may be
  * slower than a BLAS-based implementation). */
 int mr_attention_fast(int isa);

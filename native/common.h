@@ -276,6 +276,10 @@ typedef struct {
     void (*act_mul)(const float *g, const float *u, float *out, int64_t n, int act);
     /* x[i] = e^x[i] in place (e^-inf = 0). */
     void (*vexp)(float *x, int64_t n);
+    /* One token of one Mamba-2 head: each row p of S (P x N) becomes dA * S_p + (dt * x_p) * B, and
+     * y_p = S_p . C. */
+    void (*ssm_rows)(float *S, const float *x, const float *B, const float *C, float dA, float dt, int64_t P,
+                     int64_t N, float *y);
     /* Sampler statistics of one row (mr_logit_stats in api.h); returns how many top entries. */
     int (*logit_stats)(const float *x, int64_t n, int k, float *out_max, double *out_lse, int64_t *ti, float *tv,
                        void (*vexp)(float *, int64_t));

@@ -492,6 +492,29 @@ static void MR_SFX(act_mul)(const float *g, const float *u, float *out, int64_t 
     }
 }
 
+static void MR_SFX(ssm_rows)(float *S, const float *x, const float *B, const float *C, float dA, float dt, int64_t P,
+                             int64_t N, float *y) {
+    for (int64_t p = 0; p < P; p++) {
+        float *s = S + p * N;
+        const float xd = x[p] * dt;
+        float acc[MR_LANES] = {0};
+        int64_t i = 0;
+        for (; i + MR_LANES <= N; i += MR_LANES)
+            for (int l = 0; l < MR_LANES; l++) {
+                const float v = s[i + l] * dA + xd * B[i + l];
+                s[i + l] = v;
+                acc[l] += v * C[i + l];
+            }
+        float tot = 0.0f;
+        for (; i < N; i++) {
+            s[i] = s[i] * dA + xd * B[i];
+            tot += s[i] * C[i];
+        }
+        for (int l = 0; l < MR_LANES; l++) tot += acc[l];
+        y[p] = tot;
+    }
+}
+
 static void MR_SFX(f16_to_f32)(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = mr_f16_to_f32(src[i]);
 }
@@ -525,6 +548,7 @@ void MR_SFX(mr_fill_generic)(mr_kernels *k) {
     k->f16_to_f32 = MR_SFX(f16_to_f32);
     k->act_mul = MR_SFX(act_mul);
     k->vexp = MR_SFX(vexp);
+    k->ssm_rows = MR_SFX(ssm_rows);
     k->logit_stats = MR_SFX(logit_stats);
     k->attn_block = MR_SFX(attn_block);
     /* integer kernels where the unit targets a SIMD ISA (the scalar build dots in float) */

@@ -399,3 +399,78 @@ int mr_delta_rule(float *S, const float *q, const float *k, const float *v, cons
     mr_call_unlock();
     return rc;
 }
+
+/* ---------------------------------------------------------------- causal depthwise convolution */
+
+typedef struct {
+    const float *rows, *w_t, *bias;
+    float *out;
+    int64_t n, c, taps;
+} cconv_ctx;
+
+enum { CCONV_CHUNK = 256 }; /* channels per work item: the inner loops run over contiguous channels */
+
+static void cconv_task(const void *c_, int64_t item, int worker, float *buf) {
+    (void)worker;
+    (void)buf;
+    const cconv_ctx *c = (const cconv_ctx *)c_;
+    const int64_t C = c->c, c0 = item * CCONV_CHUNK, c1 = c0 + CCONV_CHUNK < C ? c0 + CCONV_CHUNK : C;
+    for (int64_t t = 0; t < c->n; t++) {
+        float *o = c->out + t * C;
+        for (int64_t k = c0; k < c1; k++) o[k] = c->bias ? c->bias[k] : 0.0f;
+        for (int64_t j = 0; j < c->taps; j++) {
+            const float *r = c->rows + (t + j) * C, *w = c->w_t + j * C;
+            for (int64_t k = c0; k < c1; k++) o[k] += r[k] * w[k];
+        }
+    }
+}
+
+int mr_causal_conv(const float *rows, const float *w_t, const float *bias, float *out, long long n, long long c,
+                   long long taps, int threads) {
+    if (n < 0 || c <= 0 || taps <= 0) return MR_E_SHAPE;
+    if (n == 0) return MR_OK;
+    const cconv_ctx x = {rows, w_t, bias, out, n, c, taps};
+    mr_call_lock();
+    const int rc = mr_parallel_for(cconv_task, NULL, &x, sizeof x, (c + CCONV_CHUNK - 1) / CCONV_CHUNK, 0, threads);
+    mr_call_unlock();
+    return rc;
+}
+
+/* ---------------------------------------------------------------- Mamba-2 selective scan */
+
+typedef struct {
+    const mr_kernels *K;
+    const float *x, *dt, *a, *B, *C;
+    float *S, *y;
+    int64_t n, H, P, N, G;
+} ssm_ctx;
+
+/* item = one head: its state S_h (P x N, row p = head dimension p) stays in L1/L2 over the n tokens; one
+ * pass over it per token (decay, rank-1 update and the dot with C fused per row, K->ssm_rows) */
+static void ssm_task(const void *c_, int64_t h, int worker, float *buf) {
+    (void)worker;
+    (void)buf;
+    const ssm_ctx *c = (const ssm_ctx *)c_;
+    const int64_t H = c->H, P = c->P, N = c->N, G = c->G, g = h / (H / G);
+    float *S = c->S + h * P * N;
+    const float ah = c->a[h];
+    for (int64_t t = 0; t < c->n; t++) {
+        const float dt = c->dt[t * H + h];
+        c->K->ssm_rows(S, c->x + (t * H + h) * P, c->B + (t * G + g) * N, c->C + (t * G + g) * N, expf(dt * ah), dt,
+                       P, N, c->y + (t * H + h) * P);
+    }
+}
+
+int mr_ssm_scan(float *S, const float *x, const float *dt, const float *a, const float *B, const float *C, float *y,
+                long long n, long long n_head, long long head_dim, long long d_state, long long n_group, int threads,
+                int isa) {
+    const mr_kernels *K = mr_get_kernels(isa);
+    if (!K) return MR_E_ISA;
+    if (n < 0 || n_head <= 0 || head_dim <= 0 || d_state <= 0 || n_group <= 0 || n_head % n_group) return MR_E_SHAPE;
+    if (n == 0) return MR_OK;
+    const ssm_ctx c = {K, x, dt, a, B, C, S, y, n, n_head, head_dim, d_state, n_group};
+    mr_call_lock();
+    const int rc = mr_parallel_for(ssm_task, NULL, &c, sizeof c, n_head, 0, threads);
+    mr_call_unlock();
+    return rc;
+}

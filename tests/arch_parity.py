@@ -85,6 +85,11 @@ def decode_logits(path: Path, tokens: np.ndarray, n_prefill: int, backend: str =
         return np.stack(out)
 
 
+def is_moe(meta: dict, quant: str) -> bool:
+    """Whether the fixture's file routes tokens to experts (a dense Granite 4.0-H writes expert_count 0)."""
+    return any(k.endswith(".expert_count") and int(v) > 0 for k, v in meta["files"][quant]["metadata"].items())
+
+
 def compare(arch: str, quant: str, backend: str = "native") -> dict[str, Any]:
     """minirt vs transformers and llama.cpp vs transformers on one fixture file."""
     d = ARCH_DIR / arch
@@ -94,7 +99,7 @@ def compare(arch: str, quant: str, backend: str = "native") -> dict[str, Any]:
     ours = minirt_logits(d / meta["files"][quant]["file"], tokens, backend)
     m = decisive_positions(hf, lc)
     same = same_routing_positions(ours, lc)
-    moe = any(k.endswith(".expert_count") for k in meta["files"][quant]["metadata"])
+    moe = is_moe(meta, quant)
     extra = {}
     if moe:
         ms = m & same

@@ -29,8 +29,17 @@ import pytest
 
 import minirt
 from minirt.archs import supported
-from minirt.blocks import GatedDeltaNet, MoE, ParallelMoE
-from tests.arch_parity import ARCH_DIR, QUANTS, compare, decode_logits, fixtures, rel_rms, same_routing_positions
+from minirt.blocks import GatedDeltaNet, Mamba2, MoE, ParallelMoE
+from tests.arch_parity import (
+    ARCH_DIR,
+    QUANTS,
+    compare,
+    decode_logits,
+    fixtures,
+    is_moe,
+    rel_rms,
+    same_routing_positions,
+)
 
 ARCHS = fixtures()
 
@@ -98,14 +107,15 @@ def test_decode_steps_run_fused_and_match(arch, quant):
         with minirt.load(str(path), n_ctx=64, backend="native") as llm:
             # mixtures of experts (Gemma 4's beside a dense MLP too) decode layer by layer (per-op matmuls of
             # the chosen experts only), and so do Qwen3.5's delta-net layers and gated attention (no fused
-            # kernel for them yet)
+            # kernel for them yet), and Mamba-2 layers
             blocks = llm.model.desc.blocks
-            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, GatedDeltaNet) for b in blocks)
+            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, (GatedDeltaNet, Mamba2))
+                         for b in blocks)
             assert (llm.model.native_stack is None) == per_op, f"{arch}: fused decode step prepared: {not per_op}"
     ours = decode_logits(path, tokens, n0)  # (n_seq, T - n0, V): logits after positions n0-1 .. T-2
     hf = ref["hf"][:, n0 - 1:-1]
     lc = ref[f"llamacpp_{quant}"][:, n0 - 1:-1]
-    if any(k.endswith(".expert_count") for k in meta["files"][quant]["metadata"]):  # see the module docstring
+    if is_moe(meta, quant):  # see the module docstring
         same = same_routing_positions(ours, lc)
         slack = 1.02 if quant == "q4_k_m" else 1.0
         assert same.mean() >= 0.9, same.mean()

@@ -238,6 +238,16 @@ class NativeBackend(Backend):
         return self._mod.delta_rule(S, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
                                     np.ascontiguousarray(decay), np.ascontiguousarray(beta), threads=self.threads)
 
+    def causal_conv(self, rows: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """The causal depthwise convolution in C (one pass over the rows; numpy makes two per tap)."""
+        return self._mod.causal_conv(np.ascontiguousarray(rows), w, bias, threads=self.threads)
+
+    def ssm_scan(self, S: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, B: np.ndarray,
+                 C: np.ndarray) -> np.ndarray:
+        """Mamba-2's selective scan in C, a head per thread item (the numpy version loops per token)."""
+        return self._mod.ssm_scan(S, np.ascontiguousarray(x), np.ascontiguousarray(dt), a, np.ascontiguousarray(B),
+                                  np.ascontiguousarray(C), threads=self.threads)
+
     def moe_experts(self, x: np.ndarray, m: Any, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The routed experts in one native call (``mr_moe_experts``: tokens grouped by expert, each
         chosen expert's packed or ggml rows read once); the per-op loop where it cannot run them."""

@@ -95,6 +95,17 @@ class Backend:
         in place, returns o (n, H, Dv)."""
         return blocks.delta_rule(S, q, k, v, decay, beta)
 
+    def causal_conv(self, rows: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """A causal depthwise convolution (:func:`minirt.blocks.causal_conv`): rows (taps − 1 + n, c), w (c, taps)
+        → (n, c)."""
+        return blocks.causal_conv(rows, w, bias)
+
+    def ssm_scan(self, S: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, B: np.ndarray,
+                 C: np.ndarray) -> np.ndarray:
+        """Mamba-2's selective scan over n tokens (:func:`minirt.blocks.ssm_scan`): S (H, P, N) updated in
+        place, returns y (n, H, P)."""
+        return blocks.ssm_scan(S, x, dt, a, B, C)
+
     def attention_sinks(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
                         softcap: float, sinks: np.ndarray, kv_types: tuple[str, str] | None = None) -> np.ndarray:
         """:meth:`attention` with per-head sink logits ``sinks`` (H,) in each softmax's denominator."""

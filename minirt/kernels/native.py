@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import GatedDeltaNet, ShortConv
+from ..blocks import GatedDeltaNet, Mamba2, ShortConv
 from ..errors import BackendError, InvalidRequestError, UnsupportedQuantError
 
 log = logging.getLogger(__name__)
@@ -984,6 +984,8 @@ def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
     if isinstance(b.attn, GatedDeltaNet):
         return "a gated delta-net mixer (its recurrent state is updated layer by layer)"
+    if isinstance(b.attn, Mamba2):
+        return "a Mamba-2 mixer (its recurrent state is updated layer by layer)"
     if getattr(b.attn, "out_gate", False):
         return "a gated attention output"
     a, m = _mixer(b), b.mlp
@@ -1833,6 +1835,57 @@ def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay
     return o
 
 
+def causal_conv(rows: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
+                threads: int | None = None) -> np.ndarray:
+    """:func:`minirt.blocks.causal_conv` in C: rows (taps − 1 + n, c), w (c, taps), bias (c,) or None, float32.
+    Returns (n, c). Every shape is checked here (C reads them through bare pointers)."""
+    ffi, lib = _lib()
+    rows, w = _f32_array(rows, "rows", (2,)), _f32_array(w, "w", (2,))
+    c, taps = w.shape
+    n = rows.shape[0] - (taps - 1)
+    if rows.shape[1] != c or n < 0:
+        raise InvalidRequestError(f"rows {rows.shape} do not fit a convolution of {c} channels and {taps} taps")
+    if bias is not None and _f32_array(bias, "bias", (1,)).shape != (c,):
+        raise InvalidRequestError(f"bias {bias.shape} must be ({c},)")
+    w_t = np.ascontiguousarray(w.T)  # (taps, c): the kernel's inner loops run over contiguous channels
+    out = np.empty((n, c), dtype=np.float32)
+    fb = ffi.from_buffer
+    b = ffi.NULL if bias is None else fb("float[]", bias)
+    _check_rc(lib.mr_causal_conv(fb("float[]", rows), fb("float[]", w_t), b, fb("float[]", out, require_writable=True),
+                                 n, c, taps, _threads_arg(threads)),
+              "causal_conv")
+    return out
+
+
+def ssm_scan(S: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, B: np.ndarray, C: np.ndarray,
+             threads: int | None = None, isa: str | None = None) -> np.ndarray:
+    """Mamba-2's selective scan of :func:`minirt.blocks.ssm_scan` in C, one head per thread item: S (H, P, N)
+    updated in place; x (n, H, P), dt (n, H), a (H,), B and C (n, G, N) float32. Returns y (n, H, P).
+    Every shape is checked here (C reads them through bare pointers)."""
+    ffi, lib = _lib()
+    S = _f32_array(S, "S", (3,))
+    if not S.flags.writeable:
+        raise InvalidRequestError("S must be writeable")
+    H, P, N = S.shape
+    x, B, C = (_f32_array(v, name, (3,)) for v, name in ((x, "x"), (B, "B"), (C, "C")))
+    n, G = x.shape[0], B.shape[1]
+    if x.shape != (n, H, P) or B.shape != (n, G, N) or C.shape != (n, G, N) or G == 0 or H % G:
+        raise InvalidRequestError(f"x {x.shape}, B {B.shape}, C {C.shape} do not match the state {S.shape}")
+    dt, a = _f32_array(dt, "dt", (2,)), _f32_array(a, "a", (1,))
+    if dt.shape != (n, H) or a.shape != (H,):
+        raise InvalidRequestError(f"dt {dt.shape} and a {a.shape} must be ({n}, {H}) and ({H},)")
+    if any(_overlaps(S, v) for v in (x, dt, a, B, C)):
+        raise InvalidRequestError("S must not overlap the inputs")
+    y = np.empty((n, H, P), dtype=np.float32)
+    fb = ffi.from_buffer
+    _check_rc(lib.mr_ssm_scan(fb("float[]", S, require_writable=True), fb("float[]", x), fb("float[]", dt),
+                              fb("float[]", a), fb("float[]", B), fb("float[]", C),
+                              fb("float[]", y, require_writable=True), n, H, P, N, G, _threads_arg(threads),
+                              _isa_id(isa)),
+              "ssm_scan")
+    return y
+
+
 def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, p0: int, scale: float,
                       out: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
                       threads: int | None = None, isa: str | None = None,
@@ -1908,6 +1961,7 @@ __all__ = [
     "PackArena", "PackedMatrix", "pack", "pack_size", "pack_preferred", "unpack", "packed_rows", "release_file_pages",
     "LayerStack", "ExpertSet", "moe_experts",
     "dequantize", "rmsnorm", "rope", "softmax", "attention_decode", "attention_prefill", "attention_fast", "act_mul",
+    "delta_rule", "causal_conv", "ssm_scan",
     "profile",
     "read_bandwidth",
     "QTYPES",

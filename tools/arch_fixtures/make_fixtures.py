@@ -72,6 +72,11 @@ def _gemma4_kw(layers: int, **extra: Any) -> dict[str, Any]:
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, **extra)
 
 
+# transformers 5 saves Granite 4.0-H's layer types as linear / full attention; the released checkpoints (and
+# llama.cpp's converter) name them mamba / attention
+GRANITE_LAYER_NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
+
+
 def ROUTER(name: str) -> dict[str, float]:  # noqa: N802 (reads like a constant in the table)
     """Router weights x8 (logits with a standard deviation of about 4 over the experts, as trained
     routers are decisive): with N(0, 0.05) routers the top-k choice is a near tie at many positions
@@ -329,6 +334,34 @@ ARCHS: dict[str, dict[str, Any]] = {
                     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
                     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                      "partial_rotary_factor": 0.25})),
+    # Granite 4.0-H: Mamba-2 layers between attention layers without positions (position_embedding_type None,
+    # which the converter writes as rope.scaling.finetuned false); Granite's four multipliers
+    "granitehybrid": dict(
+        config="GraniteMoeHybridConfig", model="GraniteMoeHybridForCausalLM", no_repack=True,
+        scale=ROUTER("router.layer.weight"), tokenizer="bpe", pre="refact", layer_type_names=GRANITE_LAYER_NAMES,
+        features="Granite 4.0-H-Tiny layout: 4 layers mamba, mamba, attention, mamba; Mamba-2 mixers (8 heads of "
+                 "64, 2 groups, state 32, conv 4 taps with bias, D skip, gated grouped RMSNorm), attention without "
+                 "RoPE (GQA 4/2); 4 experts top-2 (softmax, renormalised, FFN 128) plus a shared expert (FFN 256); "
+                 "embedding x12, residual x0.22, attention scale 1/64, logits /4, tied, BPE vocab",
+        kwargs=dict(_common(layers=4, tied=True), intermediate_size=128, shared_intermediate_size=256,
+                    rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=1 / 64, logits_scaling=4.0,
+                    position_embedding_type=None, layer_types=["mamba", "mamba", "attention", "mamba"],
+                    mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=32, mamba_d_head=64, mamba_d_conv=4,
+                    mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False)),
+    "granitehybrid_dense": dict(
+        config="GraniteMoeHybridConfig", model="GraniteMoeHybridForCausalLM", tokenizer="bpe", pre="refact",
+        layer_type_names=GRANITE_LAYER_NAMES,
+        features="Granite 4.0-H-Micro layout (no experts): 4 layers attention, mamba, mamba, mamba; Mamba-2 mixers "
+                 "(16 heads of 32, 1 group, state 64, conv 4 taps with bias), attention without RoPE (GQA 4/1); "
+                 "dense SwiGLU MLP (FFN 512, the converter's ffn_gate/up/down); embedding x4, residual x0.5, "
+                 "attention scale 1/32, logits /2, untied, BPE vocab",
+        kwargs=dict(_common(layers=4, kv=1), intermediate_size=512, shared_intermediate_size=512,
+                    rms_norm_eps=1e-5, num_local_experts=0, num_experts_per_tok=0, embedding_multiplier=4.0,
+                    residual_multiplier=0.5, attention_multiplier=1 / 32, logits_scaling=2.0,
+                    position_embedding_type=None, layer_types=["attention", "mamba", "mamba", "mamba"],
+                    mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_d_head=32, mamba_d_conv=4,
+                    mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False)),
     "gemma4": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         # attention scale is 1 (q/k are RMS-normed): q/k norm weights ~1/3 keep q.k ~ N(0, 1) instead of a
@@ -515,7 +548,12 @@ def build_hf(spec: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
                 if key in name:
                     b.copy_(torch.randn(b.shape, generator=gen) * sd)
     model.save_pretrained(str(out), safe_serialization=True)
-    return json.loads((out / "config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    names = spec.get("layer_type_names")
+    if names:  # the names the released checkpoints' config.json uses (and the converter reads)
+        cfg["layer_types"] = [names.get(t, t) for t in cfg["layer_types"]]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return cfg
 
 
 def hf_logits(spec: dict[str, Any], model_dir: Path, tokens: np.ndarray) -> np.ndarray:

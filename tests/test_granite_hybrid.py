@@ -1,0 +1,243 @@
+"""Granite 4.0-H's Mamba-2 layers beyond their logits (those are in tests/test_archs.py): the selective
+scan against its definition and in C, the recurrent state each sequence keeps beside its KV cache
+(convolution inputs and the SSM state), and what the runtime does with it — batching, token-by-token
+decode, the prefix cache, state files, context shift (refused).
+
+Fixtures (``tests/data/archs``, made by llama.cpp's converter from random transformers
+GraniteMoeHybrid models): ``granitehybrid`` (mamba, mamba, attention, mamba; 8 heads of 64, 2 groups,
+state 32; experts + shared expert) and ``granitehybrid_dense`` (attention, then 3 Mamba-2 layers of 16
+heads of 32, 1 group, state 64; dense MLP)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import minirt
+from minirt.blocks import Mamba2, ssm_scan
+from minirt.forward import Segment, kv_cache_for
+from tests.arch_parity import ARCH_DIR, rel_rms
+
+GD = ARCH_DIR / "granitehybrid"
+
+
+@pytest.fixture(scope="module")
+def q8_path() -> str:
+    p = GD / "model-q8_0.gguf"
+    if not p.is_file():
+        pytest.fail(f"missing fixture {p}")
+    return str(p)
+
+
+def test_description_and_cache_layout(q8_path):
+    with minirt.load(q8_path, n_ctx=64) as llm:
+        d = llm.model.desc
+        assert [isinstance(b.attn, Mamba2) for b in d.blocks] == [True, True, False, True]
+        m = d.blocks[0].attn
+        assert (m.n_head, m.head_dim, m.d_state, m.n_group, m.taps) == (8, 64, 32, 2, 4)
+        assert m.conv_bias is not None and m.conv_dim == 512 + 2 * 2 * 32
+        assert m.state_shapes == ((3, 640), (8, 64, 32))
+        a = d.blocks[2].attn
+        assert a.rope is None and a.scale == pytest.approx(1 / 64)  # Granite 4.0-H: no positions
+        assert d.embed_scale == 12.0 and d.logit_scale == pytest.approx(0.25)
+        assert d.blocks[0].residual_scale == pytest.approx(0.22)
+        assert d.kv_layers() == [None, None, (2, 64, 64), None]
+        # a state (3 layers: conv 3 x 640 + 8 x 64 x 32, float32) and its snapshot, in positions of 512 bytes
+        assert llm.state_positions == -(-2 * 4 * 3 * (3 * 640 + 8 * 64 * 32) // 512)
+        assert llm.model.native_stack is None  # decode runs layer by layer
+    with minirt.load(str(ARCH_DIR / "granitehybrid_dense" / "model-q8_0.gguf"), n_ctx=64) as llm:
+        d = llm.model.desc
+        assert [isinstance(b.attn, Mamba2) for b in d.blocks] == [False, True, True, True]
+        assert not hasattr(d.blocks[1].mlp, "router")  # no experts: the dense SwiGLU MLP
+
+
+def test_ssm_scan_against_the_definition():
+    """The vectorised scan against its definition written out per head with plain loops (float64)."""
+    rng = np.random.default_rng(0)
+    n, H, P, N, G = 6, 4, 5, 3, 2
+    x = rng.standard_normal((n, H, P), dtype=np.float32)
+    dt = rng.uniform(0.01, 1.0, (n, H)).astype(np.float32)
+    a = -rng.uniform(0.5, 4.0, H).astype(np.float32)
+    B, C = rng.standard_normal((n, G, N), dtype=np.float32), rng.standard_normal((n, G, N), dtype=np.float32)
+    S0 = rng.standard_normal((H, P, N), dtype=np.float32)
+    S = S0.copy()
+    got = ssm_scan(S, x, dt, a, B, C)
+    want = np.zeros((n, H, P))
+    for h in range(H):
+        g = h // (H // G)
+        s = S0[h].astype(np.float64)
+        for t in range(n):
+            s = np.exp(dt[t, h] * a[h]) * s + np.outer(dt[t, h] * x[t, h], B[t, g])
+            want[t, h] = s @ C[t, g]
+        np.testing.assert_allclose(S[h], s, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_ssm_scan_matches_numpy_and_checks_shapes():
+    """The C kernel gives the numpy scan's outputs and state (one head per thread item); shapes C would
+    read through bare pointers are refused before the call."""
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    rng = np.random.default_rng(1)
+    n, H, P, N, G = 9, 6, 64, 40, 3
+    x = rng.standard_normal((n, H, P), dtype=np.float32)
+    dt = rng.uniform(0.01, 1.0, (n, H)).astype(np.float32)
+    a = -rng.uniform(0.5, 4.0, H).astype(np.float32)
+    B, C = rng.standard_normal((n, G, N), dtype=np.float32), rng.standard_normal((n, G, N), dtype=np.float32)
+    S0 = rng.standard_normal((H, P, N), dtype=np.float32) * np.float32(0.1)
+    S1 = S0.copy()
+    want = ssm_scan(S1, x, dt, a, B, C)
+    for isa in native.supported_isas():  # the row kernel is compiled per ISA; N = 40: 16-lane blocks and a remainder
+        S2 = S0.copy()
+        got = native.ssm_scan(S2, x, dt, a, B, C, threads=2, isa=isa)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=isa)
+        np.testing.assert_allclose(S2, S1, rtol=2e-5, atol=2e-5, err_msg=isa)
+    with pytest.raises(minirt.InvalidRequestError, match="do not match"):
+        native.ssm_scan(S2, x[:, :4].copy(), dt, a, B, C)
+    with pytest.raises(minirt.InvalidRequestError, match="do not match"):  # 6 heads, 4 groups
+        native.ssm_scan(S2, x, dt, a, rng.standard_normal((n, 4, N), dtype=np.float32),
+                        rng.standard_normal((n, 4, N), dtype=np.float32))
+    with pytest.raises(minirt.InvalidRequestError, match="dt"):
+        native.ssm_scan(S2, x, dt[:-1], a, B, C)
+    with pytest.raises(minirt.InvalidRequestError, match="float32"):
+        native.ssm_scan(S2, x.astype(np.float64), dt, a, B, C)
+    with pytest.raises(minirt.InvalidRequestError, match="overlap"):  # x read from the state being written
+        native.ssm_scan(S2, S2.reshape(-1)[:n * H * P].reshape(n, H, P), dt, a, B, C)
+
+
+def test_native_causal_conv_matches_numpy_and_checks_shapes():
+    """The C convolution (channels in chunks of 256 per thread item; 600 = two chunks and a remainder)
+    gives the numpy one's output, with and without bias; wrong shapes are refused before the call."""
+    from minirt.blocks import causal_conv
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    rng = np.random.default_rng(2)
+    n, c, taps = 7, 600, 4
+    rows = rng.standard_normal((taps - 1 + n, c), dtype=np.float32)
+    w = rng.standard_normal((c, taps), dtype=np.float32)
+    bias = rng.standard_normal(c, dtype=np.float32)
+    for b in (None, bias):
+        np.testing.assert_allclose(native.causal_conv(rows, w, b, threads=2), causal_conv(rows, w, b),
+                                   rtol=1e-5, atol=1e-5)
+    assert native.causal_conv(rows[:taps - 1], w).shape == (0, c)
+    with pytest.raises(minirt.InvalidRequestError, match="do not fit"):
+        native.causal_conv(rows[:, :10].copy(), w)
+    with pytest.raises(minirt.InvalidRequestError, match="do not fit"):
+        native.causal_conv(rows[:taps - 2], w)
+    with pytest.raises(minirt.InvalidRequestError, match="bias"):
+        native.causal_conv(rows, w, bias[:5])
+
+
+def _logits(m, ids):
+    caches = [kv_cache_for(m.cfg, 64) for _ in ids]
+    out = m.forward(np.concatenate([np.asarray(x) for x in ids]),
+                    [Segment(c, len(x), "all") for c, x in zip(caches, ids, strict=True)])
+    return out, caches
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_batched_and_stepwise_passes_agree(q8_path, backend):
+    """Two sequences in one pass, one sequence token by token, and a prefill split in two give what each
+    gets alone in one pass: each segment continues from its own state."""
+    ref = np.load(GD / "ref.npz")
+    a, b = ref["tokens"][0][:20], ref["tokens"][1][:13]
+    tol = 1e-4 if backend == "reference" else 5e-4  # native: other matmul kernels per batch size
+    with minirt.load(q8_path, n_ctx=64, backend=backend) as llm:
+        m = llm.model
+        alone = [_logits(m, [x])[0][0] for x in (a, b)]
+        together, _ = _logits(m, [a, b])
+        for got, want in zip(together, alone, strict=True):
+            assert rel_rms(got, want) < tol
+        cache = kv_cache_for(m.cfg, 64)
+        steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
+        assert rel_rms(np.stack(steps), alone[0]) < tol
+        cache = kv_cache_for(m.cfg, 64)
+        m.forward(a[:7], [Segment(cache, 7, "none")])
+        rest = m.forward(a[7:], [Segment(cache, 13, "all")])[0]
+        assert rel_rms(rest, alone[0][7:]) < tol
+        c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
+        m.forward(a[:10], [Segment(c1, 10, "none")])
+        m.forward(b[:5], [Segment(c2, 5, "none")])
+        both = m.forward(np.array([a[10], b[5]]), [Segment(c1, 1, "last"), Segment(c2, 1, "last")])
+        assert rel_rms(both[0], alone[0][10]) < tol and rel_rms(both[1], alone[1][5]) < tol
+
+
+def test_native_and_reference_backends_agree(q8_path):
+    ref = np.load(GD / "ref.npz")
+    toks = ref["tokens"][0][:24]
+    got = {}
+    for backend in ("reference", "native"):
+        with minirt.load(q8_path, n_ctx=64, backend=backend) as llm:
+            got[backend] = _logits(llm.model, [toks])[0][0]
+    assert rel_rms(got["native"], got["reference"]) < 5e-4
+
+
+def test_prefix_cache_state_files_and_batching(q8_path, tmp_path):
+    st = tmp_path / "gh.state"
+    prompt = list(range(10, 60))
+    with minirt.load(q8_path, n_ctx=128) as m:
+        first = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        again = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)  # the snapshot is reused
+        assert again.usage["cached_tokens"] == len(prompt) - 1 and again.token_ids == first.token_ids
+        cont = prompt + first.token_ids + [5, 6, 7]  # the live state after every cached position
+        c = m.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert c.usage["cached_tokens"] == len(prompt) + len(first.token_ids) - 1
+        part = prompt[:30] + [7, 8, 9]  # no state kept at position 30: nothing reused
+        partial = m.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert partial.usage["cached_tokens"] == 0
+        saved = m.save_state(st)
+        follow = saved + [11]
+        want = m.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids
+    with minirt.load(q8_path, n_ctx=128) as m2:
+        assert m2.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids == c.token_ids
+        assert m2.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids == partial.token_ids
+        assert m2.load_state(st) == saved
+        got = m2.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert got.usage["cached_tokens"] == len(saved) and got.token_ids == want
+        prompts = [prompt, part, cont]
+        alone = [m2.generate(p, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+        m2.cache_pool.clear()
+        handles = [m2.submit(p, max_tokens=5, temperature=0.0, ignore_eos=True) for p in prompts]
+        assert [h.result(timeout=120).token_ids for h in handles] == alone
+
+
+def test_context_shift_is_refused_with_a_clear_error(q8_path):
+    with minirt.load(q8_path, n_ctx=32) as m:
+        with pytest.raises(minirt.ContextOverflowError, match="recurrent"):
+            m.generate(list(range(10, 30)), max_tokens=40, temperature=0.0, ignore_eos=True,
+                       context_overflow="shift")
+        r = m.generate(list(range(10, 30)), max_tokens=40, temperature=0.0, ignore_eos=True)
+        assert r.finish_reason == "length" and len(r.token_ids) == 12
+
+
+@pytest.mark.parametrize("name, patch, match", [
+    ("ssm_a", lambda v: np.abs(v) + 0.1, "ssm_a"),  # A must be −exp(A_log)
+])
+def test_broken_mamba_tensors_are_refused(tmp_path, name, patch, match):
+    """A file whose Mamba-2 tensors break the layer's invariants gets a GGUFError naming the tensor."""
+    import gguf
+
+    src = GD / "model-f16.gguf"
+    r = gguf.GGUFReader(src)
+    dst = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if t.name == f"blk.0.{name}":
+            data = patch(data).astype(data.dtype)
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(minirt.GGUFError, match=match):
+        minirt.load(str(dst), n_ctx=32)
