@@ -25,7 +25,7 @@ import numpy as np
 from .errors import GGUFError, UnsupportedQuantError
 from .gguf import GGUFTensor
 
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "xielu", "swiglu_oai")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "xielu", "swiglu_oai", "relu2")
 GATINGS = ("softmax", "sigmoid", "softmax_topk")
 POOLING_TYPES = ("none", "mean", "cls", "last", "rank")  # llama.cpp LLAMA_POOLING_TYPE_* order
 NORM_KINDS = ("rms", "layer")
@@ -587,11 +587,12 @@ class Block:
     ``norm_residual`` (BERT's post-norm layout): the post norms apply to the residual sum instead,
     ``x = post_attn(x + attn(x)); x = post_ffn(x + mlp(x))``.
     Then ``per_layer`` (Gemma 4, see :class:`PerLayerGate`), and the output is multiplied by
-    ``out_scale`` (Gemma 4's ``layer_output_scale``).
+    ``out_scale`` (Gemma 4's ``layer_output_scale``). ``mlp`` None: the block has no feed-forward half
+    (Nemotron-H, whose layers are a mixer or a feed-forward each, where a mixer is followed by another).
     """
 
     attn: Attention | ShortConv | GatedDeltaNet | Mamba2
-    mlp: MLP | MoE | ParallelMoE
+    mlp: MLP | MoE | ParallelMoE | None
     attn_norm: Norm | None = None
     post_attn_norm: Norm | None = None
     ffn_norm: Norm | None = None
@@ -683,7 +684,7 @@ class ModelDesc:
                         if lin is not None]
             else:
                 out += [a.wq, a.wo] if a.kv_source is not None else [a.wq, a.wk, a.wv, a.wo]
-            out += m.linears()
+            out += m.linears() if m is not None else []
             if b.per_layer is not None:
                 out += [b.per_layer.gate, b.per_layer.proj]
         p = self.pooling
@@ -918,6 +919,9 @@ def activation(name: str, x: np.ndarray, params: Sequence[float] = ()) -> np.nda
         return np.tanh(x)
     if name == "xielu":
         return xielu(x, *params)
+    if name == "relu2":  # squared ReLU (Nemotron-H)
+        r = np.maximum(x, np.float32(0.0))
+        return r * r
     raise ValueError(f"unknown activation {name!r}")
 
 

@@ -79,13 +79,13 @@ def config_of(desc: ModelDesc) -> Config:
     """The :class:`Config` summary of a description; with layers of different KV shapes (or layers that
     share another's), the head counts and sizes are the largest and ``kv_layers`` has each layer's."""
     hkv, dk, dv = desc.kv_shape()
-    b0 = desc.blocks[0]
     layers = tuple(desc.kv_layers())
     rot = tuple(desc.kv_rotate())
     offsets = tuple(desc.key_offsets())
     windows = tuple(desc.kv_windows())
     n_head = next((b.attn.n_head for b in desc.blocks if hasattr(b.attn, "n_head")), 0)
-    return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=b0.mlp.n_ff,
+    n_ff = next((b.mlp.n_ff for b in desc.blocks if b.mlp is not None), 0)  # the first block's (Nemotron-H: a mixer's may have none)
+    return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=n_ff,
                   n_head=n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
                   n_ctx_train=desc.n_ctx_train,
                   kv_layers=None if all(s == (hkv, dk, dv) for s in layers) else layers,
@@ -206,8 +206,9 @@ class Transformer:
             m = self.mlp(b, self.norm(x, b.ffn_norm))
             return self.norm(x + m if s == 1 else x + s * m, b.post_ffn_norm)
         x = x + s * a if s != 1 else x + a
-        m = self.norm(self.mlp(b, self.norm(x, b.ffn_norm)), b.post_ffn_norm)
-        x = x + s * m if s != 1 else x + m
+        if b.mlp is not None:
+            m = self.norm(self.mlp(b, self.norm(x, b.ffn_norm)), b.post_ffn_norm)
+            x = x + s * m if s != 1 else x + m
         if b.per_layer is not None:
             g = b.per_layer
             h = activation(g.act, self.mm(g.gate, x)) * ctx.per_layer[:, i]

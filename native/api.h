@@ -230,7 +230,7 @@ double mr_bench_matmul(int qtype, const unsigned char *w, long long rows, long l
  * out (n_tok, n_embd) = sum over j < n_used of w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) (+ each
  * weight's bias), e = ids[t, j] in [0, n_expert). gate, up, down: n_expert weights each, expert e's
  * matrices (its rows of the 3-D GGUF tensor, or their packed copy); gate NULL: down_e(act(up_e(x))).
- * act: 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU (gpt-oss: alpha, limit). Each chosen expert runs one
+ * act: 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU (gpt-oss: alpha, limit), 4 squared ReLU (ungated only). Each chosen expert runs one
  * matmul over all the tokens that chose it; experts no token chose are not read. Returns as mr_matmul. */
 int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *down, long long n_expert,
                    const float *x, long long n_tok, long long n_embd, const long long *ids, const float *w,

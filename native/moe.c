@@ -40,7 +40,8 @@ int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *
                    long long n_used, int act, float alpha, float limit, float *out, int threads, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
-    if (n_expert <= 0 || n_tok < 0 || n_embd <= 0 || n_used <= 0 || act < 0 || act > 3 || act == 2) return MR_E_SHAPE;
+    if (n_expert <= 0 || n_tok < 0 || n_embd <= 0 || n_used <= 0 || act < 0 || act > 4 || act == 2) return MR_E_SHAPE;
+    if (act == 4 && gate) return MR_E_SHAPE; /* squared ReLU: ungated experts only */
     int64_t ff = 0;
     for (long long e = 0; e < n_expert; e++) {
         const int64_t F = up[e].rows;
@@ -103,11 +104,12 @@ int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *
             steals += rc;
             if (act == 3) swiglu_oai(g, u, n * F, alpha, limit);
             else K->act_mul(g, u, g, n * F, act);
-        } else { /* down(act(up x)): SiLU / GELU of u alone */
+        } else { /* down(act(up x)): SiLU / GELU / squared ReLU of u alone */
             for (int64_t i = 0; i < n * F; i++) {
                 const float v = u[i];
-                g[i] = act == 0 ? v / (1.0f + expf(-v))
-                                : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+                g[i] = act == 0   ? v / (1.0f + expf(-v))
+                       : act == 4 ? (v > 0.0f ? v * v : 0.0f)
+                                  : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
             }
         }
         rc = moe_mm(&down[e], g, n, ye, threads, isa);

@@ -308,7 +308,7 @@ def _expert_linear(f: GGUFFile, name: str, shape: tuple[int, int, int]) -> Linea
 
 def moe_ffn(f: GGUFFile, i: int, hp: HParams, *, n_ff: int | None = None, norm_topk: bool = False,
             gating: str | None = None, act: str = "silu", act_params: tuple[float, ...] = (),
-            shared_ff: int | None = None) -> MoE:
+            shared_ff: int | None = None, shared_act: str = "silu") -> MoE:
     """The mixture-of-experts feed-forward of block i from ``expert_count`` / ``expert_used_count``,
     the router ``ffn_gate_inp`` (+ bias), the experts ``ffn_{gate,up,down}_exps`` (or a fused
     ``ffn_gate_up_exps``, gate rows first in each expert) with their biases where present, the
@@ -319,7 +319,8 @@ def moe_ffn(f: GGUFFile, i: int, hp: HParams, *, n_ff: int | None = None, norm_t
     the key: ``n_ff`` the expert width (``expert_feed_forward_length``; default the file's
     ``feed_forward_length``), ``norm_topk`` (``expert_weights_norm``), ``gating``
     (``expert_gating_func``; default softmax), scale (``expert_weights_scale``; 0 or absent: 1),
-    ``shared_ff`` (``expert_shared_feed_forward_length``; default ``feed_forward_length``)."""
+    ``shared_ff`` (``expert_shared_feed_forward_length``; default ``feed_forward_length``); ``shared_act`` the
+    shared expert's activation."""
     p, d = f"blk.{i}.", hp.n_embd
     E = meta_int(f, "expert_count", required=True, hi=MAX_EXPERTS)
     k = meta_int(f, "expert_used_count", required=True, hi=E)
@@ -354,7 +355,7 @@ def moe_ffn(f: GGUFFile, i: int, hp: HParams, *, n_ff: int | None = None, norm_t
     if p + "ffn_up_shexp.weight" in f.tensors:
         Fs = meta_int(f, "expert_shared_feed_forward_length", shared_ff if shared_ff is not None else hp.n_ff)
         sg = linear(f, p + "ffn_gate_shexp", Fs, d, bias=False) if p + "ffn_gate_shexp.weight" in f.tensors else None
-        m.shared = MLP(act="silu", gate=sg, up=linear(f, p + "ffn_up_shexp", Fs, d, bias=False),
+        m.shared = MLP(act=shared_act, gate=sg, up=linear(f, p + "ffn_up_shexp", Fs, d, bias=False),
                        down=linear(f, p + "ffn_down_shexp", d, Fs, bias=False))
         if p + "ffn_gate_inp_shexp.weight" in f.tensors:
             t = tensor(f, p + "ffn_gate_inp_shexp.weight")

@@ -988,6 +988,8 @@ def layer_unsupported(b: Any) -> str | None:
         return "a Mamba-2 mixer (its recurrent state is updated layer by layer)"
     if getattr(b.attn, "out_gate", False):
         return "a gated attention output"
+    if b.mlp is None:
+        return "a block without a feed-forward half"
     a, m = _mixer(b), b.mlp
     c = getattr(a, "conv", None)
     if c is not None and (c.weight.dtype != np.float32 or c.weight.ndim != 2 or not 2 <= c.taps <= 64
@@ -1315,7 +1317,7 @@ class LayerStack:
         _after_call(lib, rc, "decode layers", self, (x, caches))
 
 
-_MOE_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 3}
+_MOE_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 3, "relu2": 4}
 
 
 def moe_unsupported(m: Any) -> str | None:
@@ -1324,6 +1326,8 @@ def moe_unsupported(m: Any) -> str | None:
         return f"expert activation {m.act!r}"
     if m.act == "swiglu_oai" and (m.gate is None or len(m.act_params) != 2):
         return "clamped SwiGLU without gate or without (alpha, limit)"
+    if m.act == "relu2" and m.gate is not None:
+        return "squared ReLU with a gate"
     for lin in (m.gate or []) + m.up + m.down:
         if lin.qtype not in QTYPES:
             return f"expert weights of type {lin.qtype}"

@@ -72,9 +72,32 @@ def _gemma4_kw(layers: int, **extra: Any) -> dict[str, Any]:
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, **extra)
 
 
-# transformers 5 saves Granite 4.0-H's layer types as linear / full attention; the released checkpoints (and
-# llama.cpp's converter) name them mamba / attention
-GRANITE_LAYER_NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
+def _granite_layer_names(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 saves Granite 4.0-H's layer types as linear / full attention; the released checkpoints
+    (and llama.cpp's converter) name them mamba / attention."""
+    names = {"linear_attention": "mamba", "full_attention": "attention"}
+    cfg["layer_types"] = [names.get(t, t) for t in cfg["layer_types"]]
+    return cfg
+
+
+_NEMOTRON_CODES = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-",
+                   "moe": "E"}
+_NEMOTRON_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "moe_shared_expert_intermediate_size", "n_shared_experts", "moe_latent_size",
+                      "moe_shared_expert_overlap", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
+
+
+def _nemotron_pattern(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The released Nemotron-H checkpoints describe their layers with ``hybrid_override_pattern`` (M: Mamba-2,
+    *: attention, -: MLP, E: experts), which llama.cpp's converter reads (and transformers still loads); a dense
+    model's config has no MoE keys (the converter takes ``num_experts_per_tok`` for a mixture of experts)."""
+    types = cfg.pop("layers_block_type", None) or cfg.pop("layer_types")
+    cfg["hybrid_override_pattern"] = "".join(_NEMOTRON_CODES[t] for t in types)
+    cfg["num_hidden_layers"] = len(types)
+    if "moe" not in types:
+        for k in _NEMOTRON_MOE_KEYS:
+            cfg.pop(k, None)
+    return cfg
 
 
 def ROUTER(name: str) -> dict[str, float]:  # noqa: N802 (reads like a constant in the table)
@@ -338,7 +361,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     # which the converter writes as rope.scaling.finetuned false); Granite's four multipliers
     "granitehybrid": dict(
         config="GraniteMoeHybridConfig", model="GraniteMoeHybridForCausalLM", no_repack=True,
-        scale=ROUTER("router.layer.weight"), tokenizer="bpe", pre="refact", layer_type_names=GRANITE_LAYER_NAMES,
+        scale=ROUTER("router.layer.weight"), tokenizer="bpe", pre="refact", config_fix=_granite_layer_names,
         features="Granite 4.0-H-Tiny layout: 4 layers mamba, mamba, attention, mamba; Mamba-2 mixers (8 heads of "
                  "64, 2 groups, state 32, conv 4 taps with bias, D skip, gated grouped RMSNorm), attention without "
                  "RoPE (GQA 4/2); 4 experts top-2 (softmax, renormalised, FFN 128) plus a shared expert (FFN 256); "
@@ -351,7 +374,7 @@ ARCHS: dict[str, dict[str, Any]] = {
                     mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False)),
     "granitehybrid_dense": dict(
         config="GraniteMoeHybridConfig", model="GraniteMoeHybridForCausalLM", tokenizer="bpe", pre="refact",
-        layer_type_names=GRANITE_LAYER_NAMES,
+        config_fix=_granite_layer_names,
         features="Granite 4.0-H-Micro layout (no experts): 4 layers attention, mamba, mamba, mamba; Mamba-2 mixers "
                  "(16 heads of 32, 1 group, state 64, conv 4 taps with bias), attention without RoPE (GQA 4/1); "
                  "dense SwiGLU MLP (FFN 512, the converter's ffn_gate/up/down); embedding x4, residual x0.5, "
@@ -362,6 +385,30 @@ ARCHS: dict[str, dict[str, Any]] = {
                     position_embedding_type=None, layer_types=["attention", "mamba", "mamba", "mamba"],
                     mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_d_head=32, mamba_d_conv=4,
                     mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False)),
+    # Nemotron-H: one mixer or feed-forward per layer (Mamba-2, attention without positions, relu² MLP, experts)
+    "nemotron_h": dict(
+        config="NemotronHConfig", model="NemotronHForCausalLM", tokenizer="bpe", pre="refact",
+        config_fix=_nemotron_pattern, raw_config=True,
+        features="Nemotron-H / Nemotron Nano 2 layout: 8 layers M - M * - M M - (Mamba-2: 8 heads of 64, 2 groups, "
+                 "state 32, conv 4 taps with bias; attention without RoPE, GQA 4/2; relu² MLP of 512 without gate), "
+                 "consecutive Mamba layers, untied, BPE vocab",
+        kwargs=dict(_common(layers=8), intermediate_size=512, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5,
+                    layers_block_type=["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mamba", "mlp"],
+                    ssm_state_size=32, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, conv_kernel=4, expand=2,
+                    use_conv_bias=True, mamba_proj_bias=False, use_mamba_kernels=False)),
+    "nemotron_h_moe": dict(
+        config="NemotronHConfig", model="NemotronHForCausalLM", no_repack=True, tokenizer="bpe", pre="refact",
+        config_fix=_nemotron_pattern, raw_config=True, scale={"mixer.gate.weight": 3.0}, buffers={"e_score_correction_bias": 0.1},
+        features="Nemotron 3 Nano layout: 7 layers M E M * E M E (Mamba-2: 8 heads of 64, 2 groups, state 32); "
+                 "experts: 4 of FFN 128 top-2, relu² without gate, sigmoid router with a selection bias, "
+                 "renormalised, scaled x2.5, a relu² shared expert of 256; attention without RoPE, GQA 4/2, "
+                 "untied, BPE vocab",
+        kwargs=dict(_common(layers=7), intermediate_size=512, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5,
+                    layers_block_type=["mamba", "moe", "mamba", "attention", "moe", "mamba", "moe"],
+                    ssm_state_size=32, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, conv_kernel=4, expand=2,
+                    use_conv_bias=True, mamba_proj_bias=False, use_mamba_kernels=False, n_routed_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=128, moe_shared_expert_intermediate_size=256,
+                    n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)),
     "gemma4": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         # attention scale is 1 (q/k are RMS-normed): q/k norm weights ~1/3 keep q.k ~ N(0, 1) instead of a
@@ -549,9 +596,9 @@ def build_hf(spec: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
                     b.copy_(torch.randn(b.shape, generator=gen) * sd)
     model.save_pretrained(str(out), safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
-    names = spec.get("layer_type_names")
-    if names:  # the names the released checkpoints' config.json uses (and the converter reads)
-        cfg["layer_types"] = [names.get(t, t) for t in cfg["layer_types"]]
+    fix = spec.get("config_fix")
+    if fix is not None:  # the config.json layout the released checkpoints use (and the converter reads)
+        cfg = fix(cfg)
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return cfg
 
@@ -572,7 +619,7 @@ def hf_logits(spec: dict[str, Any], model_dir: Path, tokens: np.ndarray) -> np.n
 # --------------------------------------------------------------------------------------------------
 
 _CONVERT = r"""
-import runpy, sys
+import os, runpy, sys
 llama_dir, pre = sys.argv[1], sys.argv[2]
 sys.path.insert(0, llama_dir)
 if pre:
@@ -580,17 +627,28 @@ if pre:
     # pre-tokenizer instead of hashing; weights and all other metadata are the converter's own
     import conversion.base as cb
     cb.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+if os.environ.get("FIXTURE_RAW_CONFIG"):
+    # read config.json as written, as the converter does when transformers cannot load it (the released
+    # Nemotron-H configs before transformers 5): AutoConfig would rewrite the layer pattern into a list
+    # and add MoE defaults that make the converter take a dense model for a mixture of experts
+    import json, pathlib
+    import conversion.base as cb
+    cb.ModelBase.load_hparams = staticmethod(
+        lambda d, is_mistral_format=False: json.loads((pathlib.Path(d) / "config.json").read_text(encoding="utf-8")))
 sys.argv = [llama_dir + "/convert_hf_to_gguf.py"] + sys.argv[3:]
 runpy.run_path(llama_dir + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def convert(llama_dir: Path, model_dir: Path, out: Path, pre: str | None, extra: tuple[str, ...] = ()) -> None:
+def convert(llama_dir: Path, model_dir: Path, out: Path, pre: str | None, extra: tuple[str, ...] = (),
+            raw_config: bool = False) -> None:
     """``convert_hf_to_gguf.py --outtype f16`` (with the pre-tokenizer named for BPE vocabularies);
-    ``extra``: more converter options (the spec's ``convert_args``)."""
+    ``extra``: more converter options (the spec's ``convert_args``); ``raw_config``: the converter reads
+    config.json itself instead of through transformers' AutoConfig (the spec's ``raw_config``)."""
     cmd = [sys.executable, "-c", _CONVERT, str(llama_dir), pre or "", str(model_dir), "--outtype", "f16",
            "--outfile", str(out), *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, FIXTURE_RAW_CONFIG="1") if raw_config else None
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"convert failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}")
 
@@ -718,7 +776,7 @@ def make(arch: str, spec: dict[str, Any], out_root: Path, llama_dir: Path, bin_d
 
     files = {"f16": out / "model-f16.gguf"}
     convert(llama_dir, model_dir, files["f16"], spec.get("pre") if spec["tokenizer"] == "bpe" else None,
-            tuple(spec.get("convert_args", ())))
+            tuple(spec.get("convert_args", ())), spec.get("raw_config", False))
     quant_logs = {}
     for q in QUANTS + tuple(spec.get("extra_quants", ())):
         files[q] = out / f"model-{q}.gguf"

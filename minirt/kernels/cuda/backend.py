@@ -496,6 +496,8 @@ class CudaBackend(Backend):
             return "a short convolution mixer"
         if any(isinstance(b.attn, (GatedDeltaNet, Mamba2)) or getattr(b.attn, "out_gate", False) for b in desc.blocks):
             return "a gated delta-net or Mamba-2 mixer, or a gated attention output"
+        if any(b.mlp is None for b in desc.blocks):
+            return "a block without a feed-forward half"
         if desc.per_layer_inputs is not None or len({(b.attn.n_head_kv, b.attn.head_dim_k) for b in desc.blocks}) > 1:
             return "per-layer inputs or layers with different KV shapes"
         b0 = desc.blocks[0]

@@ -1,12 +1,13 @@
-"""Granite 4.0-H's Mamba-2 layers beyond their logits (those are in tests/test_archs.py): the selective
-scan against its definition and in C, the recurrent state each sequence keeps beside its KV cache
-(convolution inputs and the SSM state), and what the runtime does with it — batching, token-by-token
-decode, the prefix cache, state files, context shift (refused).
+"""Mamba-2 hybrids beyond their logits (those are in tests/test_archs.py): the selective scan against its
+definition and in C, the recurrent state each sequence keeps beside its KV cache (convolution inputs and the
+SSM state), and what the runtime does with it — batching, token-by-token decode, the prefix cache, state
+files, context shift (refused) — and how Nemotron-H's one-sublayer-per-layer files become blocks.
 
-Fixtures (``tests/data/archs``, made by llama.cpp's converter from random transformers
-GraniteMoeHybrid models): ``granitehybrid`` (mamba, mamba, attention, mamba; 8 heads of 64, 2 groups,
-state 32; experts + shared expert) and ``granitehybrid_dense`` (attention, then 3 Mamba-2 layers of 16
-heads of 32, 1 group, state 64; dense MLP)."""
+Fixtures (``tests/data/archs``, made by llama.cpp's converter from random transformers models):
+``granitehybrid`` (mamba, mamba, attention, mamba; 8 heads of 64, 2 groups, state 32; experts + shared
+expert), ``granitehybrid_dense`` (attention, then 3 Mamba-2 layers of 16 heads of 32, 1 group, state 64;
+dense MLP), ``nemotron_h`` (layers M - M * - M M -: Mamba-2, relu² MLP, attention) and ``nemotron_h_moe``
+(M E M * E M E: relu² experts with a sigmoid router and a shared expert)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,31 @@ def q8_path() -> str:
     if not p.is_file():
         pytest.fail(f"missing fixture {p}")
     return str(p)
+
+
+def _rewrite(src, dst, fields=None, extra_tensors=None, patch=None) -> None:
+    """A copy of the GGUF ``src`` at ``dst`` with some metadata values replaced (``fields``: key → value,
+    same type), tensors added (``extra_tensors``: name → float32 array) or patched (``patch``: name → fn)."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, (fields or {}).get(key, f.contents()), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if patch and t.name in patch:
+            data = patch[t.name](data).astype(data.dtype)
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def test_description_and_cache_layout(q8_path):
@@ -219,25 +245,93 @@ def test_context_shift_is_refused_with_a_clear_error(q8_path):
 ])
 def test_broken_mamba_tensors_are_refused(tmp_path, name, patch, match):
     """A file whose Mamba-2 tensors break the layer's invariants gets a GGUFError naming the tensor."""
-    import gguf
-
-    src = GD / "model-f16.gguf"
-    r = gguf.GGUFReader(src)
     dst = tmp_path / "bad.gguf"
-    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for t in r.tensors:
-        data = np.asarray(t.data)
-        if t.name == f"blk.0.{name}":
-            data = patch(data).astype(data.dtype)
-        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _rewrite(GD / "model-f16.gguf", dst, patch={f"blk.0.{name}": patch})
     with pytest.raises(minirt.GGUFError, match=match):
         minirt.load(str(dst), n_ctx=32)
+
+
+# -- Nemotron-H -------------------------------------------------------------------------------------------
+ND = ARCH_DIR / "nemotron_h"
+
+
+def test_nemotron_layers_become_blocks():
+    """A mixer layer and the feed-forward layer after it make one block; a mixer followed by a mixer is a
+    block without feed-forward (the KV cache and recurrent state follow the blocks)."""
+    from minirt.blocks import MLP, Attention, MoE
+
+    with minirt.load(str(ND / "model-q8_0.gguf"), n_ctx=64) as llm:  # M - M * - M M -
+        d = llm.model.desc
+        kinds = [(type(b.attn).__name__, None if b.mlp is None else type(b.mlp).__name__) for b in d.blocks]
+        assert kinds == [("Mamba2", "MLP"), ("Mamba2", None), ("Attention", "MLP"), ("Mamba2", None),
+                         ("Mamba2", "MLP")]
+        m = d.blocks[0].mlp
+        assert isinstance(m, MLP) and m.gate is None and m.act == "relu2"
+        a = d.blocks[2].attn
+        assert isinstance(a, Attention) and a.rope is None
+        assert d.kv_layers() == [None, None, (2, 64, 64), None, None]
+        assert d.blocks[1].attn_norm is not None and d.blocks[1].ffn_norm is None
+    with minirt.load(str(ARCH_DIR / "nemotron_h_moe" / "model-q8_0.gguf"), n_ctx=64) as llm:  # M E M * E M E
+        d = llm.model.desc
+        assert [b.mlp is None for b in d.blocks] == [False, True, False, False]
+        m = d.blocks[0].mlp
+        assert isinstance(m, MoE) and m.gate is None and m.act == "relu2"
+        r = m.router
+        assert (r.gating, r.norm_topk, r.n_used) == ("sigmoid", True, 2) and r.scale == pytest.approx(2.5)
+        assert r.selection_bias is not None
+        assert m.shared is not None and m.shared.gate is None and m.shared.act == "relu2"
+
+
+def test_nemotron_native_relu2_experts_match_the_per_op_loop():
+    """The native experts call (``mr_moe_experts``, squared ReLU without gate) gives the per-op loop's output."""
+    from minirt.kernels import native
+    from minirt.kernels.base import Backend
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    with minirt.load(str(ARCH_DIR / "nemotron_h_moe" / "model-q8_0.gguf"), n_ctx=64, backend="native") as llm:
+        be, m = llm.model.backend, llm.model.desc.blocks[0].mlp
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((5, 256), dtype=np.float32)
+        ids = np.array([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]], dtype=np.int64)
+        w = rng.uniform(0.1, 1.0, (5, 2)).astype(np.float32)
+        got = be.moe_experts(x, m, ids, w)
+        assert be._expert_sets[id(m)][1] is not None  # the native call ran
+        want = Backend.moe_experts(be, x, m, ids, w)
+        assert rel_rms(got, want) < 1e-3
+
+
+def test_nemotron_layouts_it_cannot_run_are_refused(tmp_path):
+    """A feed-forward layer after another feed-forward, and latent expert projections (Nemotron 3 Super),
+    get UnsupportedArchitectureError naming what is missing."""
+    import gguf
+
+    src = ND / "model-f16.gguf"
+    ff = [int(v) for v in gguf.GGUFReader(src).fields["nemotron_h.feed_forward_length"].contents()]
+    ff[2] = ff[1]  # layer 2 (a Mamba-2 layer) declared a feed-forward, after layer 1's
+    dst = tmp_path / "ffn2.gguf"
+    _rewrite(src, dst, fields={"nemotron_h.feed_forward_length": ff})
+    with pytest.raises(minirt.UnsupportedArchitectureError, match="feed-forward layer that does not follow"):
+        minirt.load(str(dst), n_ctx=32)
+    dst = tmp_path / "latent.gguf"
+    _rewrite(ARCH_DIR / "nemotron_h_moe" / "model-f16.gguf", dst,
+             extra_tensors={"blk.1.ffn_latent_down.weight": np.zeros((64, 256), np.float32)})
+    with pytest.raises(minirt.UnsupportedArchitectureError, match="latent"):
+        minirt.load(str(dst), n_ctx=32)
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_nemotron_batched_and_stepwise_passes_agree(backend):
+    """Blocks without feed-forward and Mamba-2 state in a batch, token by token, and split prefill."""
+    ref = np.load(ND / "ref.npz")
+    a, b = ref["tokens"][0][:20], ref["tokens"][1][:13]
+    tol = 1e-4 if backend == "reference" else 5e-4
+    with minirt.load(str(ND / "model-q8_0.gguf"), n_ctx=64, backend=backend) as llm:
+        m = llm.model
+        alone = [_logits(m, [x])[0][0] for x in (a, b)]
+        together, _ = _logits(m, [a, b])
+        for got, want in zip(together, alone, strict=True):
+            assert rel_rms(got, want) < tol
+        cache = kv_cache_for(m.cfg, 64)
+        steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
+        assert rel_rms(np.stack(steps), alone[0]) < tol
