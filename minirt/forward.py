@@ -84,7 +84,8 @@ def config_of(desc: ModelDesc) -> Config:
     offsets = tuple(desc.key_offsets())
     windows = tuple(desc.kv_windows())
     n_head = next((b.attn.n_head for b in desc.blocks if hasattr(b.attn, "n_head")), 0)
-    n_ff = next((b.mlp.n_ff for b in desc.blocks if b.mlp is not None), 0)  # the first block's (Nemotron-H: a mixer's may have none)
+    # the first block's feed-forward width (a Nemotron-H block may have none)
+    n_ff = next((b.mlp.n_ff for b in desc.blocks if b.mlp is not None), 0)
     return Config(arch=desc.arch, n_layer=len(desc.blocks), n_embd=desc.n_embd, n_ff=n_ff,
                   n_head=n_head, n_head_kv=hkv, head_dim_k=dk, head_dim_v=dv, n_vocab=desc.n_vocab,
                   n_ctx_train=desc.n_ctx_train,
