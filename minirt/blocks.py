@@ -388,7 +388,8 @@ class Mamba2:
         dt = softplus(dt + dt_bias)                                    (T, H)
         per head h (group g = h // (H/G)), state S (P, N), from zeros:
             S = exp(dt_t · a) · S + (dt_t · x_t) ⊗ B_t;   y_t = S C_t + d_skip · x_t
-        out = out_proj(grouped_rmsnorm(y · silu(z)) · norm.weight)    (RMS over each group's d_inner / G)
+        out = out_proj(grouped_rmsnorm(y · silu(z)) · norm.weight)    (RMS over each group's d_inner / G; no
+                                                                       norm where the file has none)
 
     Its per-sequence state, as :class:`GatedDeltaNet`'s: the last ``taps − 1`` convolution inputs and S of
     every head (:attr:`state_shapes`), kept by the cache beside its positions."""
@@ -399,7 +400,7 @@ class Mamba2:
     dt_bias: np.ndarray  # (H,) float32
     a: np.ndarray  # (H,) float32, negative (−exp(A_log), as the file stores it)
     d_skip: np.ndarray  # (H,) float32
-    norm: Norm  # (d_inner,) weight; the RMS is taken over each of n_group groups
+    norm: Norm | None  # (d_inner,) weight, the RMS taken over each of n_group groups; None: no norm (Falcon-H1)
     out_proj: Linear  # (d, d_inner)
     n_head: int
     head_dim: int
@@ -431,6 +432,45 @@ class Mamba2:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(taps − 1, conv_dim) convolution inputs and (H, P, N) SSM state, float32."""
         return (self.taps - 1, self.conv_dim), (self.n_head, self.head_dim, self.d_state)
+
+
+@dataclass
+class ParallelMixer:
+    """Falcon-H1's mixer: attention and a Mamba-2 mixer read the same normed input and their outputs are
+    summed. Its layer keeps both the attention's KV rows and the Mamba-2 state; what generic code reads of a
+    mixer comes from the attention (positions, cache rows) and the SSM (recurrent state)."""
+
+    attn: Attention
+    ssm: Mamba2
+    kv_source = None
+    causal = True
+
+    @property
+    def rope(self) -> Rope | None:
+        return self.attn.rope
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        return self.attn.kv_shape
+
+    @property
+    def kv_rotate(self) -> bool:
+        return self.attn.kv_rotate
+
+    @property
+    def window(self) -> int:
+        return self.attn.window
+
+    @property
+    def n_head(self) -> int:
+        return self.attn.n_head
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.ssm.state_shapes
+
+    def key_offset(self, n_positions: int) -> np.ndarray | None:
+        return self.attn.key_offset(n_positions)
 
 
 @dataclass
@@ -591,7 +631,7 @@ class Block:
     (Nemotron-H, whose layers are a mixer or a feed-forward each, where a mixer is followed by another).
     """
 
-    attn: Attention | ShortConv | GatedDeltaNet | Mamba2
+    attn: Attention | ShortConv | GatedDeltaNet | Mamba2 | ParallelMixer
     mlp: MLP | MoE | ParallelMoE | None
     attn_norm: Norm | None = None
     post_attn_norm: Norm | None = None
@@ -679,6 +719,8 @@ class ModelDesc:
                 out += [a.in_proj, a.out_proj]
             elif isinstance(a, Mamba2):
                 out += [a.in_proj, a.out_proj]
+            elif isinstance(a, ParallelMixer):
+                out += [a.attn.wq, a.attn.wk, a.attn.wv, a.attn.wo, a.ssm.in_proj, a.ssm.out_proj]
             elif isinstance(a, GatedDeltaNet):
                 out += [lin for lin in (a.qkv_proj, a.z_proj, a.beta_proj, a.alpha_proj, a.ba_proj, a.out_proj)
                         if lin is not None]

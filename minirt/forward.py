@@ -27,6 +27,7 @@ from .blocks import (
     ModelDesc,
     MoE,
     Norm,
+    ParallelMixer,
     ParallelMoE,
     Rope,
     ShortConv,
@@ -351,18 +352,26 @@ class Transformer:
             y[s0:s0 + n] += x * m.d_skip[:, None]
             conv_state[:] = rows[n:]
         g = self.backend.act_mul(np.ascontiguousarray(z), y.reshape(T, di), "silu")  # gated, then RMS per group
-        out = self.backend.rms_norm(g.reshape(T * G, di // G), None, m.norm.eps).reshape(T, di) * m.norm.weight
-        return self.mm(m.out_proj, out)
+        if m.norm is not None:
+            g = self.backend.rms_norm(g.reshape(T * G, di // G), None, m.norm.eps).reshape(T, di) * m.norm.weight
+        return self.mm(m.out_proj, g)
 
     def attention(self, i: int, b: Block, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
-        """Projections, q/k norms, RoPE, cache append and attention of the normed input h (T, d) → (T, d)."""
-        if isinstance(b.attn, ShortConv):
-            return self.short_conv(i, b.attn, h, ctx)
-        if isinstance(b.attn, GatedDeltaNet):
-            return self.delta_net(i, b.attn, h, ctx)
-        if isinstance(b.attn, Mamba2):
-            return self.mamba2(i, b.attn, h, ctx)
-        a, T = b.attn, h.shape[0]
+        """Block i's mixer of the normed input h (T, d) → (T, d): attention or what takes its place."""
+        a = b.attn
+        if isinstance(a, ShortConv):
+            return self.short_conv(i, a, h, ctx)
+        if isinstance(a, GatedDeltaNet):
+            return self.delta_net(i, a, h, ctx)
+        if isinstance(a, Mamba2):
+            return self.mamba2(i, a, h, ctx)
+        if isinstance(a, ParallelMixer):
+            return self.attend(i, a.attn, h, ctx) + self.mamba2(i, a.ssm, h, ctx)
+        return self.attend(i, a, h, ctx)
+
+    def attend(self, i: int, a: Any, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
+        """Projections, q/k norms, RoPE, cache append (layer i) and attention of the normed input h (T, d) → (T, d)."""
+        T = h.shape[0]
         q = self.mm(a.wq, h)
         gate = None
         if a.out_gate:  # per head: its query, then its output gate

@@ -165,11 +165,13 @@ def _logits(m, ids):
     return out, caches
 
 
+@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])
 @pytest.mark.parametrize("backend", ["reference", "native"])
-def test_batched_and_stepwise_passes_agree(q8_path, backend):
+def test_batched_and_stepwise_passes_agree(arch, backend):
     """Two sequences in one pass, one sequence token by token, and a prefill split in two give what each
     gets alone in one pass: each segment continues from its own state."""
-    ref = np.load(GD / "ref.npz")
+    q8_path = str(ARCH_DIR / arch / "model-q8_0.gguf")
+    ref = np.load(ARCH_DIR / arch / "ref.npz")
     a, b = ref["tokens"][0][:20], ref["tokens"][1][:13]
     tol = 1e-4 if backend == "reference" else 5e-4  # native: other matmul kernels per batch size
     with minirt.load(q8_path, n_ctx=64, backend=backend) as llm:
@@ -202,7 +204,9 @@ def test_native_and_reference_backends_agree(q8_path):
     assert rel_rms(got["native"], got["reference"]) < 5e-4
 
 
-def test_prefix_cache_state_files_and_batching(q8_path, tmp_path):
+@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])  # falcon_h1: KV rows and a state in one layer
+def test_prefix_cache_state_files_and_batching(arch, tmp_path):
+    q8_path = str(ARCH_DIR / arch / "model-q8_0.gguf")
     st = tmp_path / "gh.state"
     prompt = list(range(10, 60))
     with minirt.load(q8_path, n_ctx=128) as m:
@@ -231,7 +235,9 @@ def test_prefix_cache_state_files_and_batching(q8_path, tmp_path):
         assert [h.result(timeout=120).token_ids for h in handles] == alone
 
 
-def test_context_shift_is_refused_with_a_clear_error(q8_path):
+@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])
+def test_context_shift_is_refused_with_a_clear_error(arch):
+    q8_path = str(ARCH_DIR / arch / "model-q8_0.gguf")
     with minirt.load(q8_path, n_ctx=32) as m:
         with pytest.raises(minirt.ContextOverflowError, match="recurrent"):
             m.generate(list(range(10, 30)), max_tokens=40, temperature=0.0, ignore_eos=True,
@@ -335,3 +341,20 @@ def test_nemotron_batched_and_stepwise_passes_agree(backend):
         cache = kv_cache_for(m.cfg, 64)
         steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
         assert rel_rms(np.stack(steps), alone[0]) < tol
+
+
+# -- Falcon-H1 ---------------------------------------------------------------------------------------------
+def test_falcon_h1_layers_run_attention_and_mamba_side_by_side():
+    """Every layer is a ParallelMixer: its cache has the attention's rows and the Mamba-2 state; the pre-FFN
+    norm stored without its ``.weight`` suffix is read; no SSM norm where the file has none."""
+    from minirt.blocks import ParallelMixer
+
+    with minirt.load(str(ARCH_DIR / "falcon_h1" / "model-q8_0.gguf"), n_ctx=64) as llm:
+        d = llm.model.desc
+        assert all(isinstance(b.attn, ParallelMixer) for b in d.blocks) and len(d.blocks) == 3
+        m = d.blocks[0].attn
+        assert m.attn.rope is not None and m.attn.rope.neox and m.ssm.norm is None
+        assert m.ssm.state_shapes == ((3, 512 + 2 * 2 * 32), (8, 64, 32))
+        assert d.kv_layers() == [(2, 64, 64)] * 3 and all(s is not None for s in d.recurrent_states())
+        assert d.blocks[0].ffn_norm is not None
+        assert llm.model.native_stack is None

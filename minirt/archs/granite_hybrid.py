@@ -49,7 +49,8 @@ MAX_STATE = 4096  # state size N (128 in Granite 4.0-H)
 
 
 def mamba2_mixer(f: GGUFFile, i: int, hp: HParams) -> Mamba2:
-    """Block i's Mamba-2 mixer from the file's ``ssm_*`` tensors, every size checked against the metadata."""
+    """Block i's Mamba-2 mixer from the file's ``ssm_*`` tensors, every size checked against the metadata
+    (``ssm_norm`` where the file has it)."""
     p, d = f"blk.{i}.", hp.n_embd
     taps = meta_int(f, "ssm.conv_kernel", required=True, lo=2, hi=MAX_TAPS)
     N = meta_int(f, "ssm.state_size", required=True, hi=MAX_STATE)
@@ -68,7 +69,8 @@ def mamba2_mixer(f: GGUFFile, i: int, hp: HParams) -> Mamba2:
     return Mamba2(in_proj=linear(f, p + "ssm_in", 2 * inner + 2 * G * N + H, d, bias=False),
                   conv=np.ascontiguousarray(w, dtype=np.float32), conv_bias=bias,
                   dt_bias=vector(f, p + "ssm_dt.bias", H), a=a, d_skip=vector(f, p + "ssm_d", H),
-                  norm=Norm(vector(f, p + "ssm_norm.weight", inner), hp.rms_eps),
+                  norm=Norm(vector(f, p + "ssm_norm.weight", inner), hp.rms_eps) if p + "ssm_norm.weight" in f.tensors
+                  else None,
                   out_proj=linear(f, p + "ssm_out", d, inner, bias=False),
                   n_head=H, head_dim=inner // H, d_state=N, n_group=G)
 

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import GatedDeltaNet, Mamba2, ShortConv
+from ..blocks import GatedDeltaNet, Mamba2, ParallelMixer, ShortConv
 from ..errors import BackendError, InvalidRequestError, UnsupportedQuantError
 
 log = logging.getLogger(__name__)
@@ -984,7 +984,7 @@ def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
     if isinstance(b.attn, GatedDeltaNet):
         return "a gated delta-net mixer (its recurrent state is updated layer by layer)"
-    if isinstance(b.attn, Mamba2):
+    if isinstance(b.attn, (Mamba2, ParallelMixer)):
         return "a Mamba-2 mixer (its recurrent state is updated layer by layer)"
     if getattr(b.attn, "out_gate", False):
         return "a gated attention output"

@@ -409,6 +409,20 @@ ARCHS: dict[str, dict[str, Any]] = {
                     use_conv_bias=True, mamba_proj_bias=False, use_mamba_kernels=False, n_routed_experts=4,
                     num_experts_per_tok=2, moe_intermediate_size=128, moe_shared_expert_intermediate_size=256,
                     n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer; the converter folds the µP multipliers
+    # into the weights, so non-trivial ones check that folding against transformers' runtime multiplications
+    "falcon_h1": dict(
+        config="FalconH1Config", model="FalconH1ForCausalLM", tokenizer="bpe", pre="refact",
+        features="3 layers, each attention (GQA 4/2, NEOX RoPE) + Mamba-2 (8 heads of 64, 2 groups, state 32, conv 4 "
+                 "taps with bias, no SSM norm) on the same normed input, summed, then a SwiGLU MLP; µP multipliers "
+                 "(embedding x3, lm head x0.5, MLP 0.8/1.2, key 0.7, attention in 1.1 / out 0.9, SSM in 1.2 / out 0.8, "
+                 "z/x/B/C/dt 1.0/0.5/1.3/0.9/1.1) folded by the converter; untied, BPE vocab",
+        kwargs=dict(_common(layers=3), intermediate_size=512, rms_norm_eps=1e-5, mamba_d_ssm=512, mamba_n_heads=8,
+                    mamba_d_head=64, mamba_n_groups=2, mamba_d_state=32, mamba_d_conv=4, mamba_conv_bias=True,
+                    mamba_proj_bias=False, mamba_rms_norm=False, lm_head_multiplier=0.5, embedding_multiplier=3.0,
+                    mlp_multipliers=[0.8, 1.2], key_multiplier=0.7, attention_in_multiplier=1.1,
+                    attention_out_multiplier=0.9, ssm_multipliers=[1.0, 0.5, 1.3, 0.9, 1.1], ssm_in_multiplier=1.2,
+                    ssm_out_multiplier=0.8, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
     "gemma4": dict(
         config="Gemma4TextConfig", model="Gemma4ForCausalLM", tokenizer="hf_spm", specials=GEMMA_SPECIALS,
         # attention scale is 1 (q/k are RMS-normed): q/k norm weights ~1/3 keep q.k ~ N(0, 1) instead of a

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ...blocks import GatedDeltaNet, Mamba2, MoE, ParallelMoE, ShortConv
+from ...blocks import GatedDeltaNet, Mamba2, MoE, ParallelMixer, ParallelMoE, ShortConv
 from ...errors import BackendError
 from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
@@ -494,7 +494,7 @@ class CudaBackend(Backend):
             return "position / token-type embeddings or an embedding norm"
         if any(isinstance(b.attn, ShortConv) for b in desc.blocks):
             return "a short convolution mixer"
-        if any(isinstance(b.attn, (GatedDeltaNet, Mamba2)) or getattr(b.attn, "out_gate", False) for b in desc.blocks):
+        if any(isinstance(b.attn, (GatedDeltaNet, Mamba2, ParallelMixer)) or getattr(b.attn, "out_gate", False) for b in desc.blocks):
             return "a gated delta-net or Mamba-2 mixer, or a gated attention output"
         if any(b.mlp is None for b in desc.blocks):
             return "a block without a feed-forward half"
