@@ -29,7 +29,7 @@ import pytest
 
 import minirt
 from minirt.archs import supported
-from minirt.blocks import GatedDeltaNet, Mamba2, MoE, ParallelMoE
+from minirt.blocks import GatedDeltaNet, Mamba2, MoE, ParallelMixer, ParallelMoE
 from tests.arch_parity import (
     ARCH_DIR,
     QUANTS,
@@ -109,7 +109,7 @@ def test_decode_steps_run_fused_and_match(arch, quant):
             # the chosen experts only), and so do Qwen3.5's delta-net layers and gated attention (no fused
             # kernel for them yet), and Mamba-2 layers
             blocks = llm.model.desc.blocks
-            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, (GatedDeltaNet, Mamba2))
+            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, (GatedDeltaNet, Mamba2, ParallelMixer))
                          for b in blocks)
             assert (llm.model.native_stack is None) == per_op, f"{arch}: fused decode step prepared: {not per_op}"
     ours = decode_logits(path, tokens, n0)  # (n_seq, T - n0, V): logits after positions n0-1 .. T-2

@@ -494,7 +494,8 @@ class CudaBackend(Backend):
             return "position / token-type embeddings or an embedding norm"
         if any(isinstance(b.attn, ShortConv) for b in desc.blocks):
             return "a short convolution mixer"
-        if any(isinstance(b.attn, (GatedDeltaNet, Mamba2, ParallelMixer)) or getattr(b.attn, "out_gate", False) for b in desc.blocks):
+        if any(isinstance(b.attn, (GatedDeltaNet, Mamba2, ParallelMixer)) or getattr(b.attn, "out_gate", False)
+               for b in desc.blocks):
             return "a gated delta-net or Mamba-2 mixer, or a gated attention output"
         if any(b.mlp is None for b in desc.blocks):
             return "a block without a feed-forward half"
