@@ -109,8 +109,8 @@ def test_decode_steps_run_fused_and_match(arch, quant):
             # the chosen experts only), and so do Qwen3.5's delta-net layers and gated attention (no fused
             # kernel for them yet), and Mamba-2 layers
             blocks = llm.model.desc.blocks
-            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, (GatedDeltaNet, Mamba2, ParallelMixer))
-                         for b in blocks)
+            recurrent = (GatedDeltaNet, Mamba2, ParallelMixer)
+            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, recurrent) for b in blocks)
             assert (llm.model.native_stack is None) == per_op, f"{arch}: fused decode step prepared: {not per_op}"
     ours = decode_logits(path, tokens, n0)  # (n_seq, T - n0, V): logits after positions n0-1 .. T-2
     hf = ref["hf"][:, n0 - 1:-1]
