@@ -70,9 +70,13 @@ HOST_PATH = {
     "gemma4": "per-layer inputs or layers with different KV shapes",
     "lfm2": "a short convolution mixer",
     "lfm2moe": "a short convolution mixer",
-    "qwen35": "a gated delta-net mixer or a gated attention output",
-    "qwen35moe": "a gated delta-net mixer or a gated attention output",
-    "qwen3next": "a gated delta-net mixer or a gated attention output",
+    "qwen35": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
+    "qwen35moe": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
+    "qwen3next": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
+    "granitehybrid": "a logit scale",
+    "nemotron_h": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
+    "nemotron_h_moe": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
+    "falcon_h1": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)
     "gpt_oss": "a mixture-of-experts feed-forward",
     "granitemoe": "a logit scale",
@@ -136,7 +140,7 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     dk_swa0 = int(orig("attention.key_length_swa", dk0))
     n_layer = int(orig("block_count"))
     f0 = orig("feed_forward_length")
-    f0 = int(f0[0] if isinstance(f0, list) else f0)
+    f0 = int(next((x for x in f0 if x), 1) if isinstance(f0, list) else f0)  # Nemotron-H: 0 for mixer layers
     rope0 = orig("rope.dimension_count")
     hkv = max(1, H * hkv0 // h0)
     rope_dim = _even(DK * int(rope0) / dk0) if rope0 is not None else DK
@@ -170,12 +174,23 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     tensors = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in r.tensors}  # numpy order
     q_rows, kv_rows = H * DK, hkv * DK
     conv_dim = 2 * SG * SK + SV * SK  # Qwen3.5's delta-net convolution channels
+    # Mamba-2 (Granite 4.0-H, Nemotron-H, Falcon-H1): SV heads of SK, SG groups of state SK; its convolution
+    # has inner + 2 G N = the same number of channels
+    mamba = arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1")
 
     def shape_of(name: str, shape0: tuple[int, ...]) -> tuple[int, ...]:
         base = re.sub(r"^blk\.\d+\.", "", name)
         kind, _, part = base.rpartition(".")
-        if base == "ssm_a":  # Qwen3.5: −exp(A_log) per value head (a name without ".weight")
+        if base in ("ssm_a", "ssm_d"):  # −exp(A_log) and D per (value) head (names without ".weight")
             return (SV,)
+        if not kind:  # Falcon-H1's ffn_norm: a name without ".weight"
+            kind, part = base, "weight"
+        if mamba and kind == "ssm_in":  # z, xBC, dt
+            return (2 * SV * SK + 2 * SG * SK + SV, D)
+        if mamba and kind == "ssm_norm":  # over the inner size
+            return (SV * SK,)
+        if kind == "ssm_conv1d" and part == "bias":
+            return (conv_dim,)
         if kind in ("ssm_dt", "ssm_beta", "ssm_alpha"):
             return (SV,) if part == "bias" else (SV, D)
         if kind == "ssm_ba":  # Qwen3-Next: beta and alpha rows of every value head
@@ -224,6 +239,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
         if kind.endswith("_exps"):  # experts (n_expert, rows, cols) and their biases (n_expert, rows)
             rows = D if kind == "ffn_down_exps" else F * (2 if kind == "ffn_gate_up_exps" else 1)
             return (n_expert, rows) if part == "bias" else (n_expert, rows, F if kind == "ffn_down_exps" else D)
+        if kind.endswith("_shexp") and orig("expert_shared_feed_forward_length") is not None:  # its width is F
+            return (D, F) if kind == "ffn_down_shexp" else (F, D)
         kind = kind.removesuffix("_shexp")
         rows = {"attn_q": q_rows, "attn_k": kv_rows, "attn_v": kv_rows, "attn_qkv": q_rows + 2 * kv_rows,
                 "attn_output": D, "ffn_gate": F * (shape0[0] // f0), "ffn_down": D}.get(kind)
@@ -238,7 +255,7 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
 
     for name, shape0 in tensors.items():
         shape = shape_of(name, shape0)
-        kind = name.rsplit(".", 2)[-2]
+        kind = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight").removesuffix(".bias")
         if "shortconv.conv." in name or "ssm_conv1d." in name:  # taps stay F32, as the converter writes them
             w.add_tensor(name, (rng.normal(size=shape) * 0.5).astype(np.float32))
         elif name.endswith(".ssm_a"):  # negative (a log decay rate)
