@@ -522,7 +522,10 @@ class Transformer:
             k, v = getattr(seg.cache, "k", None), getattr(seg.cache, "v", None)
             if seg.n_tokens != 1 or not isinstance(k, np.ndarray) or not isinstance(v, np.ndarray):
                 return False
-            caches.append((k, v, p0, seg.cache.types))
+            cache = seg.cache
+            states = [cache.state(i) if sh is not None else None for i, sh in enumerate(cache.recurrent)] \
+                if cache.has_state else None
+            caches.append((k, v, p0, cache.types, states))
         tables = [ctx.rope_tables(r) for r in self.ropes]
         if ctx.per_layer is None:
             return bool(self.backend.decode_layers(self, x, caches, tables))

@@ -62,11 +62,12 @@ typedef struct {
 } mr_weight;
 
 typedef struct {
-    long long n_embd, n_ff, n_head, n_head_kv, head_dim_k, head_dim_v, rope_dim;
+    long long n_embd, n_ff, n_head, n_head_kv, head_dim_k, head_dim_v, rope_dim; /* n_ff 0: no feed-forward
+                                   half (gate, up, down NULL; a Nemotron-H mixer followed by another mixer) */
     float eps, attn_scale, softcap;
     float residual_scale;       /* x += residual_scale * block output (Granite); 1 otherwise */
     long long window;           /* > 0: each query sees only the last `window` positions */
-    int rope_neox, act;         /* act: 0 SiLU, 1 GELU (tanh) gated; 2 xIELU without gate */
+    int rope_neox, act;         /* act: 0 SiLU, 1 GELU (tanh) gated; 2 xIELU, 3 squared ReLU without gate */
     int rope_table;             /* index of this layer's cos/sin table pair; -1: no RoPE (NoPE layer) */
     int norm_kind;              /* attn/ffn/post norms: 0 RMSNorm, 1 LayerNorm (with optional biases) */
     int qk_norm_full;           /* q/k norms over the whole projection (H*D) instead of each head */
@@ -96,6 +97,13 @@ typedef struct {
                                    (key - k_offset) * k_scale (minirt.kv_balance) */
     const float *q_scale;       /* (n_head, head_dim_k) or NULL: then queries over such a cache are multiplied by
                                    it (1 / the k_scale of the cache layer's KV head of each query head) */
+    /* mixer 2: Mamba-2 (Granite 4.0-H, Nemotron-H) with n_head heads of head_dim_k (= head_dim_v) values,
+       ssm_groups groups of ssm_state: wq = in_proj (2 inner + 2 G N + n_head rows: z, xBC, dt; inner = n_head *
+       head_dim_k), wo = out_proj (n_embd, inner); conv_w (inner + 2 G N, conv_taps) with conv_b or NULL;
+       ssm_dt_b, ssm_a (-exp(A_log)), ssm_d (n_head); ssm_norm (inner) or NULL: RMSNorm over each group of the
+       gated output. Its state is the sequence's (mr_kvseq.state), no KV rows (n_head_kv 1, kv_layer -1). */
+    long long ssm_state, ssm_groups;
+    const float *conv_b, *ssm_dt_b, *ssm_a, *ssm_d, *ssm_norm;
 } mr_layer;
 
 typedef struct {
@@ -103,6 +111,8 @@ typedef struct {
                                    layer l's starts layer_stride bytes after l-1's, its rows of its own head size */
     long long n_ctx, pos;       /* slots; position of the new token */
     long long layer_stride_k, layer_stride_v; /* bytes from one layer's keys (values) to the next */
+    float **state;              /* NULL, or 2 per layer: a Mamba-2 layer's convolution inputs (conv_taps - 1,
+                                   conv channels) and SSM state (n_head, head_dim_k, ssm_state), updated in place */
 } mr_kvseq;
 
 /* 0 when mr_decode_layers can run this layer on `isa`, else an MR_E_* code. */

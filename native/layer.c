@@ -203,17 +203,30 @@ int mr_layer_check(const mr_layer *L, int isa) {
     const int64_t rows[7] = {L->n_head * L->head_dim_k, L->n_head_kv * L->head_dim_k, L->n_head_kv * L->head_dim_v, d,
                              L->n_ff, L->n_ff, d};
     const int64_t cols[7] = {d, d, d, L->n_head * L->head_dim_v, d, d, L->n_ff};
-    const int gated = L->act != 2;
-    if (gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU runs without gate, the others with one */
+    const int gated = L->act != 2 && L->act != 3, ffn = L->n_ff != 0;
+    if (ffn && gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU, relu^2 without gate, the others with */
+    if (!ffn && (L->gate.data || L->up.data || L->down.data || L->parallel)) return MR_E_SHAPE;
     if (L->kv_layer < -1 || (L->v_norm != 0 && L->v_norm != 1) || !(L->out_scale == L->out_scale)) return MR_E_SHAPE;
-    if (L->mixer != 0 && L->mixer != 1) return MR_E_SHAPE;
-    const int conv = L->mixer == 1;
+    if (L->mixer < 0 || L->mixer > 2) return MR_E_SHAPE;
+    const int conv = L->mixer == 1, ssm = L->mixer == 2;
+    const int64_t G = L->ssm_groups, N = L->ssm_state, inner = L->n_head * L->head_dim_k;
+    if (ssm && (L->n_head <= 0 || L->head_dim_k <= 0 || G <= 0 || N <= 0 || L->n_head % G || !L->conv_w ||
+                L->conv_taps < 2 || L->conv_taps > 64 || !L->ssm_dt_b || !L->ssm_a || !L->ssm_d || L->kv_layer != -1 ||
+                L->n_head_kv != 1 || L->rope_table != -1 || L->parallel))
+        return MR_E_SHAPE;
     if (conv && (!L->conv_w || L->conv_taps < 2 || L->conv_taps > 64 || L->kv_layer != -1 || L->n_head != L->n_head_kv ||
                  L->n_head_kv * L->head_dim_k != d || L->rope_table != -1))
         return MR_E_SHAPE;
     for (int i = 0; i < 7; i++) {
         if (ws[i] == &L->gate && !gated) continue;
-        if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv)) continue; /* no K/V projections */
+        if ((ws[i] == &L->gate || ws[i] == &L->up || ws[i] == &L->down) && !ffn) continue;
+        if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv || ssm)) continue; /* no K/V projections */
+        if (ws[i] == &L->wq && ssm) { /* in_proj: z, xBC, dt */
+            const mr_mat m = weight_mat(ws[i]);
+            if (!ws[i]->data || ws[i]->rows != 2 * inner + 2 * G * N + L->n_head || ws[i]->cols != d) return MR_E_QTYPE;
+            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+            continue;
+        }
         if (ws[i] == &L->wq && conv) { /* in_proj: B, C, x */
             const mr_mat m = weight_mat(ws[i]);
             if (!ws[i]->data || ws[i]->rows != 3 * d || ws[i]->cols != d) return MR_E_QTYPE;
@@ -225,10 +238,10 @@ int mr_layer_check(const mr_layer *L, int isa) {
         if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
     }
     if (L->gate.bias || L->up.bias) return MR_E_SHAPE;
-    if (L->n_head <= 0 || L->n_head_kv <= 0 || L->head_dim_k <= 0 || L->n_embd <= 0 || L->n_ff <= 0) return MR_E_SHAPE;
+    if (L->n_head <= 0 || L->n_head_kv <= 0 || L->head_dim_k <= 0 || L->n_embd <= 0 || L->n_ff < 0) return MR_E_SHAPE;
     if (L->head_dim_k != L->head_dim_v || L->n_head % L->n_head_kv || L->rope_dim > L->head_dim_k || (L->rope_dim & 1))
         return MR_E_SHAPE;
-    if (L->act < 0 || L->act > 2 || L->norm_kind < 0 || L->norm_kind > 1 || L->rope_table < -1) return MR_E_SHAPE;
+    if (L->act < 0 || L->act > 3 || L->norm_kind < 0 || L->norm_kind > 1 || L->rope_table < -1) return MR_E_SHAPE;
     if ((L->parallel != 0 && L->parallel != 1) || (L->parallel && L->ffn_norm) || (L->qk_norm_full != 0 && L->qk_norm_full != 1) ||
         (L->qk_norm_after_rope != 0 && L->qk_norm_after_rope != 1))
         return MR_E_SHAPE;
@@ -341,6 +354,74 @@ static int short_conv(const mr_kernels *K, const mr_layer *L, long long l, const
     return MR_OK;
 }
 
+/* Mamba-2 for one decode step of B sequences (mixer 2): zx = in_proj h (B x R, R = 2 inner + 2 G N + H);
+ * per sequence the convolution continues from its state's last conv_taps - 1 inputs (then shifted in) and
+ * xs = silu(conv + bias) (B x conv_dim, conv_dim = inner + 2 G N); the scan (one item per sequence and
+ * head, K->ssm_rows) writes y (B x inner) = S C + D x; then y = y * silu(z), RMS-normed per group with the
+ * gains where the layer has them (the same operations, in the same order, as the per-op path). */
+typedef struct {
+    const mr_kernels *K;
+    const mr_layer *L;
+    const float *zx, *xs;
+    float *y;
+    const mr_kvseq *seqs;
+    long long l;
+    int64_t H, P, N, G, R, cd, inner;
+} m2_ctx;
+
+static void m2_task(const void *c_, int64_t item, int worker, float *buf) {
+    (void)worker;
+    (void)buf;
+    const m2_ctx *c = (const m2_ctx *)c_;
+    const int64_t b = item / c->H, h = item % c->H, g = h / (c->H / c->G), P = c->P, N = c->N;
+    const mr_layer *L = c->L;
+    const float *xs = c->xs + b * c->cd, *x = xs + h * P, *Bv = xs + c->inner + g * N,
+                *Cv = xs + c->inner + c->G * N + g * N;
+    const float v = c->zx[b * c->R + c->inner + c->cd + h] + L->ssm_dt_b[h];
+    const float dt = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v)); /* softplus, as numpy's logaddexp(0, v) */
+    float *S = c->seqs[b].state[2 * c->l + 1] + h * P * N, *y = c->y + b * c->inner + h * P;
+    c->K->ssm_rows(S, x, Bv, Cv, expf(dt * L->ssm_a[h]), dt, P, N, y);
+    for (int64_t p = 0; p < P; p++) y[p] += x[p] * L->ssm_d[h];
+}
+
+static int mamba2_step(const mr_kernels *K, const mr_layer *L, long long l, const float *h, float *zx, float *y,
+                       float *xs, int64_t B, const mr_kvseq *seqs, int threads) {
+    const int64_t H = L->n_head, P = L->head_dim_k, N = L->ssm_state, G = L->ssm_groups, inner = H * P;
+    const int64_t cd = inner + 2 * G * N, R = 2 * inner + 2 * G * N + H, T = L->conv_taps;
+    {
+        const mr_weight *w[1] = {&L->wq};
+        float *yy[1] = {zx};
+        const int rc = run_mats(K, w, yy, 1, -1, h, B, threads);
+        if (rc != MR_OK) return rc;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float *cs = seqs[b].state[2 * l];
+        const float *in = zx + b * R + inner; /* this token's xBC */
+        float *o = xs + b * cd;
+        for (int64_t c = 0; c < cd; c++) {
+            float acc = L->conv_b ? L->conv_b[c] : 0.0f;
+            const float *w = L->conv_w + c * T;
+            for (int64_t j = 0; j < T - 1; j++) acc += cs[j * cd + c] * w[j];
+            acc += in[c] * w[T - 1];
+            o[c] = acc / (1.0f + expf(-acc));
+        }
+        memmove(cs, cs + cd, (size_t)((T - 2) * cd) * 4);
+        memcpy(cs + (T - 2) * cd, in, (size_t)cd * 4);
+    }
+    const m2_ctx c = {K, L, zx, xs, y, seqs, l, H, P, N, G, R, cd, inner};
+    int rc = mr_parallel_for(m2_task, NULL, &c, sizeof c, B * H, 0, threads);
+    if (rc < 0) return rc;
+    for (int64_t b = 0; b < B; b++) {
+        float *yb = y + b * inner;
+        K->act_mul(zx + b * R, yb, yb, inner, 0); /* silu(z) * y */
+        if (L->ssm_norm) {
+            const int64_t gs = inner / G;
+            for (int64_t gi = 0; gi < G; gi++) K->rmsnorm(yb + gi * gs, L->ssm_norm + gi * gs, L->eps, gs, yb + gi * gs);
+        }
+    }
+    return MR_OK;
+}
+
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int type_k,
                      int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables, const float *pl_in,
                      int threads, int isa) {
@@ -351,7 +432,10 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         const int rc = mr_layer_check(&layers[l], isa);
         if (rc != MR_OK) return rc;
         if (layers[l].rope_table >= n_tables || (layers[l].rope_table >= 0 && (!cos_t || !sin_t))) return MR_E_SHAPE;
-        if (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0)
+        if (layers[l].mixer == 2) { /* no KV rows: its state instead */
+            for (long long b = 0; b < n_seq; b++)
+                if (!seqs[b].state || !seqs[b].state[2 * l] || !seqs[b].state[2 * l + 1]) return MR_E_SHAPE;
+        } else if (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0)
             return MR_E_QTYPE;
         const long long src = layers[l].kv_layer;
         if (src >= 0 && (src >= l || layers[src].kv_layer != -1 || layers[src].mixer != 0 ||
@@ -374,6 +458,11 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         if (L->mixer == 1) { /* short convolution: in_proj's B, C, x go to q; B * x and a stored row to v, k */
             if (3 * d > qd) qd = 3 * d;
             if (d > kd) kd = d;
+        }
+        if (L->mixer == 2) { /* Mamba-2: in_proj's z, xBC, dt go to q, the convolution's output to k */
+            const int64_t inner = L->n_head * L->head_dim_k, gn = 2 * L->ssm_groups * L->ssm_state;
+            if (2 * inner + gn + L->n_head > qd) qd = 2 * inner + gn + L->n_head;
+            if (inner + gn > kd) kd = inner + gn;
         }
     }
     mr_call_lock();
@@ -403,6 +492,11 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         const long long kvl = own_kv ? l : L->kv_layer; /* the layer whose cache attention reads */
         if (L->mixer == 1) {
             rc = short_conv(K, L, l, h, q, att, v, k, B, seqs, type_k, threads);
+            steals += mr_pool_steals();
+            if (rc != MR_OK) break;
+            PROF(2);
+        } else if (L->mixer == 2) {
+            rc = mamba2_step(K, L, l, h, q, att, k, B, seqs, threads);
             steals += mr_pool_steals();
             if (rc != MR_OK) break;
             PROF(2);
@@ -478,15 +572,19 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         } else {
             residual(K, L, x, o, L->post_attn_norm, B, d);
             /* feed-forward block */
-            pre_norm(K, L, x, L->ffn_norm, L->ffn_norm_b, h, B, d);
+            if (L->n_ff > 0) pre_norm(K, L, x, L->ffn_norm, L->ffn_norm_b, h, B, d);
         }
         PROF(3);
-        if (L->act == 2) { /* no gate: a = xielu(Wu h) */
+        if (L->n_ff == 0) {
+            /* no feed-forward half */
+        } else if (L->act == 2 || L->act == 3) { /* no gate: a = xielu(Wu h) or relu(Wu h)^2 */
             const mr_weight *w[1] = {&L->up};
             float *y[1] = {a};
             rc = run_mats(K, w, y, 1, -1, h, B, threads);
             steals += mr_pool_steals();
-            if (rc == MR_OK) xielu_rows(a, B * L->n_ff, L->act_params);
+            if (rc == MR_OK && L->act == 2) xielu_rows(a, B * L->n_ff, L->act_params);
+            if (rc == MR_OK && L->act == 3)
+                for (int64_t i = 0; i < B * L->n_ff; i++) a[i] = a[i] > 0.0f ? a[i] * a[i] : 0.0f;
         } else {
             const mr_weight *w[2] = {&L->gate, &L->up};
             float *y[2] = {a, a};
@@ -495,19 +593,19 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         }
         if (rc != MR_OK) break;
         PROF(4);
-        {
+        if (L->n_ff > 0) {
             const mr_weight *w[1] = {&L->down};
             float *y[1] = {o2};
             rc = run_mats(K, w, y, 1, -1, a, B, threads);
             steals += mr_pool_steals();
-        }
-        if (rc != MR_OK) break;
-        if (L->parallel) {
-            if (L->post_ffn_norm) norm_rows(K, L, o2, L->post_ffn_norm, NULL, o2, B, d);
-            for (int64_t i = 0; i < B * d; i++) o2[i] += o[i];
-            residual(K, L, x, o2, NULL, B, d);
-        } else {
-            residual(K, L, x, o2, L->post_ffn_norm, B, d);
+            if (rc != MR_OK) break;
+            if (L->parallel) {
+                if (L->post_ffn_norm) norm_rows(K, L, o2, L->post_ffn_norm, NULL, o2, B, d);
+                for (int64_t i = 0; i < B * d; i++) o2[i] += o[i];
+                residual(K, L, x, o2, NULL, B, d);
+            } else {
+                residual(K, L, x, o2, L->post_ffn_norm, B, d);
+            }
         }
         if (L->n_pl > 0) { /* x += post_norm(proj(act(gate x) * in_l)) */
             const int64_t E = L->n_pl;

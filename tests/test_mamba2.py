@@ -165,7 +165,7 @@ def _logits(m, ids):
     return out, caches
 
 
-@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["granitehybrid", "granitehybrid_dense", "falcon_h1"])
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_batched_and_stepwise_passes_agree(arch, backend):
     """Two sequences in one pass, one sequence token by token, and a prefill split in two give what each
@@ -358,3 +358,56 @@ def test_falcon_h1_layers_run_attention_and_mamba_side_by_side():
         assert d.kv_layers() == [(2, 64, 64)] * 3 and all(s is not None for s in d.recurrent_states())
         assert d.blocks[0].ffn_norm is not None
         assert llm.model.native_stack is None
+
+
+# -- the fused native decode step -----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["granitehybrid_dense", "nemotron_h"])
+def test_fused_decode_step_runs_mamba2_layers_and_matches_per_op(arch):
+    """Dense Mamba-2 hybrids (Nemotron-H's blocks without feed-forward too) decode in the fused native step
+    (``mr_decode_layers``, mixer 2): two sequences at different positions step together and match the
+    per-op reference backend step by step, states included."""
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    path = str(ARCH_DIR / arch / "model-q8_0.gguf")
+    ref = np.load(ARCH_DIR / arch / "ref.npz")
+    a, b = ref["tokens"][0][:14], ref["tokens"][1][:9]
+    got, want, states = [], [], []
+    for backend, out in (("native", got), ("reference", want)):
+        with minirt.load(path, n_ctx=64, backend=backend) as llm:
+            m = llm.model
+            assert (m.native_stack is not None) == (backend == "native")
+            c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
+            m.forward(a[:6], [Segment(c1, 6, "none")])
+            m.forward(b[:3], [Segment(c2, 3, "none")])
+            for t in range(6):
+                out.append(np.stack(m.forward(np.array([a[6 + t], b[3 + t]]),
+                                              [Segment(c1, 1, "last"), Segment(c2, 1, "last")])))
+            i = next(j for j, sh in enumerate(c1.recurrent) if sh is not None)
+            states.append([x.copy() for x in c1.state(i)])
+    assert rel_rms(np.stack(got), np.stack(want)) < 5e-4
+    for x, y in zip(*states, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=2e-3 * float(np.abs(y).max()))
+
+
+def test_fused_decode_step_checks_the_states_it_is_given():
+    """States C would write through bare pointers are checked first: missing, of another shape or dtype."""
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    with minirt.load(str(ARCH_DIR / "granitehybrid_dense" / "model-q8_0.gguf"), n_ctx=64, backend="native") as llm:
+        m = llm.model
+        stack, c = m.native_stack, kv_cache_for(m.cfg, 64)
+        x = np.zeros((1, m.cfg.n_embd), np.float32)
+        good = [c.state(i) if sh is not None else None for i, sh in enumerate(c.recurrent)]
+        with pytest.raises(minirt.InvalidRequestError, match="recurrent states"):
+            stack.run(x, [(c.k, c.v, 0, c.types)], [])
+        bad = list(good)
+        bad[1] = (good[1][0][:-1].copy(), good[1][1])
+        with pytest.raises(minirt.InvalidRequestError, match="layer 1: state 0"):
+            stack.run(x, [(c.k, c.v, 0, c.types, bad)], [])
+        bad[1] = (good[1][0], good[1][1].astype(np.float64))
+        with pytest.raises(minirt.InvalidRequestError, match="layer 1: state 1"):
+            stack.run(x, [(c.k, c.v, 0, c.types, bad)], [])

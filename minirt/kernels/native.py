@@ -953,7 +953,7 @@ def spot_check_packed(pm: PackedMatrix, w: np.ndarray) -> bool:
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # gated activations of mr_act_mul
-_LAYER_ACTS = {**_ACTS, "xielu": 2}  # the layer stack also runs xIELU without gate
+_LAYER_ACTS = {**_ACTS, "xielu": 2, "relu2": 3}  # the layer stack also runs xIELU and squared ReLU without gate
 _NORM_KINDS = {"rms": 0, "layer": 1}
 _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
@@ -961,8 +961,14 @@ _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 def _mixer(b: Any) -> Any:
     """The block's mixer as ``mr_layer`` sees it: its attention, or a short convolution (LFM2) as an
     attention-shaped view (in_proj as wq, out_proj as wo; its cache rows as n_head_kv heads of
-    head_dim_k; no RoPE, norms or values)."""
+    head_dim_k; no RoPE, norms or values), or a Mamba-2 mixer as one (in_proj as wq, out_proj as wo, its
+    heads as n_head heads of head_dim_k, one nominal KV head and no cache rows)."""
     a = b.attn
+    if isinstance(a, Mamba2):
+        return SimpleNamespace(n_head=a.n_head, n_head_kv=1, head_dim_k=a.head_dim, head_dim_v=a.head_dim,
+                               wq=a.in_proj, wk=None, wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None,
+                               k_norm=None, v_norm=None, qk_norm_per_head=True, qk_norm_after_rope=False, softcap=0.0,
+                               window=0, sinks=None, causal=True, kv_source=None, ssm=a)
     if not isinstance(a, ShortConv):
         return a
     h, d = a.cache_heads, a.n_embd
@@ -976,7 +982,8 @@ def _block_weights(b: Any) -> dict[str, Any]:
     """The block's matrices by their ``mr_layer`` field (None: absent: no gate, a layer reading
     another's K/V or a convolution, no per-layer input)."""
     a, m, g = _mixer(b), b.mlp, b.per_layer
-    return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate, "up": m.up, "down": m.down,
+    return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate if m is not None else None,
+            "up": m.up if m is not None else None, "down": m.down if m is not None else None,
             "pl_gate": g.gate if g is not None else None, "pl_proj": g.proj if g is not None else None}
 
 
@@ -984,22 +991,25 @@ def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
     if isinstance(b.attn, GatedDeltaNet):
         return "a gated delta-net mixer (its recurrent state is updated layer by layer)"
-    if isinstance(b.attn, (Mamba2, ParallelMixer)):
-        return "a Mamba-2 mixer (its recurrent state is updated layer by layer)"
+    if isinstance(b.attn, ParallelMixer):
+        return "attention and a Mamba-2 mixer side by side"
+    s = b.attn if isinstance(b.attn, Mamba2) else None
+    if s is not None and (s.conv.dtype != np.float32 or not 2 <= s.taps <= 64 or s.n_head % s.n_group):
+        return "a Mamba-2 convolution of other than 2..64 float32 taps per channel"
     if getattr(b.attn, "out_gate", False):
         return "a gated attention output"
-    if b.mlp is None:
-        return "a block without a feed-forward half"
-    a, m = _mixer(b), b.mlp
+    if b.mlp is None and b.parallel:
+        return "a parallel block without a feed-forward half"
+    a, m = _mixer(b), b.mlp  # m None: a mixer without feed-forward half (Nemotron-H)
     c = getattr(a, "conv", None)
     if c is not None and (c.weight.dtype != np.float32 or c.weight.ndim != 2 or not 2 <= c.taps <= 64
                           or c.n_embd % c.cache_heads):
         return "a short convolution of other than 2..64 float32 taps per channel"
-    if not hasattr(m, "down") or isinstance(m.down, list):
+    if m is not None and (not hasattr(m, "down") or isinstance(m.down, list)):
         return "a mixture-of-experts feed-forward (decode runs it layer by layer, reading only the chosen experts)"
-    if (m.gate is None) != (m.act == "xielu"):
+    if m is not None and (m.gate is None) != (m.act in ("xielu", "relu2")):
         return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
-    if m.act not in _LAYER_ACTS:
+    if m is not None and m.act not in _LAYER_ACTS:
         return f"activation {m.act!r}"
     if a.sinks is not None:
         return "attention sinks"
@@ -1019,7 +1029,8 @@ def layer_unsupported(b: Any) -> str | None:
         return "RMSNorm and LayerNorm in one block"
     if any(n.bias is not None for n in (b.post_attn_norm, b.post_ffn_norm) if n is not None):
         return "post-norms with a bias"
-    qk = [n for n in (a.q_norm, a.k_norm, a.v_norm, g.post_norm if g is not None else None) if n is not None]
+    qk = [n for n in (a.q_norm, a.k_norm, a.v_norm, g.post_norm if g is not None else None,
+                      s.norm if s is not None else None) if n is not None]
     if any(n.kind != "rms" or n.bias is not None for n in qk):
         return "LayerNorm q/k norms"
     if len({float(n.eps) for n in block_norms + qk}) > 1:
@@ -1056,7 +1067,7 @@ class LayerStack:
         shapes = [s for s in (b.attn.kv_shape for b in blocks) if s is not None]
         self._kv_max = tuple(max((int(s[j]) for s in shapes), default=0) for j in range(3))
         self._n_pl = max((b.per_layer.gate.out_features for b in blocks if b.per_layer is not None), default=0)
-        self._n_embd = int(blocks[0].mlp.down.out_features) if blocks else 0
+        self._n_embd = int(_mixer(blocks[0]).wo.out_features) if blocks else 0
         if len(rope_index) != self.n_layer:
             raise InvalidRequestError(f"{len(rope_index)} RoPE table indices for {self.n_layer} layers")
         if key_offsets is not None and len(key_offsets) != self.n_layer:
@@ -1074,7 +1085,7 @@ class LayerStack:
                 raise InvalidRequestError(f"layer {i}: reads the KV cache of layer {src}, which is not an earlier "
                                           "layer with a cache of its own of the same shape")
             L = self._layers[i]
-            L.n_embd, L.n_ff = m.down.out_features, m.down.in_features
+            L.n_embd, L.n_ff = self._n_embd, (m.down.in_features if m is not None else 0)
             L.n_head, L.n_head_kv, L.head_dim_k, L.head_dim_v = a.n_head, a.n_head_kv, a.head_dim_k, a.head_dim_v
             L.rope_dim = a.rope.dim if a.rope is not None else 0
             L.window = int(a.window)
@@ -1083,8 +1094,8 @@ class LayerStack:
             L.eps = float(norms[0].eps) if norms else 1e-6
             L.attn_scale, L.softcap, L.residual_scale = float(a.scale), float(a.softcap), float(b.residual_scale)
             L.rope_neox = int(bool(a.rope.neox)) if a.rope is not None else 0
-            L.act = _LAYER_ACTS[m.act]
-            for j, v in enumerate(m.act_params[:4]):
+            L.act = _LAYER_ACTS[m.act] if m is not None else 0
+            for j, v in enumerate(m.act_params[:4] if m is not None else ()):
                 L.act_params[j] = float(v)
             L.qk_norm_after_rope = int(bool(a.qk_norm_after_rope))
             L.kv_layer = -1 if a.kv_source is None else int(a.kv_source)
@@ -1099,12 +1110,18 @@ class LayerStack:
             else:
                 L.pl_post_norm = ffi.NULL
             L.rope_table = int(ri) if a.rope is not None else -1
-            c = getattr(a, "conv", None)
-            L.mixer = 0 if c is None else 1
-            L.conv_taps = 0 if c is None else c.taps
-            L.conv_w = ffi.NULL if c is None else self._f32(ffi, c.weight)
+            c, s = getattr(a, "conv", None), getattr(a, "ssm", None)
+            L.mixer = 2 if s is not None else 0 if c is None else 1
+            L.conv_taps = s.taps if s is not None else 0 if c is None else c.taps
+            L.conv_w = self._f32(ffi, s.conv) if s is not None else ffi.NULL if c is None else self._f32(ffi, c.weight)
+            L.ssm_state, L.ssm_groups = (s.d_state, s.n_group) if s is not None else (0, 0)
+            vecs = {"conv_b": s.conv_bias, "ssm_dt_b": s.dt_bias, "ssm_a": s.a, "ssm_d": s.d_skip,
+                    "ssm_norm": s.norm.weight if s.norm is not None else None} if s is not None else {}
+            for k in ("conv_b", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"):
+                v = vecs.get(k)
+                setattr(L, k, ffi.NULL if v is None else self._f32(ffi, v))
             off = None if key_offsets is None else key_offsets[i]
-            if off is not None and (c is not None or np.shape(off) != (a.n_head_kv, a.head_dim_k)):
+            if off is not None and (c is not None or s is not None or np.shape(off) != (a.n_head_kv, a.head_dim_k)):
                 raise InvalidRequestError(f"layer {i}: a key offset of shape {np.shape(off)} for keys of "
                                           f"{a.n_head_kv} x {a.head_dim_k}")
             L.k_offset = ffi.NULL if off is None else self._f32(ffi, off)
@@ -1153,7 +1170,9 @@ class LayerStack:
         a zero head count would divide by zero (raises InvalidRequestError naming the tensor)."""
         a, m = _mixer(b), b.mlp
         dims = {"n_head": a.n_head, "n_head_kv": a.n_head_kv, "head_dim_k": a.head_dim_k,
-                "head_dim_v": a.head_dim_v, "n_embd": m.down.out_features, "n_ff": m.down.in_features}
+                "head_dim_v": a.head_dim_v, "n_embd": a.wo.out_features}
+        if m is not None:
+            dims.update(n_embd=m.down.out_features, n_ff=m.down.in_features)
         for k, v in dims.items():
             if not _positive_int(v):
                 raise InvalidRequestError(f"layer {i}: {k} must be a positive integer, got {v!r}")
@@ -1163,9 +1182,20 @@ class LayerStack:
             raise InvalidRequestError(f"layer {i}: n_embd {dims['n_embd']} differs from layer 0 ({self._n_embd})")
         if a.rope is not None and (not _positive_int(a.rope.dim) or a.rope.dim % 2 or a.rope.dim > a.head_dim_k):
             raise InvalidRequestError(f"layer {i}: rope dim {a.rope.dim!r} must be even and in 1..{a.head_dim_k}")
-        d, ff, hk, hv = int(m.down.out_features), int(m.down.in_features), int(a.head_dim_k), int(a.head_dim_v)
+        d, hk, hv = int(dims["n_embd"]), int(a.head_dim_k), int(a.head_dim_v)
+        ff = int(m.down.in_features) if m is not None else 0
         E = b.per_layer.gate.out_features if b.per_layer is not None else 0
+        s = getattr(a, "ssm", None)
         q_rows = 3 * d if hasattr(a, "conv") else a.n_head * hk  # a short convolution's in_proj: B, C, x
+        if s is not None:  # Mamba-2's in_proj: z, xBC, dt
+            q_rows = 2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head
+            for what, arr, n in (("convolution bias", s.conv_bias, s.conv_dim), ("dt bias", s.dt_bias, s.n_head),
+                                 ("A", s.a, s.n_head), ("D", s.d_skip, s.n_head),
+                                 ("SSM norm", s.norm.weight if s.norm is not None else None, s.d_inner)):
+                if arr is not None and (not isinstance(arr, np.ndarray) or arr.shape != (n,)):
+                    raise InvalidRequestError(f"layer {i}: Mamba-2 {what} of shape {np.shape(arr)}, expected ({n},)")
+            if s.conv.shape != (s.conv_dim, s.taps) or s.conv_dim != s.d_inner + 2 * s.n_group * s.d_state:
+                raise InvalidRequestError(f"layer {i}: Mamba-2 convolution of shape {s.conv.shape}")
         shapes = {"wq": (q_rows, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
                   "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff),
                   "pl_gate": (E, d), "pl_proj": (d, E)}
@@ -1238,6 +1268,33 @@ class LayerStack:
             L.q_scale = ffi.NULL if sc is None else self._f32(
                 ffi, np.repeat(np.float32(1.0) / np.asarray(sc, _F32), L.n_head // L.n_head_kv, axis=0))
 
+    def _states(self, ffi: Any, b: int, states: Sequence[Any] | None, keep: list[Any]) -> Any:
+        """The ``float *[2 n_layer]`` of sequence b's Mamba-2 states (NULL when no layer has one), every array
+        checked against its layer's shapes (C writes them through bare pointers)."""
+        ssm = [i for i in range(self.n_layer) if self._layers[i].mixer == 2]
+        if not ssm:
+            return ffi.NULL
+        if states is None or len(states) != self.n_layer:
+            raise InvalidRequestError(f"sequence {b}: the Mamba-2 layers need its recurrent states (one per layer)")
+        p = ffi.new("float *[]", 2 * self.n_layer)
+        keep.append(p)
+        for i in ssm:
+            L = self._layers[i]
+            cd = L.n_head * L.head_dim_k + 2 * L.ssm_groups * L.ssm_state
+            want = ((L.conv_taps - 1, cd), (L.n_head, L.head_dim_k, L.ssm_state))
+            st = states[i]
+            if st is None or len(st) != 2:
+                raise InvalidRequestError(f"sequence {b}, layer {i}: no Mamba-2 state")
+            for j, (arr, shape) in enumerate(zip(st, want, strict=True)):
+                if (not isinstance(arr, np.ndarray) or arr.dtype != _F32 or arr.shape != shape
+                        or not arr.flags.c_contiguous or not arr.flags.writeable):
+                    raise InvalidRequestError(f"sequence {b}, layer {i}: state {j} must be a writable C-contiguous "
+                                              f"float32 array of {shape}, got {getattr(arr, 'shape', None)}")
+                fp = ffi.from_buffer("float[]", arr, require_writable=True)
+                keep.append(fp)
+                p[2 * i + j] = fp
+        return p
+
     def _ptr(self, ffi: Any, ctype: str, a: np.ndarray) -> Any:
         p = ffi.from_buffer(ctype, a)
         self._keep.append((a, p))
@@ -1253,7 +1310,9 @@ class LayerStack:
         """Every layer over x (n_seq, n_embd) float32, in place; token b is the next one of the
         sequence whose caches are ``caches[b] = (k, v, pos[, (type_k, type_v)])`` (k, v: (n_layer,
         n_head_kv, n_ctx, width) in their KV types, see :mod:`minirt.kv_types`; float32 / float16 arrays
-        need no types; the new key/value go to position pos, quantized in place). tables: (cos, sin)
+        need no types; the new key/value go to position pos, quantized in place), followed, when some layer
+        is a Mamba-2 mixer, by that sequence's states: per layer None or its (convolution inputs, SSM
+        state) float32 arrays (:meth:`minirt.kv_cache.KVCache.state`), updated in place. tables: (cos, sin)
         pairs (n_seq, rope_dim / 2), one per RoPE variant the layers index. per_layer: the per-layer
         inputs (n_seq, n_layer, n_pl) float32 when the layers have them."""
         ffi, lib = _lib()
@@ -1287,6 +1346,7 @@ class LayerStack:
             s.k, s.v = kp, vp
             s.n_ctx, s.pos = k.shape[2], int(pos)
             s.layer_stride_k, s.layer_stride_v = k[0].nbytes, v[0].nbytes
+            s.state = self._states(ffi, b, item[4] if len(item) > 4 else None, keep)
         if len(tables) < self.n_tables:
             raise InvalidRequestError(f"{len(tables)} RoPE table pairs given, the layers read {self.n_tables}")
         nt = max(1, len(tables))
