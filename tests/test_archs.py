@@ -29,7 +29,7 @@ import pytest
 
 import minirt
 from minirt.archs import supported
-from minirt.blocks import GatedDeltaNet, Mamba2, MoE, ParallelMixer, ParallelMoE
+from minirt.blocks import GatedDeltaNet, MoE, ParallelMixer, ParallelMoE
 from tests.arch_parity import (
     ARCH_DIR,
     QUANTS,
