@@ -104,6 +104,17 @@ typedef struct {
        gated output. Its state is the sequence's (mr_kvseq.state), no KV rows (n_head_kv 1, kv_layer -1). */
     long long ssm_state, ssm_groups;
     const float *conv_b, *ssm_dt_b, *ssm_a, *ssm_d, *ssm_norm;
+    /* mixer 3: Qwen3.5's gated delta-net with n_head value heads of head_dim_v (= head_dim_k) and dn_k_heads key
+       heads of dn_head_dim: wq = qkv_proj (2 Hk Dk + Hv Dv rows, the convolution's input, conv_w / conv_taps
+       without bias), wz = z_proj (Hv Dv), wb = beta_proj (Hv) and wa = alpha_proj (Hv), or wb = the fused
+       per-key-head [beta, alpha] rows (2 Hv, dn_fused_ba; wa.data NULL); ssm_dt_b, ssm_a (Hv); ssm_norm (Dv)
+       gains of the per-head RMSNorm of the output; dn_grouped: value head j reads key head j / (Hv / Hk), else
+       j mod Hk. Its state: convolution inputs (conv_taps - 1, 2 Hk Dk + Hv Dv) and S (Hv, Dk, Dv). */
+    long long dn_k_heads, dn_head_dim;
+    int dn_grouped, dn_fused_ba;
+    mr_weight wz, wb, wa;
+    int out_gate;               /* attention: wq gives each head's query then its output gate (2 n_head head_dim_k
+                                   rows); the attention output is multiplied by sigmoid(gate) (Qwen3.5) */
 } mr_layer;
 
 typedef struct {

@@ -37,7 +37,7 @@ typedef struct {
     int act; /* >= 0: mm[0] = gate, mm[1] = up over the same rows; y of mm[0] receives act(g) * u */
     int64_t nt;
     const float *x; /* (nt, cols) the float activations, for float weights */
-    mj_mat mm[3];
+    mj_mat mm[4]; /* up to 4 matrices of one input (the delta-net's qkv, z, beta, alpha) */
 } mj_ctx;
 _Static_assert(sizeof(mj_ctx) <= 1024, "mj_ctx must fit the pool's copied job context");
 
@@ -130,7 +130,8 @@ static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const
     c.nt = nt;
     c.x = x;
     int layouts = 0, any_int = 0;
-    mr_mat mats[3];
+    mr_mat mats[4];
+    if (n < 1 || n > 4) return MR_E_SHAPE;
     for (int i = 0; i < n; i++) {
         mats[i] = weight_mat(w[i]);
         /* a matrix on the GEMM needs only the panel (quantizing its layout too would be wasted) */
@@ -207,8 +208,28 @@ int mr_layer_check(const mr_layer *L, int isa) {
     if (ffn && gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU, relu^2 without gate, the others with */
     if (!ffn && (L->gate.data || L->up.data || L->down.data || L->parallel)) return MR_E_SHAPE;
     if (L->kv_layer < -1 || (L->v_norm != 0 && L->v_norm != 1) || !(L->out_scale == L->out_scale)) return MR_E_SHAPE;
-    if (L->mixer < 0 || L->mixer > 2) return MR_E_SHAPE;
-    const int conv = L->mixer == 1, ssm = L->mixer == 2;
+    if (L->mixer < 0 || L->mixer > 3) return MR_E_SHAPE;
+    const int conv = L->mixer == 1, ssm = L->mixer == 2, dn = L->mixer == 3;
+    if ((L->out_gate != 0 && L->out_gate != 1) || (L->out_gate && L->mixer != 0)) return MR_E_SHAPE;
+    if (dn) {
+        const int64_t Hv = L->n_head, Hk = L->dn_k_heads, Dk = L->dn_head_dim, Dv = L->head_dim_k;
+        if (Hv <= 0 || Hk <= 0 || Dk <= 0 || Dv <= 0 || Dv > MR_DR_MAX_DV || Hv % Hk || !L->conv_w ||
+            L->conv_taps < 2 || L->conv_taps > 64 || L->conv_b || !L->ssm_dt_b || !L->ssm_a || !L->ssm_norm ||
+            L->kv_layer != -1 || L->n_head_kv != 1 || L->rope_table != -1 || L->parallel ||
+            (L->dn_grouped != 0 && L->dn_grouped != 1) || (L->dn_fused_ba != 0 && L->dn_fused_ba != 1))
+            return MR_E_SHAPE;
+        const mr_weight *dw[3] = {&L->wz, &L->wb, &L->wa};
+        const int64_t drows[3] = {Hv * Dv, L->dn_fused_ba ? 2 * Hv : Hv, Hv};
+        for (int i = 0; i < 3; i++) {
+            if (i == 2 && L->dn_fused_ba) {
+                if (dw[i]->data) return MR_E_SHAPE;
+                continue;
+            }
+            const mr_mat m = weight_mat(dw[i]);
+            if (!dw[i]->data || dw[i]->rows != drows[i] || dw[i]->cols != d || dw[i]->bias) return MR_E_QTYPE;
+            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+        }
+    }
     const int64_t G = L->ssm_groups, N = L->ssm_state, inner = L->n_head * L->head_dim_k;
     if (ssm && (L->n_head <= 0 || L->head_dim_k <= 0 || G <= 0 || N <= 0 || L->n_head % G || !L->conv_w ||
                 L->conv_taps < 2 || L->conv_taps > 64 || !L->ssm_dt_b || !L->ssm_a || !L->ssm_d || L->kv_layer != -1 ||
@@ -220,7 +241,15 @@ int mr_layer_check(const mr_layer *L, int isa) {
     for (int i = 0; i < 7; i++) {
         if (ws[i] == &L->gate && !gated) continue;
         if ((ws[i] == &L->gate || ws[i] == &L->up || ws[i] == &L->down) && !ffn) continue;
-        if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv || ssm)) continue; /* no K/V projections */
+        if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv || ssm || dn)) continue; /* no K/V */
+        if (ws[i] == &L->wq && (dn || L->out_gate)) { /* delta-net: the convolution's input; gated: query + gate */
+            const int64_t r = dn ? 2 * L->dn_k_heads * L->dn_head_dim + L->n_head * L->head_dim_k
+                                 : 2 * L->n_head * L->head_dim_k;
+            const mr_mat m = weight_mat(ws[i]);
+            if (!ws[i]->data || ws[i]->rows != r || ws[i]->cols != d) return MR_E_QTYPE;
+            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+            continue;
+        }
         if (ws[i] == &L->wq && ssm) { /* in_proj: z, xBC, dt */
             const mr_mat m = weight_mat(ws[i]);
             if (!ws[i]->data || ws[i]->rows != 2 * inner + 2 * G * N + L->n_head || ws[i]->cols != d) return MR_E_QTYPE;
@@ -422,6 +451,110 @@ static int mamba2_step(const mr_kernels *K, const mr_layer *L, long long l, cons
     return MR_OK;
 }
 
+/* Qwen3.5's gated delta-net for one decode step of B sequences (mixer 3): mixed = qkv_proj h (B x cd, cd =
+ * 2 Hk Dk + Hv Dv), z = z_proj h (B x Hv Dv), beta / alpha inputs (B x Hv each, or fused per key head); per
+ * sequence the convolution continues from its state (then shifted in), xs = silu(conv) and q, k of every key
+ * head L2-normalised (q also scaled by 1 / sqrt(Dk)); the delta rule (one item per sequence and value head:
+ * S = decay S; S += k (x) beta (v - S^T k); o = S^T q) writes y (B x Hv Dv), then y = rmsnorm(y per head) *
+ * gains * silu(z): the operations of the per-op path. */
+typedef struct {
+    const mr_layer *L;
+    const float *xs, *bi, *ai;
+    float *y;
+    const mr_kvseq *seqs;
+    long long l;
+    int64_t Hv, Hk, Dk, Dv, cd, ba;
+} dn_ctx;
+
+static void dn_task(const void *c_, int64_t item, int worker, float *buf) {
+    (void)worker;
+    (void)buf;
+    const dn_ctx *c = (const dn_ctx *)c_;
+    const mr_layer *L = c->L;
+    const int64_t b = item / c->Hv, j = item % c->Hv, Hk = c->Hk, Dk = c->Dk, Dv = c->Dv, rep = c->Hv / Hk;
+    const int64_t kh = L->dn_grouped ? j / rep : j % Hk;
+    const float *xs = c->xs + b * c->cd, *q = xs + kh * Dk, *k = xs + Hk * Dk + kh * Dk, *v = xs + 2 * Hk * Dk + j * Dv;
+    float bin, ain;
+    if (L->dn_fused_ba) { /* per key head: its value heads' beta rows, then their alpha rows */
+        const float *r = c->bi + b * c->ba + (j / rep) * 2 * rep;
+        bin = r[j % rep];
+        ain = r[rep + j % rep];
+    } else {
+        bin = c->bi[b * c->ba + j];
+        ain = c->ai[b * c->Hv + j];
+    }
+    const float beta = 0.5f * tanhf(0.5f * bin) + 0.5f; /* sigmoid, as the per-op path writes it */
+    const float u = ain + L->ssm_dt_b[j];
+    const float decay = expf(L->ssm_a[j] * (u > 0.0f ? u + log1pf(expf(-u)) : log1pf(expf(u))));
+    float *S = c->seqs[b].state[2 * c->l + 1] + j * Dk * Dv, *o = c->y + b * c->Hv * Dv + j * Dv;
+    float kv[MR_DR_MAX_DV], delta[MR_DR_MAX_DV];
+    for (int64_t t = 0; t < Dv; t++) kv[t] = 0.0f;
+    for (int64_t i = 0; i < Dk; i++) {
+        float *s = S + i * Dv;
+        const float ki = k[i];
+        for (int64_t t = 0; t < Dv; t++) {
+            s[t] *= decay;
+            kv[t] += ki * s[t];
+        }
+    }
+    for (int64_t t = 0; t < Dv; t++) {
+        delta[t] = (v[t] - kv[t]) * beta;
+        o[t] = 0.0f;
+    }
+    for (int64_t i = 0; i < Dk; i++) {
+        float *s = S + i * Dv;
+        const float ki = k[i], qi = q[i];
+        for (int64_t t = 0; t < Dv; t++) {
+            s[t] += ki * delta[t];
+            o[t] += qi * s[t];
+        }
+    }
+}
+
+static int delta_net_step(const mr_kernels *K, const mr_layer *L, long long l, const float *h, float *mixed, float *y,
+                          float *xs, float *z, float *bi, float *ai, int64_t B, const mr_kvseq *seqs, int threads) {
+    const int64_t Hv = L->n_head, Hk = L->dn_k_heads, Dk = L->dn_head_dim, Dv = L->head_dim_k;
+    const int64_t cd = 2 * Hk * Dk + Hv * Dv, T = L->conv_taps, ba = L->dn_fused_ba ? 2 * Hv : Hv;
+    {
+        const mr_weight *w[4] = {&L->wq, &L->wz, &L->wb, &L->wa};
+        float *yy[4] = {mixed, z, bi, ai};
+        const int rc = run_mats(K, w, yy, L->dn_fused_ba ? 3 : 4, -1, h, B, threads);
+        if (rc != MR_OK) return rc;
+    }
+    const float qs = 1.0f / sqrtf((float)Dk);
+    for (int64_t b = 0; b < B; b++) {
+        float *cs = seqs[b].state[2 * l];
+        const float *in = mixed + b * cd;
+        float *o = xs + b * cd;
+        for (int64_t c = 0; c < cd; c++) {
+            float acc = 0.0f;
+            const float *w = L->conv_w + c * T;
+            for (int64_t j = 0; j < T - 1; j++) acc += cs[j * cd + c] * w[j];
+            acc += in[c] * w[T - 1];
+            o[c] = acc / (1.0f + expf(-acc));
+        }
+        memmove(cs, cs + cd, (size_t)((T - 2) * cd) * 4);
+        memcpy(cs + (T - 2) * cd, in, (size_t)cd * 4);
+        for (int64_t hh = 0; hh < 2 * Hk; hh++) { /* q then k heads: x / max(|x|, eps); q also / sqrt(Dk) */
+            float *r = o + hh * Dk;
+            double ss = 0.0;
+            for (int64_t i = 0; i < Dk; i++) ss += (double)r[i] * r[i];
+            const float nrm = (float)sqrt(ss), sc = (hh < Hk ? qs : 1.0f) / (nrm > L->eps ? nrm : L->eps);
+            for (int64_t i = 0; i < Dk; i++) r[i] *= sc;
+        }
+    }
+    const dn_ctx c = {L, xs, bi, ai, y, seqs, l, Hv, Hk, Dk, Dv, cd, ba};
+    int rc = mr_parallel_for(dn_task, NULL, &c, sizeof c, B * Hv, 0, threads);
+    if (rc < 0) return rc;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < Hv; j++) {
+            float *r = y + (b * Hv + j) * Dv;
+            K->rmsnorm(r, L->ssm_norm, L->eps, Dv, r);
+            K->act_mul(z + (b * Hv + j) * Dv, r, r, Dv, 0); /* silu(z) * y */
+        }
+    return MR_OK;
+}
+
 int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long long n_seq, const mr_kvseq *seqs, int type_k,
                      int type_v, const float *const *cos_t, const float *const *sin_t, int n_tables, const float *pl_in,
                      int threads, int isa) {
@@ -432,7 +565,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         const int rc = mr_layer_check(&layers[l], isa);
         if (rc != MR_OK) return rc;
         if (layers[l].rope_table >= n_tables || (layers[l].rope_table >= 0 && (!cos_t || !sin_t))) return MR_E_SHAPE;
-        if (layers[l].mixer == 2) { /* no KV rows: its state instead */
+        if (layers[l].mixer >= 2) { /* no KV rows: its state instead */
             for (long long b = 0; b < n_seq; b++)
                 if (!seqs[b].state || !seqs[b].state[2 * l] || !seqs[b].state[2 * l + 1]) return MR_E_SHAPE;
         } else if (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0)
@@ -447,7 +580,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
     if (threads <= 0) threads = mr_pool_threads_default();
     const mr_layer *L0 = &layers[0];
     const int64_t d = L0->n_embd, B = n_seq;
-    int64_t qd = 0, kd = 0, ff = 0;
+    int64_t qd = 0, kd = 0, ff = 0, gd = 0;
     for (long long l = 0; l < n_layer; l++) {
         const mr_layer *L = &layers[l];
         if (L->n_embd != d) return MR_E_SHAPE;
@@ -464,12 +597,21 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             if (2 * inner + gn + L->n_head > qd) qd = 2 * inner + gn + L->n_head;
             if (inner + gn > kd) kd = inner + gn;
         }
+        if (L->mixer == 3 || L->out_gate) { /* delta-net: qkv to q, conv output to k, z / beta / alpha to g;
+                                               gated attention: query + gate to q, the gates to g */
+            const int64_t cd = 2 * L->dn_k_heads * L->dn_head_dim + L->n_head * L->head_dim_k;
+            const int64_t gq = 2 * L->n_head * L->head_dim_k;
+            if (L->mixer == 3 && cd > qd) qd = cd;
+            if (L->mixer == 3 && cd > kd) kd = cd;
+            if (L->out_gate && gq > qd) qd = gq;
+            if (L->n_head * L->head_dim_k + 4 * L->n_head > gd) gd = L->n_head * L->head_dim_k + 4 * L->n_head;
+        }
     }
     mr_call_lock();
     int rc = MR_OK;
     unsigned long long steals = 0;
-    /* scratch: h, o, o2 (B x d), q, att (B x qd), k, v (B x kd), a (B x ff); grow-only (late workers) */
-    const size_t need = (size_t)(B * (3 * d + 2 * qd + 2 * kd + ff) + 64);
+    /* scratch: h, o, o2 (B x d), q, att (B x qd), k, v (B x kd), a (B x ff), g (B x gd); grow-only (late workers) */
+    const size_t need = (size_t)(B * (3 * d + 2 * qd + 2 * kd + ff + gd) + 64);
     if (need > lbuf_cap) {
         void *p = NULL;
         if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
@@ -479,7 +621,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         }
     }
     float *h = lbuf, *o = h + B * d, *o2 = o + B * d, *q = o2 + B * d, *att = q + B * qd, *k = att + B * qd,
-          *v = k + B * kd, *a = v + B * kd;
+          *v = k + B * kd, *a = v + B * kd, *g = a + B * ff;
     for (long long l = 0; l < n_layer && rc == MR_OK; l++) {
         const mr_layer *L = &layers[l];
         const int64_t H = L->n_head, Hkv = L->n_head_kv, D = L->head_dim_k, half = L->rope_dim / 2;
@@ -500,6 +642,13 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             steals += mr_pool_steals();
             if (rc != MR_OK) break;
             PROF(2);
+        } else if (L->mixer == 3) {
+            const int64_t HD = L->n_head * L->head_dim_k;
+            rc = delta_net_step(K, L, l, h, q, att, k, g, g + B * HD, g + B * HD + B * 2 * L->n_head, B, seqs,
+                                threads);
+            steals += mr_pool_steals();
+            if (rc != MR_OK) break;
+            PROF(2);
         } else { /* attention */
             const int64_t rot_k = mr_kv_rotation(type_k, D, 1), rot_v = mr_kv_rotation(type_v, D, 0);
             {
@@ -509,6 +658,14 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                 steals += mr_pool_steals();
             }
             if (rc != MR_OK) break;
+            if (L->out_gate) /* per head its query then its gate: the gates to g, the queries packed in place */
+                for (int64_t b = 0; b < B; b++) {
+                    float *qb = q + b * 2 * H * D;
+                    for (int64_t i = 0; i < H; i++) memcpy(g + (b * H + i) * D, qb + (2 * i + 1) * D, (size_t)D * 4);
+                }
+            if (L->out_gate) /* rows of 2 H D to rows of H D: every destination precedes its source */
+                for (int64_t b = 0; b < B; b++)
+                    for (int64_t i = 0; i < H; i++) memmove(q + (b * H + i) * D, q + b * 2 * H * D + 2 * i * D, (size_t)D * 4);
             PROF(0);
             for (int64_t b = 0; b < B; b++) {
                 const mr_kvseq *s = &seqs[b];
@@ -558,6 +715,8 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             }
             if (rc != MR_OK) break;
             mr_kv_rotate(att, B * H * D, rot_v); /* rotated values: the output back to the plain basis */
+            if (L->out_gate)
+                for (int64_t i = 0; i < B * H * D; i++) att[i] *= 0.5f * tanhf(0.5f * g[i]) + 0.5f; /* sigmoid */
             PROF(2);
         }
         {

@@ -964,11 +964,16 @@ def _mixer(b: Any) -> Any:
     head_dim_k; no RoPE, norms or values), or a Mamba-2 mixer as one (in_proj as wq, out_proj as wo, its
     heads as n_head heads of head_dim_k, one nominal KV head and no cache rows)."""
     a = b.attn
+    if isinstance(a, GatedDeltaNet):
+        return SimpleNamespace(n_head=a.n_v_heads, n_head_kv=1, head_dim_k=a.head_dim_v, head_dim_v=a.head_dim_v,
+                               wq=a.qkv_proj, wk=None, wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None,
+                               k_norm=None, v_norm=None, qk_norm_per_head=True, qk_norm_after_rope=False, softcap=0.0,
+                               window=0, sinks=None, causal=True, kv_source=None, dn=a, out_gate=False)
     if isinstance(a, Mamba2):
         return SimpleNamespace(n_head=a.n_head, n_head_kv=1, head_dim_k=a.head_dim, head_dim_v=a.head_dim,
                                wq=a.in_proj, wk=None, wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None,
                                k_norm=None, v_norm=None, qk_norm_per_head=True, qk_norm_after_rope=False, softcap=0.0,
-                               window=0, sinks=None, causal=True, kv_source=None, ssm=a)
+                               window=0, sinks=None, causal=True, kv_source=None, ssm=a, out_gate=False)
     if not isinstance(a, ShortConv):
         return a
     h, d = a.cache_heads, a.n_embd
@@ -982,22 +987,26 @@ def _block_weights(b: Any) -> dict[str, Any]:
     """The block's matrices by their ``mr_layer`` field (None: absent: no gate, a layer reading
     another's K/V or a convolution, no per-layer input)."""
     a, m, g = _mixer(b), b.mlp, b.per_layer
+    dn = getattr(a, "dn", None)
     return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate if m is not None else None,
             "up": m.up if m is not None else None, "down": m.down if m is not None else None,
-            "pl_gate": g.gate if g is not None else None, "pl_proj": g.proj if g is not None else None}
+            "pl_gate": g.gate if g is not None else None, "pl_proj": g.proj if g is not None else None,
+            "wz": dn.z_proj if dn is not None else None,
+            "wb": (dn.ba_proj if dn.ba_proj is not None else dn.beta_proj) if dn is not None else None,
+            "wa": dn.alpha_proj if dn is not None else None}
 
 
 def layer_unsupported(b: Any) -> str | None:
     """Why the native decode step cannot run block ``b`` (a :class:`minirt.blocks.Block`); None if it can."""
-    if isinstance(b.attn, GatedDeltaNet):
-        return "a gated delta-net mixer (its recurrent state is updated layer by layer)"
+    d = b.attn if isinstance(b.attn, GatedDeltaNet) else None
+    if d is not None and (d.conv.dtype != np.float32 or not 2 <= d.taps <= 64 or d.head_dim_v > 1024
+                          or d.n_v_heads % d.n_k_heads or d.norm.weight is None):
+        return "a gated delta-net of other than 2..64 float32 taps, value heads of up to 1024 or a norm without gains"
     if isinstance(b.attn, ParallelMixer):
         return "attention and a Mamba-2 mixer side by side"
     s = b.attn if isinstance(b.attn, Mamba2) else None
     if s is not None and (s.conv.dtype != np.float32 or not 2 <= s.taps <= 64 or s.n_head % s.n_group):
         return "a Mamba-2 convolution of other than 2..64 float32 taps per channel"
-    if getattr(b.attn, "out_gate", False):
-        return "a gated attention output"
     if b.mlp is None and b.parallel:
         return "a parallel block without a feed-forward half"
     a, m = _mixer(b), b.mlp  # m None: a mixer without feed-forward half (Nemotron-H)
@@ -1030,7 +1039,7 @@ def layer_unsupported(b: Any) -> str | None:
     if any(n.bias is not None for n in (b.post_attn_norm, b.post_ffn_norm) if n is not None):
         return "post-norms with a bias"
     qk = [n for n in (a.q_norm, a.k_norm, a.v_norm, g.post_norm if g is not None else None,
-                      s.norm if s is not None else None) if n is not None]
+                      s.norm if s is not None else None, d.norm if d is not None else None) if n is not None]
     if any(n.kind != "rms" or n.bias is not None for n in qk):
         return "LayerNorm q/k norms"
     if len({float(n.eps) for n in block_norms + qk}) > 1:
@@ -1110,18 +1119,26 @@ class LayerStack:
             else:
                 L.pl_post_norm = ffi.NULL
             L.rope_table = int(ri) if a.rope is not None else -1
-            c, s = getattr(a, "conv", None), getattr(a, "ssm", None)
-            L.mixer = 2 if s is not None else 0 if c is None else 1
-            L.conv_taps = s.taps if s is not None else 0 if c is None else c.taps
-            L.conv_w = self._f32(ffi, s.conv) if s is not None else ffi.NULL if c is None else self._f32(ffi, c.weight)
+            c, s, dn = getattr(a, "conv", None), getattr(a, "ssm", None), getattr(a, "dn", None)
+            rec = s if s is not None else dn  # a recurrent mixer: its own convolution
+            L.mixer = 3 if dn is not None else 2 if s is not None else 0 if c is None else 1
+            L.conv_taps = rec.taps if rec is not None else 0 if c is None else c.taps
+            taps_w = rec.conv if rec is not None else None if c is None else c.weight  # (channels, taps)
+            L.conv_w = ffi.NULL if taps_w is None else self._f32(ffi, taps_w)
             L.ssm_state, L.ssm_groups = (s.d_state, s.n_group) if s is not None else (0, 0)
+            L.dn_k_heads, L.dn_head_dim = (dn.n_k_heads, dn.head_dim_k) if dn is not None else (0, 0)
+            L.dn_grouped = int(bool(dn.grouped)) if dn is not None else 0
+            L.dn_fused_ba = int(dn.ba_proj is not None) if dn is not None else 0
+            L.out_gate = int(bool(getattr(a, "out_gate", False)))
             vecs = {"conv_b": s.conv_bias, "ssm_dt_b": s.dt_bias, "ssm_a": s.a, "ssm_d": s.d_skip,
                     "ssm_norm": s.norm.weight if s.norm is not None else None} if s is not None else {}
+            if dn is not None:
+                vecs = {"ssm_dt_b": dn.dt_bias, "ssm_a": dn.a, "ssm_norm": dn.norm.weight}
             for k in ("conv_b", "ssm_dt_b", "ssm_a", "ssm_d", "ssm_norm"):
                 v = vecs.get(k)
                 setattr(L, k, ffi.NULL if v is None else self._f32(ffi, v))
             off = None if key_offsets is None else key_offsets[i]
-            if off is not None and (c is not None or s is not None or np.shape(off) != (a.n_head_kv, a.head_dim_k)):
+            if off is not None and (c is not None or rec is not None or np.shape(off) != (a.n_head_kv, a.head_dim_k)):
                 raise InvalidRequestError(f"layer {i}: a key offset of shape {np.shape(off)} for keys of "
                                           f"{a.n_head_kv} x {a.head_dim_k}")
             L.k_offset = ffi.NULL if off is None else self._f32(ffi, off)
@@ -1185,8 +1202,19 @@ class LayerStack:
         d, hk, hv = int(dims["n_embd"]), int(a.head_dim_k), int(a.head_dim_v)
         ff = int(m.down.in_features) if m is not None else 0
         E = b.per_layer.gate.out_features if b.per_layer is not None else 0
-        s = getattr(a, "ssm", None)
+        s, dn = getattr(a, "ssm", None), getattr(a, "dn", None)
         q_rows = 3 * d if hasattr(a, "conv") else a.n_head * hk  # a short convolution's in_proj: B, C, x
+        if getattr(a, "out_gate", False):  # each head's query, then its output gate
+            q_rows = 2 * a.n_head * hk
+        if dn is not None:  # the delta-net's convolution input: q, k of every key head, v of every value head
+            q_rows = dn.conv_dim
+            for what, arr, n in (("dt bias", dn.dt_bias, dn.n_v_heads), ("A", dn.a, dn.n_v_heads),
+                                 ("norm", dn.norm.weight, dn.head_dim_v)):
+                if not isinstance(arr, np.ndarray) or arr.shape != (n,):
+                    raise InvalidRequestError(f"layer {i}: delta-net {what} of shape {np.shape(arr)}, expected ({n},)")
+            if dn.conv.shape != (dn.conv_dim, dn.taps) or \
+                    dn.conv_dim != 2 * dn.n_k_heads * dn.head_dim_k + dn.n_v_heads * dn.head_dim_v:
+                raise InvalidRequestError(f"layer {i}: delta-net convolution of shape {dn.conv.shape}")
         if s is not None:  # Mamba-2's in_proj: z, xBC, dt
             q_rows = 2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head
             for what, arr, n in (("convolution bias", s.conv_bias, s.conv_dim), ("dt bias", s.dt_bias, s.n_head),
@@ -1196,9 +1224,11 @@ class LayerStack:
                     raise InvalidRequestError(f"layer {i}: Mamba-2 {what} of shape {np.shape(arr)}, expected ({n},)")
             if s.conv.shape != (s.conv_dim, s.taps) or s.conv_dim != s.d_inner + 2 * s.n_group * s.d_state:
                 raise InvalidRequestError(f"layer {i}: Mamba-2 convolution of shape {s.conv.shape}")
+        hv_n = dn.n_v_heads if dn is not None else 0
         shapes = {"wq": (q_rows, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
                   "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff),
-                  "pl_gate": (E, d), "pl_proj": (d, E)}
+                  "pl_gate": (E, d), "pl_proj": (d, E), "wz": (hv_n * hv, d),
+                  "wb": ((2 if dn is not None and dn.ba_proj is not None else 1) * hv_n, d), "wa": (hv_n, d)}
 
         def vec(arr: Any, n: int, what: str) -> None:
             if arr is None:
@@ -1271,7 +1301,7 @@ class LayerStack:
     def _states(self, ffi: Any, b: int, states: Sequence[Any] | None, keep: list[Any]) -> Any:
         """The ``float *[2 n_layer]`` of sequence b's Mamba-2 states (NULL when no layer has one), every array
         checked against its layer's shapes (C writes them through bare pointers)."""
-        ssm = [i for i in range(self.n_layer) if self._layers[i].mixer == 2]
+        ssm = [i for i in range(self.n_layer) if self._layers[i].mixer >= 2]
         if not ssm:
             return ffi.NULL
         if states is None or len(states) != self.n_layer:
@@ -1280,8 +1310,12 @@ class LayerStack:
         keep.append(p)
         for i in ssm:
             L = self._layers[i]
-            cd = L.n_head * L.head_dim_k + 2 * L.ssm_groups * L.ssm_state
-            want = ((L.conv_taps - 1, cd), (L.n_head, L.head_dim_k, L.ssm_state))
+            if L.mixer == 2:  # Mamba-2: (taps - 1, inner + 2 G N), (H, P, N)
+                cd = L.n_head * L.head_dim_k + 2 * L.ssm_groups * L.ssm_state
+                want = ((L.conv_taps - 1, cd), (L.n_head, L.head_dim_k, L.ssm_state))
+            else:  # delta-net: (taps - 1, 2 Hk Dk + Hv Dv), (Hv, Dk, Dv)
+                cd = 2 * L.dn_k_heads * L.dn_head_dim + L.n_head * L.head_dim_k
+                want = ((L.conv_taps - 1, cd), (L.n_head, L.dn_head_dim, L.head_dim_k))
             st = states[i]
             if st is None or len(st) != 2:
                 raise InvalidRequestError(f"sequence {b}, layer {i}: no Mamba-2 state")
