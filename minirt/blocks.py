@@ -319,8 +319,33 @@ class ShortConv:
         return self.cache_heads, self.n_embd // self.cache_heads, 0
 
 
+class RecurrentMixer:
+    """What Qwen3.5's delta-net and Mamba-2 share as a block's mixer: no positions and no rows in the KV
+    cache (a per-sequence state instead, their ``state_shapes``), causal, and a causal depthwise convolution
+    ``conv`` (conv_dim, taps) float32 in front."""
+
+    rope = None  # what generic code reads of a mixer
+    kv_source = None
+    causal = True
+    kv_rotate = False
+    kv_shape = None
+    conv: np.ndarray
+
+    def key_offset(self, n_positions: int) -> None:
+        """No KV rows, so no key offset (see :meth:`Attention.key_offset`)."""
+        return None
+
+    @property
+    def taps(self) -> int:
+        return int(self.conv.shape[1])
+
+    @property
+    def conv_dim(self) -> int:
+        return int(self.conv.shape[0])
+
+
 @dataclass
-class GatedDeltaNet:
+class GatedDeltaNet(RecurrentMixer):
     """Qwen3.5's gated delta-net linear attention, a block's mixer in place of attention::
 
         qkv = conv(qkv_proj(h)) then SiLU          causal depthwise, ``taps`` per channel (conv_dim = 2·Hk·Dk + Hv·Dv)
@@ -353,23 +378,6 @@ class GatedDeltaNet:
     head_dim_v: int
     ba_proj: Linear | None = None  # (2·Hv, d): per key head [beta rows, alpha rows] (Qwen3-Next)
     grouped: bool = False  # value head j reads key head j // (Hv/Hk) instead of j mod Hk
-    rope = None  # what generic code reads of a mixer: no positions, no rows in the KV cache, causal
-    kv_source = None
-    causal = True
-    kv_rotate = False
-    kv_shape = None
-
-    def key_offset(self, n_positions: int) -> None:
-        """No KV rows, so no key offset (see :meth:`Attention.key_offset`)."""
-        return None
-
-    @property
-    def taps(self) -> int:
-        return int(self.conv.shape[1])
-
-    @property
-    def conv_dim(self) -> int:
-        return int(self.conv.shape[0])
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -378,7 +386,7 @@ class GatedDeltaNet:
 
 
 @dataclass
-class Mamba2:
+class Mamba2(RecurrentMixer):
     """Mamba-2's selective state-space mixer (Granite 4.0-H, Bamba; ``build_mamba2_layer`` in llama.cpp),
     a block's mixer in place of attention::
 
@@ -406,27 +414,10 @@ class Mamba2:
     head_dim: int
     d_state: int
     n_group: int
-    rope = None  # what generic code reads of a mixer: no positions, no rows in the KV cache, causal
-    kv_source = None
-    causal = True
-    kv_rotate = False
-    kv_shape = None
-
-    def key_offset(self, n_positions: int) -> None:
-        """No KV rows, so no key offset (see :meth:`Attention.key_offset`)."""
-        return None
-
-    @property
-    def taps(self) -> int:
-        return int(self.conv.shape[1])
 
     @property
     def d_inner(self) -> int:
         return self.n_head * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return int(self.conv.shape[0])
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

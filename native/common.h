@@ -375,6 +375,34 @@ int mr_parallel_for(mr_task_fn fn, mr_commit_fn commit, const void *ctx, size_t 
                     int64_t buf_floats, int threads);
 int mr_pool_threads_default(void);
 
+/* One token of the gated delta rule for one value head (mr_delta_rule, the fused decode step): its state S
+ * (Dk x Dv, row i = key dimension i) becomes decay S + k (x) beta (v - (decay S)^T k) and o = S^T q; two
+ * passes over S. kv, delta: scratch of Dv floats. */
+MR_INLINE void mr_delta_step(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                             float *o, int64_t Dk, int64_t Dv, float *kv, float *delta) {
+    for (int64_t j = 0; j < Dv; j++) kv[j] = 0.0f;
+    for (int64_t i = 0; i < Dk; i++) {
+        float *s = S + i * Dv;
+        const float ki = k[i];
+        for (int64_t j = 0; j < Dv; j++) {
+            s[j] *= decay;
+            kv[j] += ki * s[j];
+        }
+    }
+    for (int64_t j = 0; j < Dv; j++) {
+        delta[j] = (v[j] - kv[j]) * beta;
+        o[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < Dk; i++) {
+        float *s = S + i * Dv;
+        const float ki = k[i], qi = q[i];
+        for (int64_t j = 0; j < Dv; j++) {
+            s[j] += ki * delta[j];
+            o[j] += qi * s[j];
+        }
+    }
+}
+
 /* Per-worker scratch memory, 64-byte aligned, grown on demand (never shrinks). */
 void *mr_scratch(int worker, int slot, size_t bytes);
 #define MR_MAX_WORKERS 64

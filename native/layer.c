@@ -383,6 +383,22 @@ static int short_conv(const mr_kernels *K, const mr_layer *L, long long l, const
     return MR_OK;
 }
 
+/* One decode step of a recurrent mixer's causal depthwise convolution over cd channels: out = silu(bias +
+ * the state's conv_taps - 1 rows and the new input `in`, weighted by conv_w (cd, conv_taps)), summed oldest
+ * first as the per-op path does; then `in` is shifted into the state (conv_taps - 1, cd). */
+static void conv_step(const mr_layer *L, float *cs, const float *in, float *o, int64_t cd) {
+    const int64_t T = L->conv_taps;
+    for (int64_t c = 0; c < cd; c++) {
+        float acc = L->conv_b ? L->conv_b[c] : 0.0f;
+        const float *w = L->conv_w + c * T;
+        for (int64_t j = 0; j < T - 1; j++) acc += cs[j * cd + c] * w[j];
+        acc += in[c] * w[T - 1];
+        o[c] = acc / (1.0f + expf(-acc));
+    }
+    memmove(cs, cs + cd, (size_t)((T - 2) * cd) * 4);
+    memcpy(cs + (T - 2) * cd, in, (size_t)cd * 4);
+}
+
 /* Mamba-2 for one decode step of B sequences (mixer 2): zx = in_proj h (B x R, R = 2 inner + 2 G N + H);
  * per sequence the convolution continues from its state's last conv_taps - 1 inputs (then shifted in) and
  * xs = silu(conv + bias) (B x conv_dim, conv_dim = inner + 2 G N); the scan (one item per sequence and
@@ -416,27 +432,14 @@ static void m2_task(const void *c_, int64_t item, int worker, float *buf) {
 static int mamba2_step(const mr_kernels *K, const mr_layer *L, long long l, const float *h, float *zx, float *y,
                        float *xs, int64_t B, const mr_kvseq *seqs, int threads) {
     const int64_t H = L->n_head, P = L->head_dim_k, N = L->ssm_state, G = L->ssm_groups, inner = H * P;
-    const int64_t cd = inner + 2 * G * N, R = 2 * inner + 2 * G * N + H, T = L->conv_taps;
+    const int64_t cd = inner + 2 * G * N, R = 2 * inner + 2 * G * N + H;
     {
         const mr_weight *w[1] = {&L->wq};
         float *yy[1] = {zx};
         const int rc = run_mats(K, w, yy, 1, -1, h, B, threads);
         if (rc != MR_OK) return rc;
     }
-    for (int64_t b = 0; b < B; b++) {
-        float *cs = seqs[b].state[2 * l];
-        const float *in = zx + b * R + inner; /* this token's xBC */
-        float *o = xs + b * cd;
-        for (int64_t c = 0; c < cd; c++) {
-            float acc = L->conv_b ? L->conv_b[c] : 0.0f;
-            const float *w = L->conv_w + c * T;
-            for (int64_t j = 0; j < T - 1; j++) acc += cs[j * cd + c] * w[j];
-            acc += in[c] * w[T - 1];
-            o[c] = acc / (1.0f + expf(-acc));
-        }
-        memmove(cs, cs + cd, (size_t)((T - 2) * cd) * 4);
-        memcpy(cs + (T - 2) * cd, in, (size_t)cd * 4);
-    }
+    for (int64_t b = 0; b < B; b++) conv_step(L, seqs[b].state[2 * l], zx + b * R + inner, xs + b * cd, cd); /* xBC */
     const m2_ctx c = {K, L, zx, xs, y, seqs, l, H, P, N, G, R, cd, inner};
     int rc = mr_parallel_for(m2_task, NULL, &c, sizeof c, B * H, 0, threads);
     if (rc < 0) return rc;
@@ -486,35 +489,15 @@ static void dn_task(const void *c_, int64_t item, int worker, float *buf) {
     const float beta = 0.5f * tanhf(0.5f * bin) + 0.5f; /* sigmoid, as the per-op path writes it */
     const float u = ain + L->ssm_dt_b[j];
     const float decay = expf(L->ssm_a[j] * (u > 0.0f ? u + log1pf(expf(-u)) : log1pf(expf(u))));
-    float *S = c->seqs[b].state[2 * c->l + 1] + j * Dk * Dv, *o = c->y + b * c->Hv * Dv + j * Dv;
     float kv[MR_DR_MAX_DV], delta[MR_DR_MAX_DV];
-    for (int64_t t = 0; t < Dv; t++) kv[t] = 0.0f;
-    for (int64_t i = 0; i < Dk; i++) {
-        float *s = S + i * Dv;
-        const float ki = k[i];
-        for (int64_t t = 0; t < Dv; t++) {
-            s[t] *= decay;
-            kv[t] += ki * s[t];
-        }
-    }
-    for (int64_t t = 0; t < Dv; t++) {
-        delta[t] = (v[t] - kv[t]) * beta;
-        o[t] = 0.0f;
-    }
-    for (int64_t i = 0; i < Dk; i++) {
-        float *s = S + i * Dv;
-        const float ki = k[i], qi = q[i];
-        for (int64_t t = 0; t < Dv; t++) {
-            s[t] += ki * delta[t];
-            o[t] += qi * s[t];
-        }
-    }
+    mr_delta_step(c->seqs[b].state[2 * c->l + 1] + j * Dk * Dv, q, k, v, decay, beta, c->y + (b * c->Hv + j) * Dv, Dk,
+                  Dv, kv, delta);
 }
 
 static int delta_net_step(const mr_kernels *K, const mr_layer *L, long long l, const float *h, float *mixed, float *y,
                           float *xs, float *z, float *bi, float *ai, int64_t B, const mr_kvseq *seqs, int threads) {
     const int64_t Hv = L->n_head, Hk = L->dn_k_heads, Dk = L->dn_head_dim, Dv = L->head_dim_k;
-    const int64_t cd = 2 * Hk * Dk + Hv * Dv, T = L->conv_taps, ba = L->dn_fused_ba ? 2 * Hv : Hv;
+    const int64_t cd = 2 * Hk * Dk + Hv * Dv, ba = L->dn_fused_ba ? 2 * Hv : Hv;
     {
         const mr_weight *w[4] = {&L->wq, &L->wz, &L->wb, &L->wa};
         float *yy[4] = {mixed, z, bi, ai};
@@ -523,18 +506,8 @@ static int delta_net_step(const mr_kernels *K, const mr_layer *L, long long l, c
     }
     const float qs = 1.0f / sqrtf((float)Dk);
     for (int64_t b = 0; b < B; b++) {
-        float *cs = seqs[b].state[2 * l];
-        const float *in = mixed + b * cd;
         float *o = xs + b * cd;
-        for (int64_t c = 0; c < cd; c++) {
-            float acc = 0.0f;
-            const float *w = L->conv_w + c * T;
-            for (int64_t j = 0; j < T - 1; j++) acc += cs[j * cd + c] * w[j];
-            acc += in[c] * w[T - 1];
-            o[c] = acc / (1.0f + expf(-acc));
-        }
-        memmove(cs, cs + cd, (size_t)((T - 2) * cd) * 4);
-        memcpy(cs + (T - 2) * cd, in, (size_t)cd * 4);
+        conv_step(L, seqs[b].state[2 * l], mixed + b * cd, o, cd); /* conv_b is NULL (checked) */
         for (int64_t hh = 0; hh < 2 * Hk; hh++) { /* q then k heads: x / max(|x|, eps); q also / sqrt(Dk) */
             float *r = o + hh * Dk;
             double ss = 0.0;

@@ -364,28 +364,7 @@ static void dr_task(const void *c_, int64_t h, int worker, float *buf) {
     for (int64_t t = 0; t < c->n; t++) {
         const float *q = c->q + (t * H + h) * Dk, *k = c->k + (t * H + h) * Dk, *v = c->v + (t * H + h) * Dv;
         const float d = c->decay[t * H + h], b = c->beta[t * H + h];
-        float *o = c->o + (t * H + h) * Dv;
-        for (int64_t j = 0; j < Dv; j++) kv[j] = 0.0f;
-        for (int64_t i = 0; i < Dk; i++) {
-            float *s = S + i * Dv;
-            const float ki = k[i];
-            for (int64_t j = 0; j < Dv; j++) {
-                s[j] *= d;
-                kv[j] += ki * s[j];
-            }
-        }
-        for (int64_t j = 0; j < Dv; j++) {
-            delta[j] = (v[j] - kv[j]) * b;
-            o[j] = 0.0f;
-        }
-        for (int64_t i = 0; i < Dk; i++) {
-            float *s = S + i * Dv;
-            const float ki = k[i], qi = q[i];
-            for (int64_t j = 0; j < Dv; j++) {
-                s[j] += ki * delta[j];
-                o[j] += qi * s[j];
-            }
-        }
+        mr_delta_step(S, q, k, v, d, b, c->o + (t * H + h) * Dv, Dk, Dv, kv, delta);
     }
 }
 

@@ -114,3 +114,53 @@ def compare(arch: str, quant: str, backend: str = "native") -> dict[str, Any]:
             "minirt_decisive_argmax": argmax_agreement(ours[m], hf[m]) if m.any() else 1.0,
             "llamacpp_decisive_argmax": argmax_agreement(lc[m], hf[m]) if m.any() else 1.0,
             "decisive_fraction": float(m.mean()), "minirt_vs_llamacpp_rel_rms": rel_rms(ours, lc)}
+
+
+def check_recurrent_passes(m: Any, a: np.ndarray, b: np.ndarray, tol: float) -> None:
+    """For a model whose layers keep a per-sequence recurrent state: two sequences a and b (at least 11 and 6
+    tokens) in one pass, a token by token, a's prefill split in two, and one decode step of both after
+    separate prefills give, within ``tol`` (relative RMS), what each sequence gets alone in one pass: each
+    segment continues from its own state."""
+    from minirt.forward import Segment, kv_cache_for
+
+    def logits(ids: list[np.ndarray]) -> list[np.ndarray]:
+        caches = [kv_cache_for(m.cfg, 64) for _ in ids]
+        return m.forward(np.concatenate(ids), [Segment(c, len(x), "all") for c, x in zip(caches, ids, strict=True)])
+
+    alone = [logits([x])[0] for x in (a, b)]
+    for got, want in zip(logits([a, b]), alone, strict=True):
+        assert rel_rms(got, want) < tol
+    cache = kv_cache_for(m.cfg, 64)
+    steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
+    assert rel_rms(np.stack(steps), alone[0]) < tol
+    cache = kv_cache_for(m.cfg, 64)
+    m.forward(a[:7], [Segment(cache, 7, "none")])
+    rest = m.forward(a[7:], [Segment(cache, len(a) - 7, "all")])[0]
+    assert rel_rms(rest, alone[0][7:]) < tol
+    c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
+    m.forward(a[:10], [Segment(c1, 10, "none")])
+    m.forward(b[:5], [Segment(c2, 5, "none")])
+    both = m.forward(np.array([a[10], b[5]]), [Segment(c1, 1, "last"), Segment(c2, 1, "last")])
+    assert rel_rms(both[0], alone[0][10]) < tol and rel_rms(both[1], alone[1][5]) < tol
+
+
+def check_fused_decode(fused: Any, per_op: Any, a: np.ndarray, b: np.ndarray, steps: int = 5) -> None:
+    """The fused native decode step of ``fused`` against the per-op ``per_op`` (the same description): after
+    separate prefills of a[:5] and b[:2], ``steps`` decode steps of both sequences together give the same
+    logits (relative RMS < 5e-4) and leave the same recurrent state in the first layer that has one."""
+    from minirt.forward import Segment, kv_cache_for
+
+    assert fused.native_stack is not None and per_op.native_stack is None
+    outs, states = [], []
+    for m in (fused, per_op):
+        c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
+        m.forward(a[:5], [Segment(c1, 5, "none")])
+        m.forward(b[:2], [Segment(c2, 2, "none")])
+        outs.append(np.stack([np.stack(m.forward(np.array([a[5 + t], b[2 + t]]),
+                                                 [Segment(c1, 1, "last"), Segment(c2, 1, "last")]))
+                              for t in range(steps)]))
+        i = next(j for j, sh in enumerate(c1.recurrent) if sh is not None)
+        states.append([x.copy() for x in c1.state(i)])
+    assert rel_rms(outs[0], outs[1]) < 5e-4
+    for x, y in zip(*states, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=2e-3 * float(np.abs(y).max()))

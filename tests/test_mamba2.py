@@ -17,7 +17,7 @@ import pytest
 import minirt
 from minirt.blocks import Mamba2, ssm_scan
 from minirt.forward import Segment, kv_cache_for
-from tests.arch_parity import ARCH_DIR, rel_rms
+from tests.arch_parity import ARCH_DIR, check_fused_decode, check_recurrent_passes, rel_rms
 
 GD = ARCH_DIR / "granitehybrid"
 
@@ -158,40 +158,15 @@ def test_native_causal_conv_matches_numpy_and_checks_shapes():
         native.causal_conv(rows, w, bias[:5])
 
 
-def _logits(m, ids):
-    caches = [kv_cache_for(m.cfg, 64) for _ in ids]
-    out = m.forward(np.concatenate([np.asarray(x) for x in ids]),
-                    [Segment(c, len(x), "all") for c, x in zip(caches, ids, strict=True)])
-    return out, caches
-
-
-@pytest.mark.parametrize("arch", ["granitehybrid", "granitehybrid_dense", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["granitehybrid", "granitehybrid_dense", "falcon_h1", "nemotron_h"])
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_batched_and_stepwise_passes_agree(arch, backend):
-    """Two sequences in one pass, one sequence token by token, and a prefill split in two give what each
-    gets alone in one pass: each segment continues from its own state."""
-    q8_path = str(ARCH_DIR / arch / "model-q8_0.gguf")
+    """Batches, token-by-token decode and split prefills continue each sequence from its own state
+    (``check_recurrent_passes``); Nemotron-H has blocks without feed-forward too."""
     ref = np.load(ARCH_DIR / arch / "ref.npz")
-    a, b = ref["tokens"][0][:20], ref["tokens"][1][:13]
     tol = 1e-4 if backend == "reference" else 5e-4  # native: other matmul kernels per batch size
-    with minirt.load(q8_path, n_ctx=64, backend=backend) as llm:
-        m = llm.model
-        alone = [_logits(m, [x])[0][0] for x in (a, b)]
-        together, _ = _logits(m, [a, b])
-        for got, want in zip(together, alone, strict=True):
-            assert rel_rms(got, want) < tol
-        cache = kv_cache_for(m.cfg, 64)
-        steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
-        assert rel_rms(np.stack(steps), alone[0]) < tol
-        cache = kv_cache_for(m.cfg, 64)
-        m.forward(a[:7], [Segment(cache, 7, "none")])
-        rest = m.forward(a[7:], [Segment(cache, 13, "all")])[0]
-        assert rel_rms(rest, alone[0][7:]) < tol
-        c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
-        m.forward(a[:10], [Segment(c1, 10, "none")])
-        m.forward(b[:5], [Segment(c2, 5, "none")])
-        both = m.forward(np.array([a[10], b[5]]), [Segment(c1, 1, "last"), Segment(c2, 1, "last")])
-        assert rel_rms(both[0], alone[0][10]) < tol and rel_rms(both[1], alone[1][5]) < tol
+    with minirt.load(str(ARCH_DIR / arch / "model-q8_0.gguf"), n_ctx=64, backend=backend) as llm:
+        check_recurrent_passes(llm.model, ref["tokens"][0][:20], ref["tokens"][1][:13], tol)
 
 
 def test_native_and_reference_backends_agree(q8_path):
@@ -200,7 +175,8 @@ def test_native_and_reference_backends_agree(q8_path):
     got = {}
     for backend in ("reference", "native"):
         with minirt.load(q8_path, n_ctx=64, backend=backend) as llm:
-            got[backend] = _logits(llm.model, [toks])[0][0]
+            m = llm.model
+            got[backend] = m.forward(toks, [Segment(kv_cache_for(m.cfg, 64), len(toks), "all")])[0]
     assert rel_rms(got["native"], got["reference"]) < 5e-4
 
 
@@ -326,23 +302,6 @@ def test_nemotron_layouts_it_cannot_run_are_refused(tmp_path):
         minirt.load(str(dst), n_ctx=32)
 
 
-@pytest.mark.parametrize("backend", ["reference", "native"])
-def test_nemotron_batched_and_stepwise_passes_agree(backend):
-    """Blocks without feed-forward and Mamba-2 state in a batch, token by token, and split prefill."""
-    ref = np.load(ND / "ref.npz")
-    a, b = ref["tokens"][0][:20], ref["tokens"][1][:13]
-    tol = 1e-4 if backend == "reference" else 5e-4
-    with minirt.load(str(ND / "model-q8_0.gguf"), n_ctx=64, backend=backend) as llm:
-        m = llm.model
-        alone = [_logits(m, [x])[0][0] for x in (a, b)]
-        together, _ = _logits(m, [a, b])
-        for got, want in zip(together, alone, strict=True):
-            assert rel_rms(got, want) < tol
-        cache = kv_cache_for(m.cfg, 64)
-        steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
-        assert rel_rms(np.stack(steps), alone[0]) < tol
-
-
 # -- Falcon-H1 ---------------------------------------------------------------------------------------------
 def test_falcon_h1_layers_run_attention_and_mamba_side_by_side():
     """Every layer is a ParallelMixer: its cache has the attention's rows and the Mamba-2 state; the pre-FFN
@@ -372,23 +331,9 @@ def test_fused_decode_step_runs_mamba2_layers_and_matches_per_op(arch):
         pytest.skip("native kernels unavailable")
     path = str(ARCH_DIR / arch / "model-q8_0.gguf")
     ref = np.load(ARCH_DIR / arch / "ref.npz")
-    a, b = ref["tokens"][0][:14], ref["tokens"][1][:9]
-    got, want, states = [], [], []
-    for backend, out in (("native", got), ("reference", want)):
-        with minirt.load(path, n_ctx=64, backend=backend) as llm:
-            m = llm.model
-            assert (m.native_stack is not None) == (backend == "native")
-            c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
-            m.forward(a[:6], [Segment(c1, 6, "none")])
-            m.forward(b[:3], [Segment(c2, 3, "none")])
-            for t in range(6):
-                out.append(np.stack(m.forward(np.array([a[6 + t], b[3 + t]]),
-                                              [Segment(c1, 1, "last"), Segment(c2, 1, "last")])))
-            i = next(j for j, sh in enumerate(c1.recurrent) if sh is not None)
-            states.append([x.copy() for x in c1.state(i)])
-    assert rel_rms(np.stack(got), np.stack(want)) < 5e-4
-    for x, y in zip(*states, strict=True):
-        np.testing.assert_allclose(x, y, rtol=0, atol=2e-3 * float(np.abs(y).max()))
+    with minirt.load(path, n_ctx=64, backend="native") as fused, \
+            minirt.load(path, n_ctx=64, backend="reference") as per_op:
+        check_fused_decode(fused.model, per_op.model, ref["tokens"][0][:14], ref["tokens"][1][:9], steps=6)
 
 
 def test_fused_decode_step_checks_the_states_it_is_given():

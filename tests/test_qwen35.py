@@ -16,7 +16,7 @@ import pytest
 import minirt
 from minirt.blocks import GatedDeltaNet, delta_rule
 from minirt.forward import Segment, kv_cache_for
-from tests.arch_parity import ARCH_DIR, rel_rms
+from tests.arch_parity import ARCH_DIR, check_fused_decode, check_recurrent_passes, rel_rms
 
 QD = ARCH_DIR / "qwen35"
 
@@ -68,40 +68,15 @@ def test_delta_rule_against_the_definition():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _logits(m, ids):
-    caches = [kv_cache_for(m.cfg, 64) for _ in ids]
-    out = m.forward(np.concatenate([np.asarray(x) for x in ids]),
-                    [Segment(c, len(x), "all") for c, x in zip(caches, ids, strict=True)])
-    return out, caches
-
-
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_batched_and_stepwise_passes_agree(q8_path, backend):
-    """Two sequences in one pass, one sequence token by token, and a prefill split in two give what
-    each gets alone in one pass: each segment continues from its own state."""
+    """Batches, token-by-token decode and split prefills continue each sequence from its own state
+    (``check_recurrent_passes``). Native: batches of other sizes take other matmul kernels (from 17 tokens the
+    integer GEMM), equal up to float32 summation order, which this random model amplifies to ~1e-4."""
     ref = np.load(QD / "ref.npz")
-    a, b = ref["tokens"][0][:20], ref["tokens"][1][:13]
-    # native: batches of other sizes take other matmul kernels (from 17 tokens the integer GEMM), equal
-    # up to float32 summation order, which this random model amplifies to ~1e-4
     tol = 1e-4 if backend == "reference" else 5e-4
     with minirt.load(q8_path, n_ctx=64, backend=backend) as llm:
-        m = llm.model
-        alone = [_logits(m, [x])[0][0] for x in (a, b)]
-        together, _ = _logits(m, [a, b])
-        for got, want in zip(together, alone, strict=True):
-            assert rel_rms(got, want) < (1e-5 if backend == "reference" else tol)
-        cache = kv_cache_for(m.cfg, 64)
-        steps = [m.forward(np.array([t]), [Segment(cache, 1, "last")])[0].copy() for t in a]
-        assert rel_rms(np.stack(steps), alone[0]) < tol
-        cache = kv_cache_for(m.cfg, 64)
-        m.forward(a[:7], [Segment(cache, 7, "none")])
-        rest = m.forward(a[7:], [Segment(cache, 13, "all")])[0]
-        assert rel_rms(rest, alone[0][7:]) < tol
-        c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
-        m.forward(a[:10], [Segment(c1, 10, "none")])
-        m.forward(b[:5], [Segment(c2, 5, "none")])
-        both = m.forward(np.array([a[10], b[5]]), [Segment(c1, 1, "last"), Segment(c2, 1, "last")])
-        assert rel_rms(both[0], alone[0][10]) < tol and rel_rms(both[1], alone[1][5]) < tol
+        check_recurrent_passes(llm.model, ref["tokens"][0][:20], ref["tokens"][1][:13], tol)
 
 
 def test_prefix_cache_state_files_and_batching(q8_path, tmp_path):
@@ -251,29 +226,18 @@ def test_fused_decode_step_runs_delta_net_and_gated_attention(layout):
     if not native.available():
         pytest.skip("native kernels unavailable")
     ref = np.load(QD / "ref.npz")
-    a, b = ref["tokens"][0][:12], ref["tokens"][1][:7]
     f = mgguf.open(ARCH_DIR / layout / "model-q8_0.gguf")
     dense = mgguf.open(QD / "model-q8_0.gguf")
     try:
-        outs, states = [], []
+        models = []
         for be in (NativeBackend(), ReferenceBackend()):
             desc = describe(f, 64)
             if layout == "qwen3next":
                 mlps = [blk.mlp for blk in describe(dense, 64).blocks]
                 for i, blk in enumerate(desc.blocks):
                     blk.mlp = mlps[i % len(mlps)]
-            m = Transformer(desc, be, file=f)
-            assert (m.native_stack is not None) == isinstance(be, NativeBackend)
-            c1, c2 = kv_cache_for(m.cfg, 64), kv_cache_for(m.cfg, 64)
-            m.forward(a[:5], [Segment(c1, 5, "none")])
-            m.forward(b[:2], [Segment(c2, 2, "none")])
-            out = [np.stack(m.forward(np.array([a[5 + t], b[2 + t]]), [Segment(c1, 1, "last"), Segment(c2, 1, "last")]))
-                   for t in range(5)]
-            outs.append(np.stack(out))
-            states.append([x.copy() for x in c1.state(0)])
-        assert rel_rms(outs[0], outs[1]) < 5e-4
-        for x, y in zip(*states, strict=True):
-            np.testing.assert_allclose(x, y, rtol=0, atol=2e-3 * float(np.abs(y).max()))
+            models.append(Transformer(desc, be, file=f))
+        check_fused_decode(*models, ref["tokens"][0][:12], ref["tokens"][1][:7])
     finally:
         f.close()
         dense.close()
