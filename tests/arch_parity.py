@@ -164,3 +164,41 @@ def check_fused_decode(fused: Any, per_op: Any, a: np.ndarray, b: np.ndarray, st
     assert rel_rms(outs[0], outs[1]) < 5e-4
     for x, y in zip(*states, strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=2e-3 * float(np.abs(y).max()))
+
+
+def check_recurrent_prefix_cache(q8_path: str, st: Path) -> None:
+    """The prefix cache, state files (written to ``st``) and scheduler batching of a model whose layers keep a
+    recurrent state: a repeated prompt reuses the snapshot before its last token, a continued conversation the
+    live state, a prompt sharing only part of a cached one nothing; a saved state continues as it would have;
+    three requests batched get what each gets alone."""
+    import minirt
+
+    prompt = list(range(10, 60))
+    with minirt.load(q8_path, n_ctx=128) as m:
+        first = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        # the same prompt again (regenerate): the snapshot before its last token is reused
+        again = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert again.usage["cached_tokens"] == len(prompt) - 1 and again.token_ids == first.token_ids
+        # the conversation continued: the live state after every cached position
+        cont = prompt + first.token_ids + [5, 6, 7]
+        c = m.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert c.usage["cached_tokens"] == len(prompt) + len(first.token_ids) - 1
+        # a prompt sharing only part of a cached one: no state there, so nothing is reused
+        part = prompt[:30] + [7, 8, 9]
+        partial = m.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert partial.usage["cached_tokens"] == 0
+        saved = m.save_state(st)
+        follow = saved + [11]
+        want = m.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids
+    with minirt.load(q8_path, n_ctx=128) as m2:
+        assert m2.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids == c.token_ids
+        assert m2.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids == partial.token_ids
+        assert m2.load_state(st) == saved
+        got = m2.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert got.usage["cached_tokens"] == len(saved) and got.token_ids == want
+        # three requests batched by the scheduler get what each gets alone
+        prompts = [prompt, part, cont]
+        alone = [m2.generate(p, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+        m2.cache_pool.clear()
+        handles = [m2.submit(p, max_tokens=5, temperature=0.0, ignore_eos=True) for p in prompts]
+        assert [h.result(timeout=120).token_ids for h in handles] == alone

@@ -17,7 +17,13 @@ import pytest
 import minirt
 from minirt.blocks import Mamba2, ssm_scan
 from minirt.forward import Segment, kv_cache_for
-from tests.arch_parity import ARCH_DIR, check_fused_decode, check_recurrent_passes, rel_rms
+from tests.arch_parity import (
+    ARCH_DIR,
+    check_fused_decode,
+    check_recurrent_passes,
+    check_recurrent_prefix_cache,
+    rel_rms,
+)
 
 GD = ARCH_DIR / "granitehybrid"
 
@@ -182,33 +188,7 @@ def test_native_and_reference_backends_agree(q8_path):
 
 @pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])  # falcon_h1: KV rows and a state in one layer
 def test_prefix_cache_state_files_and_batching(arch, tmp_path):
-    q8_path = str(ARCH_DIR / arch / "model-q8_0.gguf")
-    st = tmp_path / "gh.state"
-    prompt = list(range(10, 60))
-    with minirt.load(q8_path, n_ctx=128) as m:
-        first = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
-        again = m.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)  # the snapshot is reused
-        assert again.usage["cached_tokens"] == len(prompt) - 1 and again.token_ids == first.token_ids
-        cont = prompt + first.token_ids + [5, 6, 7]  # the live state after every cached position
-        c = m.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True)
-        assert c.usage["cached_tokens"] == len(prompt) + len(first.token_ids) - 1
-        part = prompt[:30] + [7, 8, 9]  # no state kept at position 30: nothing reused
-        partial = m.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True)
-        assert partial.usage["cached_tokens"] == 0
-        saved = m.save_state(st)
-        follow = saved + [11]
-        want = m.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids
-    with minirt.load(q8_path, n_ctx=128) as m2:
-        assert m2.generate(cont, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids == c.token_ids
-        assert m2.generate(part, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids == partial.token_ids
-        assert m2.load_state(st) == saved
-        got = m2.generate(follow, max_tokens=5, temperature=0.0, ignore_eos=True)
-        assert got.usage["cached_tokens"] == len(saved) and got.token_ids == want
-        prompts = [prompt, part, cont]
-        alone = [m2.generate(p, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
-        m2.cache_pool.clear()
-        handles = [m2.submit(p, max_tokens=5, temperature=0.0, ignore_eos=True) for p in prompts]
-        assert [h.result(timeout=120).token_ids for h in handles] == alone
+    check_recurrent_prefix_cache(str(ARCH_DIR / arch / "model-q8_0.gguf"), tmp_path / "gh.state")
 
 
 @pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])
