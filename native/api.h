@@ -97,12 +97,15 @@ typedef struct {
                                    (key - k_offset) * k_scale (minirt.kv_balance) */
     const float *q_scale;       /* (n_head, head_dim_k) or NULL: then queries over such a cache are multiplied by
                                    it (1 / the k_scale of the cache layer's KV head of each query head) */
-    /* mixer 2: Mamba-2 (Granite 4.0-H, Nemotron-H) with n_head heads of head_dim_k (= head_dim_v) values,
-       ssm_groups groups of ssm_state: wq = in_proj (2 inner + 2 G N + n_head rows: z, xBC, dt; inner = n_head *
-       head_dim_k), wo = out_proj (n_embd, inner); conv_w (inner + 2 G N, conv_taps) with conv_b or NULL;
-       ssm_dt_b, ssm_a (-exp(A_log)), ssm_d (n_head); ssm_norm (inner) or NULL: RMSNorm over each group of the
-       gated output. Its state is the sequence's (mr_kvseq.state), no KV rows (n_head_kv 1, kv_layer -1). */
-    long long ssm_state, ssm_groups;
+    /* mixer 2: Mamba-2 (Granite 4.0-H, Nemotron-H) with ssm_heads heads of ssm_head_dim values (also n_head,
+       head_dim_k = head_dim_v), ssm_groups groups of ssm_state: wq = in_proj (2 inner + 2 G N + heads rows: z,
+       xBC, dt; inner = heads * head dim), wo = out_proj (n_embd, inner); conv_w (inner + 2 G N, conv_taps) with
+       conv_b or NULL; ssm_dt_b, ssm_a (-exp(A_log)), ssm_d (heads); ssm_norm (inner) or NULL: RMSNorm over each
+       group of the gated output. Its state is the sequence's (mr_kvseq.state), no KV rows (n_head_kv 1,
+       kv_layer -1). mixer 4 (Falcon-H1): attention as mixer 0 (wq, wk, wv, wo) and a Mamba-2 mixer with the
+       same fields but its projections in ssm_in / ssm_out, on the same normed input; the outputs are summed. */
+    long long ssm_state, ssm_groups, ssm_heads, ssm_head_dim;
+    mr_weight ssm_in, ssm_out;
     const float *conv_b, *ssm_dt_b, *ssm_a, *ssm_d, *ssm_norm;
     /* mixer 3: Qwen3.5's gated delta-net with n_head value heads of head_dim_v (= head_dim_k) and dn_k_heads key
        heads of dn_head_dim: wq = qkv_proj (2 Hk Dk + Hv Dv rows, the convolution's input, conv_w / conv_taps

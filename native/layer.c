@@ -208,8 +208,8 @@ int mr_layer_check(const mr_layer *L, int isa) {
     if (ffn && gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU, relu^2 without gate, the others with */
     if (!ffn && (L->gate.data || L->up.data || L->down.data || L->parallel)) return MR_E_SHAPE;
     if (L->kv_layer < -1 || (L->v_norm != 0 && L->v_norm != 1) || !(L->out_scale == L->out_scale)) return MR_E_SHAPE;
-    if (L->mixer < 0 || L->mixer > 3) return MR_E_SHAPE;
-    const int conv = L->mixer == 1, ssm = L->mixer == 2, dn = L->mixer == 3;
+    if (L->mixer < 0 || L->mixer > 4) return MR_E_SHAPE;
+    const int conv = L->mixer == 1, ssm = L->mixer == 2 || L->mixer == 4, dn = L->mixer == 3;
     if ((L->out_gate != 0 && L->out_gate != 1) || (L->out_gate && L->mixer != 0)) return MR_E_SHAPE;
     if (dn) {
         const int64_t Hv = L->n_head, Hk = L->dn_k_heads, Dk = L->dn_head_dim, Dv = L->head_dim_k;
@@ -230,18 +230,29 @@ int mr_layer_check(const mr_layer *L, int isa) {
             if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
         }
     }
-    const int64_t G = L->ssm_groups, N = L->ssm_state, inner = L->n_head * L->head_dim_k;
-    if (ssm && (L->n_head <= 0 || L->head_dim_k <= 0 || G <= 0 || N <= 0 || L->n_head % G || !L->conv_w ||
-                L->conv_taps < 2 || L->conv_taps > 64 || !L->ssm_dt_b || !L->ssm_a || !L->ssm_d || L->kv_layer != -1 ||
-                L->n_head_kv != 1 || L->rope_table != -1 || L->parallel))
+    const int64_t G = L->ssm_groups, N = L->ssm_state, Hs = L->ssm_heads, inner = Hs * L->ssm_head_dim;
+    if (ssm && (Hs <= 0 || L->ssm_head_dim <= 0 || G <= 0 || N <= 0 || Hs % G || !L->conv_w || L->conv_taps < 2 ||
+                L->conv_taps > 64 || !L->ssm_dt_b || !L->ssm_a || !L->ssm_d || L->kv_layer != -1 || L->parallel))
         return MR_E_SHAPE;
+    if (L->mixer == 2 && (L->n_head != Hs || L->head_dim_k != L->ssm_head_dim || L->n_head_kv != 1 ||
+                          L->rope_table != -1))
+        return MR_E_SHAPE;
+    if (L->mixer == 4) { /* the Mamba-2 half's own projections */
+        const mr_weight *sw[2] = {&L->ssm_in, &L->ssm_out};
+        const int64_t sr[2] = {2 * inner + 2 * G * N + Hs, d}, sc[2] = {d, inner};
+        for (int i = 0; i < 2; i++) {
+            const mr_mat m = weight_mat(sw[i]);
+            if (!sw[i]->data || sw[i]->rows != sr[i] || sw[i]->cols != sc[i] || sw[i]->bias) return MR_E_QTYPE;
+            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+        }
+    }
     if (conv && (!L->conv_w || L->conv_taps < 2 || L->conv_taps > 64 || L->kv_layer != -1 || L->n_head != L->n_head_kv ||
                  L->n_head_kv * L->head_dim_k != d || L->rope_table != -1))
         return MR_E_SHAPE;
     for (int i = 0; i < 7; i++) {
         if (ws[i] == &L->gate && !gated) continue;
         if ((ws[i] == &L->gate || ws[i] == &L->up || ws[i] == &L->down) && !ffn) continue;
-        if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv || ssm || dn)) continue; /* no K/V */
+        if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv || L->mixer == 2 || dn)) continue;
         if (ws[i] == &L->wq && (dn || L->out_gate)) { /* delta-net: the convolution's input; gated: query + gate */
             const int64_t r = dn ? 2 * L->dn_k_heads * L->dn_head_dim + L->n_head * L->head_dim_k
                                  : 2 * L->n_head * L->head_dim_k;
@@ -250,9 +261,9 @@ int mr_layer_check(const mr_layer *L, int isa) {
             if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
             continue;
         }
-        if (ws[i] == &L->wq && ssm) { /* in_proj: z, xBC, dt */
+        if (ws[i] == &L->wq && L->mixer == 2) { /* in_proj: z, xBC, dt */
             const mr_mat m = weight_mat(ws[i]);
-            if (!ws[i]->data || ws[i]->rows != 2 * inner + 2 * G * N + L->n_head || ws[i]->cols != d) return MR_E_QTYPE;
+            if (!ws[i]->data || ws[i]->rows != 2 * inner + 2 * G * N + Hs || ws[i]->cols != d) return MR_E_QTYPE;
             if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
             continue;
         }
@@ -429,12 +440,12 @@ static void m2_task(const void *c_, int64_t item, int worker, float *buf) {
     for (int64_t p = 0; p < P; p++) y[p] += x[p] * L->ssm_d[h];
 }
 
-static int mamba2_step(const mr_kernels *K, const mr_layer *L, long long l, const float *h, float *zx, float *y,
-                       float *xs, int64_t B, const mr_kvseq *seqs, int threads) {
-    const int64_t H = L->n_head, P = L->head_dim_k, N = L->ssm_state, G = L->ssm_groups, inner = H * P;
+static int mamba2_step(const mr_kernels *K, const mr_layer *L, long long l, const mr_weight *in_proj, const float *h,
+                       float *zx, float *y, float *xs, int64_t B, const mr_kvseq *seqs, int threads) {
+    const int64_t H = L->ssm_heads, P = L->ssm_head_dim, N = L->ssm_state, G = L->ssm_groups, inner = H * P;
     const int64_t cd = inner + 2 * G * N, R = 2 * inner + 2 * G * N + H;
     {
-        const mr_weight *w[1] = {&L->wq};
+        const mr_weight *w[1] = {in_proj};
         float *yy[1] = {zx};
         const int rc = run_mats(K, w, yy, 1, -1, h, B, threads);
         if (rc != MR_OK) return rc;
@@ -538,10 +549,11 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         const int rc = mr_layer_check(&layers[l], isa);
         if (rc != MR_OK) return rc;
         if (layers[l].rope_table >= n_tables || (layers[l].rope_table >= 0 && (!cos_t || !sin_t))) return MR_E_SHAPE;
-        if (layers[l].mixer >= 2) { /* no KV rows: its state instead */
+        if (layers[l].mixer >= 2) /* a recurrent state (mixer 4: beside its KV rows) */
             for (long long b = 0; b < n_seq; b++)
                 if (!seqs[b].state || !seqs[b].state[2 * l] || !seqs[b].state[2 * l + 1]) return MR_E_SHAPE;
-        } else if (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0)
+        if ((layers[l].mixer < 2 || layers[l].mixer == 4) &&
+            (mr_kv_row_bytes(type_k, layers[l].head_dim_k) < 0 || mr_kv_row_bytes(type_v, layers[l].head_dim_v) < 0))
             return MR_E_QTYPE;
         const long long src = layers[l].kv_layer;
         if (src >= 0 && (src >= l || layers[src].kv_layer != -1 || layers[src].mixer != 0 ||
@@ -565,9 +577,10 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             if (3 * d > qd) qd = 3 * d;
             if (d > kd) kd = d;
         }
-        if (L->mixer == 2) { /* Mamba-2: in_proj's z, xBC, dt go to q, the convolution's output to k */
-            const int64_t inner = L->n_head * L->head_dim_k, gn = 2 * L->ssm_groups * L->ssm_state;
-            if (2 * inner + gn + L->n_head > qd) qd = 2 * inner + gn + L->n_head;
+        if (L->mixer == 2 || L->mixer == 4) { /* Mamba-2: in_proj's z, xBC, dt go to q, the convolution's output
+                                                  to k (mixer 4: after the attention half is done with them) */
+            const int64_t inner = L->ssm_heads * L->ssm_head_dim, gn = 2 * L->ssm_groups * L->ssm_state;
+            if (2 * inner + gn + L->ssm_heads > qd) qd = 2 * inner + gn + L->ssm_heads;
             if (inner + gn > kd) kd = inner + gn;
         }
         if (L->mixer == 3 || L->out_gate) { /* delta-net: qkv to q, conv output to k, z / beta / alpha to g;
@@ -611,7 +624,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             if (rc != MR_OK) break;
             PROF(2);
         } else if (L->mixer == 2) {
-            rc = mamba2_step(K, L, l, h, q, att, k, B, seqs, threads);
+            rc = mamba2_step(K, L, l, &L->wq, h, q, att, k, B, seqs, threads);
             steals += mr_pool_steals();
             if (rc != MR_OK) break;
             PROF(2);
@@ -699,6 +712,17 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
+        if (L->mixer == 4) { /* Falcon-H1: the Mamba-2 half on the same h, its output added to the attention's */
+            rc = mamba2_step(K, L, l, &L->ssm_in, h, q, att, k, B, seqs, threads);
+            if (rc == MR_OK) {
+                const mr_weight *w[1] = {&L->ssm_out};
+                float *y[1] = {o2};
+                rc = run_mats(K, w, y, 1, -1, att, B, threads);
+            }
+            steals += mr_pool_steals();
+            if (rc != MR_OK) break;
+            for (int64_t i = 0; i < B * d; i++) o[i] += o2[i];
+        }
         if (L->parallel) { /* the MLP reads the same h; both outputs join the stream together below */
             if (L->post_attn_norm) norm_rows(K, L, o, L->post_attn_norm, NULL, o, B, d);
         } else {

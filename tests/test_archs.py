@@ -29,7 +29,7 @@ import pytest
 
 import minirt
 from minirt.archs import supported
-from minirt.blocks import MoE, ParallelMixer, ParallelMoE
+from minirt.blocks import MoE, ParallelMoE
 from tests.arch_parity import (
     ARCH_DIR,
     QUANTS,
@@ -106,10 +106,9 @@ def test_decode_steps_run_fused_and_match(arch, quant):
     if native.available():  # F16 matrices run there too (dequantized rows, float dots)
         with minirt.load(str(path), n_ctx=64, backend="native") as llm:
             # mixtures of experts (Gemma 4's beside a dense MLP too) decode layer by layer (per-op matmuls of
-            # the chosen experts only), and so do Falcon-H1's attention + Mamba-2 layers; Qwen3.5's delta-net
-            # and gated attention and Mamba-2 layers alone run in the fused step
-            blocks = llm.model.desc.blocks
-            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) or isinstance(b.attn, ParallelMixer) for b in blocks)
+            # the chosen experts only); the recurrent mixers (Qwen3.5's delta-net and gated attention, Mamba-2
+            # alone or beside attention) run in the fused step
+            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) for b in llm.model.desc.blocks)
             assert (llm.model.native_stack is None) == per_op, f"{arch}: fused decode step prepared: {not per_op}"
     ours = decode_logits(path, tokens, n0)  # (n_seq, T - n0, V): logits after positions n0-1 .. T-2
     hf = ref["hf"][:, n0 - 1:-1]

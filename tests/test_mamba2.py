@@ -296,15 +296,15 @@ def test_falcon_h1_layers_run_attention_and_mamba_side_by_side():
         assert m.ssm.state_shapes == ((3, 512 + 2 * 2 * 32), (8, 64, 32))
         assert d.kv_layers() == [(2, 64, 64)] * 3 and all(s is not None for s in d.recurrent_states())
         assert d.blocks[0].ffn_norm is not None
-        assert llm.model.native_stack is None
+        assert llm.model.native_stack is not None  # decode: attention and Mamba-2 in the fused step (mixer 4)
 
 
 # -- the fused native decode step -----------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["granitehybrid_dense", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["granitehybrid_dense", "nemotron_h", "falcon_h1"])
 def test_fused_decode_step_runs_mamba2_layers_and_matches_per_op(arch):
-    """Dense Mamba-2 hybrids (Nemotron-H's blocks without feed-forward too) decode in the fused native step
-    (``mr_decode_layers``, mixer 2): two sequences at different positions step together and match the
-    per-op reference backend step by step, states included."""
+    """Dense Mamba-2 hybrids (Nemotron-H's blocks without feed-forward too, Falcon-H1's attention and Mamba-2
+    side by side) decode in the fused native step (``mr_decode_layers``, mixers 2 and 4): two sequences at
+    different positions step together and match the per-op reference backend step by step, states included."""
     from minirt.kernels import native
 
     if not native.available():

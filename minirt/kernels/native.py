@@ -964,6 +964,8 @@ def _mixer(b: Any) -> Any:
     head_dim_k; no RoPE, norms or values), or a Mamba-2 mixer as one (in_proj as wq, out_proj as wo, its
     heads as n_head heads of head_dim_k, one nominal KV head and no cache rows)."""
     a = b.attn
+    if isinstance(a, ParallelMixer):  # Falcon-H1: the attention, with the Mamba-2 half beside it
+        return SimpleNamespace(**{**vars(a.attn), "causal": a.attn.causal, "ssm": a.ssm, "ssm_beside": True})
     if isinstance(a, GatedDeltaNet):
         return SimpleNamespace(n_head=a.n_v_heads, n_head_kv=1, head_dim_k=a.head_dim_v, head_dim_v=a.head_dim_v,
                                wq=a.qkv_proj, wk=None, wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None,
@@ -985,15 +987,17 @@ def _mixer(b: Any) -> Any:
 
 def _block_weights(b: Any) -> dict[str, Any]:
     """The block's matrices by their ``mr_layer`` field (None: absent: no gate, a layer reading
-    another's K/V or a convolution, no per-layer input)."""
+    another's K/V or a convolution, no per-layer input, no feed-forward half, the delta-net's and Falcon-H1's
+    Mamba-2 matrices where the mixer is something else)."""
     a, m, g = _mixer(b), b.mlp, b.per_layer
-    dn = getattr(a, "dn", None)
+    dn, beside = getattr(a, "dn", None), getattr(a, "ssm_beside", False)
     return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate if m is not None else None,
             "up": m.up if m is not None else None, "down": m.down if m is not None else None,
             "pl_gate": g.gate if g is not None else None, "pl_proj": g.proj if g is not None else None,
             "wz": dn.z_proj if dn is not None else None,
             "wb": (dn.ba_proj if dn.ba_proj is not None else dn.beta_proj) if dn is not None else None,
-            "wa": dn.alpha_proj if dn is not None else None}
+            "wa": dn.alpha_proj if dn is not None else None,
+            "ssm_in": a.ssm.in_proj if beside else None, "ssm_out": a.ssm.out_proj if beside else None}
 
 
 def layer_unsupported(b: Any) -> str | None:
@@ -1002,9 +1006,7 @@ def layer_unsupported(b: Any) -> str | None:
     if d is not None and (d.conv.dtype != np.float32 or not 2 <= d.taps <= 64 or d.head_dim_v > 1024
                           or d.n_v_heads % d.n_k_heads or d.norm.weight is None):
         return "a gated delta-net of other than 2..64 float32 taps, value heads of up to 1024 or a norm without gains"
-    if isinstance(b.attn, ParallelMixer):
-        return "attention and a Mamba-2 mixer side by side"
-    s = b.attn if isinstance(b.attn, Mamba2) else None
+    s = b.attn if isinstance(b.attn, Mamba2) else b.attn.ssm if isinstance(b.attn, ParallelMixer) else None
     if s is not None and (s.conv.dtype != np.float32 or not 2 <= s.taps <= 64 or s.n_head % s.n_group):
         return "a Mamba-2 convolution of other than 2..64 float32 taps per channel"
     if b.mlp is None and b.parallel:
@@ -1121,11 +1123,13 @@ class LayerStack:
             L.rope_table = int(ri) if a.rope is not None else -1
             c, s, dn = getattr(a, "conv", None), getattr(a, "ssm", None), getattr(a, "dn", None)
             rec = s if s is not None else dn  # a recurrent mixer: its own convolution
-            L.mixer = 3 if dn is not None else 2 if s is not None else 0 if c is None else 1
+            beside = getattr(a, "ssm_beside", False)  # Falcon-H1's attention + Mamba-2
+            L.mixer = 4 if beside else 3 if dn is not None else 2 if s is not None else 0 if c is None else 1
             L.conv_taps = rec.taps if rec is not None else 0 if c is None else c.taps
             taps_w = rec.conv if rec is not None else None if c is None else c.weight  # (channels, taps)
             L.conv_w = ffi.NULL if taps_w is None else self._f32(ffi, taps_w)
             L.ssm_state, L.ssm_groups = (s.d_state, s.n_group) if s is not None else (0, 0)
+            L.ssm_heads, L.ssm_head_dim = (s.n_head, s.head_dim) if s is not None else (0, 0)
             L.dn_k_heads, L.dn_head_dim = (dn.n_k_heads, dn.head_dim_k) if dn is not None else (0, 0)
             L.dn_grouped = int(bool(dn.grouped)) if dn is not None else 0
             L.dn_fused_ba = int(dn.ba_proj is not None) if dn is not None else 0
@@ -1138,7 +1142,8 @@ class LayerStack:
                 v = vecs.get(k)
                 setattr(L, k, ffi.NULL if v is None else self._f32(ffi, v))
             off = None if key_offsets is None else key_offsets[i]
-            if off is not None and (c is not None or rec is not None or np.shape(off) != (a.n_head_kv, a.head_dim_k)):
+            no_keys = c is not None or (rec is not None and not beside)  # a layer without attention keys
+            if off is not None and (no_keys or np.shape(off) != (a.n_head_kv, a.head_dim_k)):
                 raise InvalidRequestError(f"layer {i}: a key offset of shape {np.shape(off)} for keys of "
                                           f"{a.n_head_kv} x {a.head_dim_k}")
             L.k_offset = ffi.NULL if off is None else self._f32(ffi, off)
@@ -1215,8 +1220,9 @@ class LayerStack:
             if dn.conv.shape != (dn.conv_dim, dn.taps) or \
                     dn.conv_dim != 2 * dn.n_k_heads * dn.head_dim_k + dn.n_v_heads * dn.head_dim_v:
                 raise InvalidRequestError(f"layer {i}: delta-net convolution of shape {dn.conv.shape}")
-        if s is not None:  # Mamba-2's in_proj: z, xBC, dt
+        if s is not None and not getattr(a, "ssm_beside", False):  # Mamba-2's in_proj: z, xBC, dt
             q_rows = 2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head
+        if s is not None:
             for what, arr, n in (("convolution bias", s.conv_bias, s.conv_dim), ("dt bias", s.dt_bias, s.n_head),
                                  ("A", s.a, s.n_head), ("D", s.d_skip, s.n_head),
                                  ("SSM norm", s.norm.weight if s.norm is not None else None, s.d_inner)):
@@ -1228,7 +1234,9 @@ class LayerStack:
         shapes = {"wq": (q_rows, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
                   "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff),
                   "pl_gate": (E, d), "pl_proj": (d, E), "wz": (hv_n * hv, d),
-                  "wb": ((2 if dn is not None and dn.ba_proj is not None else 1) * hv_n, d), "wa": (hv_n, d)}
+                  "wb": ((2 if dn is not None and dn.ba_proj is not None else 1) * hv_n, d), "wa": (hv_n, d),
+                  "ssm_in": (2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head, d) if s is not None else (0, 0),
+                  "ssm_out": (d, s.d_inner) if s is not None else (0, 0)}
 
         def vec(arr: Any, n: int, what: str) -> None:
             if arr is None:
@@ -1289,7 +1297,7 @@ class LayerStack:
             L = self._layers[i]
             src = i if L.kv_layer < 0 else int(L.kv_layer)
             sc = None if scales is None else scales[src]
-            if sc is not None and (L.mixer != 0 or np.shape(sc) != (L.n_head_kv, L.head_dim_k)
+            if sc is not None and (L.mixer not in (0, 4) or np.shape(sc) != (L.n_head_kv, L.head_dim_k)
                                    or L.n_head % L.n_head_kv or not np.all(np.isfinite(sc) & (sc > 0))):
                 raise InvalidRequestError(f"layer {i}: key scales of shape {np.shape(sc)} for keys of "
                                           f"{L.n_head_kv} x {L.head_dim_k} (positive, finite)")
@@ -1310,9 +1318,9 @@ class LayerStack:
         keep.append(p)
         for i in ssm:
             L = self._layers[i]
-            if L.mixer == 2:  # Mamba-2: (taps - 1, inner + 2 G N), (H, P, N)
-                cd = L.n_head * L.head_dim_k + 2 * L.ssm_groups * L.ssm_state
-                want = ((L.conv_taps - 1, cd), (L.n_head, L.head_dim_k, L.ssm_state))
+            if L.mixer in (2, 4):  # Mamba-2: (taps - 1, inner + 2 G N), (H, P, N)
+                cd = L.ssm_heads * L.ssm_head_dim + 2 * L.ssm_groups * L.ssm_state
+                want = ((L.conv_taps - 1, cd), (L.ssm_heads, L.ssm_head_dim, L.ssm_state))
             else:  # delta-net: (taps - 1, 2 Hk Dk + Hv Dv), (Hv, Dk, Dv)
                 cd = 2 * L.dn_k_heads * L.dn_head_dim + L.n_head * L.head_dim_k
                 want = ((L.conv_taps - 1, cd), (L.n_head, L.dn_head_dim, L.head_dim_k))
