@@ -61,6 +61,26 @@ typedef struct {
     const float *bias;          /* (rows,) or NULL */
 } mr_weight;
 
+/* A mixture-of-experts feed-forward in the layer stack (mr_layer.moe): router (n_expert, n_embd) with its bias;
+ * gating 0 softmax over all experts, 1 sigmoid of each, 2 softmax over the chosen logits; the top n_used by
+ * probability plus sel_bias (or NULL) are chosen (ties: lower id first), their probabilities renormalised to
+ * sum 1 (norm_topk) and multiplied by scale. Experts as mr_moe_experts takes them (gate NULL: down(act(up x));
+ * act 0 SiLU, 1 GELU (tanh), 3 clamped SwiGLU, 4 squared ReLU without gate). Shared expert: sh_up.data NULL
+ * for none, sh_gate.data NULL without gate (sh_act 0 SiLU, 1 GELU, 4 squared ReLU), sh_inp (1, n_embd) a
+ * sigmoid gate of its output or data NULL. */
+typedef struct {
+    long long n_expert, n_used;
+    int gating, norm_topk;
+    float scale;
+    const float *sel_bias;
+    mr_weight router;
+    const mr_weight *gate, *up, *down;
+    int act;
+    float alpha, limit;
+    mr_weight sh_gate, sh_up, sh_down, sh_inp;
+    int sh_act;
+} mr_moe;
+
 typedef struct {
     long long n_embd, n_ff, n_head, n_head_kv, head_dim_k, head_dim_v, rope_dim; /* n_ff 0: no feed-forward
                                    half (gate, up, down NULL; a Nemotron-H mixer followed by another mixer) */
@@ -118,6 +138,8 @@ typedef struct {
     mr_weight wz, wb, wa;
     int out_gate;               /* attention: wq gives each head's query then its output gate (2 n_head head_dim_k
                                    rows); the attention output is multiplied by sigmoid(gate) (Qwen3.5) */
+    const mr_moe *moe;          /* non-NULL: the feed-forward is this mixture of experts (gate, up, down NULL;
+                                   n_ff the widest expert or shared expert) */
 } mr_layer;
 
 typedef struct {

@@ -375,6 +375,27 @@ int mr_parallel_for(mr_task_fn fn, mr_commit_fn commit, const void *ctx, size_t 
                     int64_t buf_floats, int threads);
 int mr_pool_threads_default(void);
 
+/* gpt-oss' clamped SwiGLU, as ggml's swiglu_oai, in place in g: g' = min(g, limit), g' * sigmoid(alpha g') *
+ * (clamp(u, -limit, limit) + 1) */
+MR_INLINE void mr_swiglu_oai(float *g, const float *u, int64_t n, float alpha, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i] < limit ? g[i] : limit;
+        float y = u[i] < -limit ? -limit : u[i];
+        y = y > limit ? limit : y;
+        g[i] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
+    }
+}
+
+/* An ungated expert's activation a = act(u): 0 SiLU, 1 GELU (tanh), 4 squared ReLU */
+MR_INLINE void mr_expert_act(const float *u, float *a, int64_t n, int act) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = u[i];
+        a[i] = act == 0   ? v / (1.0f + expf(-v))
+               : act == 4 ? (v > 0.0f ? v * v : 0.0f)
+                          : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    }
+}
+
 /* One token of the gated delta rule for one value head (mr_delta_rule, the fused decode step): its state S
  * (Dk x Dv, row i = key dimension i) becomes decay S + k (x) beta (v - (decay S)^T k) and o = S^T q; two
  * passes over S. kv, delta: scratch of Dv floats. */

@@ -196,6 +196,186 @@ int mr_profile_read(double *out, int n, int reset) {
 static float *lbuf;
 static size_t lbuf_cap;
 
+/* 0 when the layer stack can run mixture M on n_embd d with scratch for n_ff (>= every expert's width) */
+static int moe_check(const mr_kernels *K, const mr_moe *M, int64_t d, int64_t n_ff) {
+    const int64_t E = M->n_expert;
+    if (E <= 0 || M->n_used <= 0 || M->n_used > E || M->gating < 0 || M->gating > 2 || !M->up || !M->down ||
+        (M->norm_topk != 0 && M->norm_topk != 1) || !(M->scale == M->scale))
+        return MR_E_SHAPE;
+    if (M->act != 0 && M->act != 1 && M->act != 3 && M->act != 4) return MR_E_SHAPE;
+    if ((M->act == 4 && M->gate) || (M->act == 3 && !M->gate)) return MR_E_SHAPE;
+    const mr_mat r = weight_mat(&M->router);
+    if (!M->router.data || M->router.rows != E || M->router.cols != d || (!mr_mat_xlayout(K, &r) && !float_weight(K, &r)))
+        return MR_E_QTYPE;
+    for (int64_t e = 0; e < E; e++) {
+        const mr_weight *ws[3] = {M->gate ? &M->gate[e] : NULL, &M->up[e], &M->down[e]};
+        const int64_t F = M->up[e].rows;
+        if (F <= 0 || F > n_ff) return MR_E_SHAPE;
+        const int64_t rows[3] = {F, F, d}, cols[3] = {d, d, F};
+        for (int i = 0; i < 3; i++) {
+            if (!ws[i]) continue;
+            const mr_mat m = weight_mat(ws[i]);
+            if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i]) return MR_E_QTYPE;
+            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+        }
+    }
+    if (M->sh_up.data) {
+        const int64_t F = M->sh_up.rows;
+        const mr_weight *ws[3] = {M->sh_gate.data ? &M->sh_gate : NULL, &M->sh_up, &M->sh_down};
+        const int64_t rows[3] = {F, F, d}, cols[3] = {d, d, F};
+        if (F <= 0 || F > n_ff || (M->sh_act != 0 && M->sh_act != 1 && M->sh_act != 4) ||
+            (M->sh_act == 4 && M->sh_gate.data))
+            return MR_E_SHAPE;
+        for (int i = 0; i < 3; i++) {
+            if (!ws[i]) continue;
+            const mr_mat m = weight_mat(ws[i]);
+            if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i]) return MR_E_QTYPE;
+            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+        }
+    }
+    if (M->sh_inp.data) {
+        const mr_mat m = weight_mat(&M->sh_inp);
+        if (!M->sh_up.data || M->sh_inp.rows != 1 || M->sh_inp.cols != d || (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)))
+            return MR_E_QTYPE;
+    }
+    return MR_OK;
+}
+
+/* One token's routing (as blocks.route): the n_used experts of largest probability + sel_bias (ties: lower id
+ * first) into ids, their weights into w. p: scratch of n_expert floats. */
+static void moe_route(const mr_moe *M, const float *logits, int64_t *ids, float *w, float *p) {
+    const int64_t E = M->n_expert, k = M->n_used;
+    if (M->gating == 1) {
+        for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-logits[e]));
+    } else if (M->gating == 0) {
+        float mx = logits[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(logits[e] - mx);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    } else {
+        for (int64_t e = 0; e < E; e++) p[e] = logits[e];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        float bs = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (taken) continue;
+            const float s = M->sel_bias ? p[e] + M->sel_bias[e] : p[e];
+            if (best < 0 || s > bs) best = e, bs = s;
+        }
+        ids[j] = best;
+        w[j] = p[best];
+    }
+    if (M->gating == 2) { /* softmax among the chosen */
+        float mx = w[0], sum = 0.0f;
+        for (int64_t j = 1; j < k; j++) mx = w[j] > mx ? w[j] : mx;
+        for (int64_t j = 0; j < k; j++) sum += w[j] = expf(w[j] - mx);
+        for (int64_t j = 0; j < k; j++) w[j] /= sum;
+    }
+    if (M->norm_topk) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += w[j];
+        sum = sum > 6.103515625e-5f ? sum : 6.103515625e-5f; /* as llama.cpp: f16's min normal */
+        for (int64_t j = 0; j < k; j++) w[j] /= sum;
+    }
+    if (M->scale != 1.0f)
+        for (int64_t j = 0; j < k; j++) w[j] *= M->scale;
+}
+
+/* The mixture of experts of B tokens h (B x d) into out (B x d): router, routing, each chosen expert once
+ * over the tokens that chose it (gathered; expert order, as the per-op path), then the shared expert. */
+static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *out, int64_t B, int64_t d, int64_t n_ff,
+                   int threads) {
+    const int64_t E = M->n_expert, k = M->n_used;
+    float *buf = (float *)malloc((size_t)(B * E + E + B * k + 2 * B * d + 2 * B * n_ff + B) * 4);
+    int64_t *ids = (int64_t *)malloc((size_t)(B * k) * sizeof(int64_t));
+    if (!buf || !ids) {
+        free(buf);
+        free(ids);
+        return MR_E_NOMEM;
+    }
+    float *logits = buf, *p = logits + B * E, *w = p + E, *xe = w + B * k, *ye = xe + B * d, *g = ye + B * d,
+          *u = g + B * n_ff, *sg = u + B * n_ff;
+    int64_t tok[MR_PACKED_INT_MAX];
+    float wt[MR_PACKED_INT_MAX];
+    int rc;
+    {
+        const mr_weight *ws[1] = {&M->router};
+        float *ys[1] = {logits};
+        rc = run_mats(K, ws, ys, 1, -1, h, B, threads);
+    }
+    for (int64_t b = 0; b < B && rc == MR_OK; b++) moe_route(M, logits + b * E, ids + b * k, w + b * k, p);
+    memset(out, 0, (size_t)(B * d) * 4);
+    for (int64_t e = 0; e < E && rc == MR_OK; e++) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < B * k; i++)
+            if (ids[i] == e) {
+                tok[n] = i / k;
+                wt[n] = w[i];
+                memcpy(xe + n * d, h + (i / k) * d, (size_t)d * 4);
+                n++;
+            }
+        if (!n) continue; /* an expert no token chose: its bytes are not touched */
+        const int64_t F = M->up[e].rows;
+        if (M->gate && M->act != 3) { /* a = act(Wg x) * (Wu x), one job */
+            const mr_weight *ws[2] = {&M->gate[e], &M->up[e]};
+            float *ys[2] = {g, g};
+            rc = run_mats(K, ws, ys, 2, M->act, xe, n, threads);
+        } else if (M->gate) { /* clamped SwiGLU */
+            const mr_weight *ws[2] = {&M->gate[e], &M->up[e]};
+            float *ys[2] = {g, u};
+            rc = run_mats(K, ws, ys, 2, -1, xe, n, threads);
+            if (rc == MR_OK) mr_swiglu_oai(g, u, n * F, M->alpha, M->limit);
+        } else {
+            const mr_weight *ws[1] = {&M->up[e]};
+            float *ys[1] = {u};
+            rc = run_mats(K, ws, ys, 1, -1, xe, n, threads);
+            if (rc == MR_OK) mr_expert_act(u, g, n * F, M->act);
+        }
+        if (rc != MR_OK) break;
+        {
+            const mr_weight *ws[1] = {&M->down[e]};
+            float *ys[1] = {ye};
+            rc = run_mats(K, ws, ys, 1, -1, g, n, threads);
+        }
+        for (int64_t i = 0; i < n && rc == MR_OK; i++)
+            for (int64_t c = 0; c < d; c++) out[tok[i] * d + c] += wt[i] * ye[i * d + c];
+    }
+    if (rc == MR_OK && M->sh_up.data) { /* the shared expert: out += [sigmoid(sh_inp h)] down(act(gate h) * up h) */
+        const int64_t F = M->sh_up.rows;
+        if (M->sh_gate.data) {
+            const mr_weight *ws[2] = {&M->sh_gate, &M->sh_up};
+            float *ys[2] = {g, g};
+            rc = run_mats(K, ws, ys, 2, M->sh_act, h, B, threads);
+        } else {
+            const mr_weight *ws[1] = {&M->sh_up};
+            float *ys[1] = {u};
+            rc = run_mats(K, ws, ys, 1, -1, h, B, threads);
+            if (rc == MR_OK) mr_expert_act(u, g, B * F, M->sh_act);
+        }
+        if (rc == MR_OK) {
+            const mr_weight *ws[1] = {&M->sh_down};
+            float *ys[1] = {ye};
+            rc = run_mats(K, ws, ys, 1, -1, g, B, threads);
+        }
+        if (rc == MR_OK && M->sh_inp.data) {
+            const mr_weight *ws[1] = {&M->sh_inp};
+            float *ys[1] = {sg};
+            rc = run_mats(K, ws, ys, 1, -1, h, B, threads);
+            for (int64_t b = 0; b < B && rc == MR_OK; b++) {
+                const float s = 1.0f / (1.0f + expf(-sg[b]));
+                for (int64_t c = 0; c < d; c++) ye[b * d + c] *= s;
+            }
+        }
+        for (int64_t i = 0; i < B * d && rc == MR_OK; i++) out[i] += ye[i];
+    }
+    free(buf);
+    free(ids);
+    return rc;
+}
+
 int mr_layer_check(const mr_layer *L, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
@@ -204,8 +384,13 @@ int mr_layer_check(const mr_layer *L, int isa) {
     const int64_t rows[7] = {L->n_head * L->head_dim_k, L->n_head_kv * L->head_dim_k, L->n_head_kv * L->head_dim_v, d,
                              L->n_ff, L->n_ff, d};
     const int64_t cols[7] = {d, d, d, L->n_head * L->head_dim_v, d, d, L->n_ff};
-    const int gated = L->act != 2 && L->act != 3, ffn = L->n_ff != 0;
+    const int gated = L->act != 2 && L->act != 3, ffn = L->n_ff != 0 && !L->moe;
     if (ffn && gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU, relu^2 without gate, the others with */
+    if (L->moe) {
+        const int rc = moe_check(K, L->moe, d, L->n_ff);
+        if (rc != MR_OK) return rc;
+        if (L->gate.data || L->up.data || L->down.data || L->parallel || L->n_ff <= 0) return MR_E_SHAPE;
+    }
     if (!ffn && (L->gate.data || L->up.data || L->down.data || L->parallel)) return MR_E_SHAPE;
     if (L->kv_layer < -1 || (L->v_norm != 0 && L->v_norm != 1) || !(L->out_scale == L->out_scale)) return MR_E_SHAPE;
     if (L->mixer < 0 || L->mixer > 4) return MR_E_SHAPE;
@@ -251,7 +436,7 @@ int mr_layer_check(const mr_layer *L, int isa) {
         return MR_E_SHAPE;
     for (int i = 0; i < 7; i++) {
         if (ws[i] == &L->gate && !gated) continue;
-        if ((ws[i] == &L->gate || ws[i] == &L->up || ws[i] == &L->down) && !ffn) continue;
+        if ((ws[i] == &L->gate || ws[i] == &L->up || ws[i] == &L->down) && !ffn) continue; /* none, or experts */
         if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv || L->mixer == 2 || dn)) continue;
         if (ws[i] == &L->wq && (dn || L->out_gate)) { /* delta-net: the convolution's input; gated: query + gate */
             const int64_t r = dn ? 2 * L->dn_k_heads * L->dn_head_dim + L->n_head * L->head_dim_k
@@ -731,7 +916,12 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             if (L->n_ff > 0) pre_norm(K, L, x, L->ffn_norm, L->ffn_norm_b, h, B, d);
         }
         PROF(3);
-        if (L->n_ff == 0) {
+        if (L->moe) {
+            rc = moe_ffn(K, L->moe, h, o2, B, d, L->n_ff, threads);
+            steals += mr_pool_steals();
+            if (rc != MR_OK) break;
+            residual(K, L, x, o2, L->post_ffn_norm, B, d);
+        } else if (L->n_ff == 0) {
             /* no feed-forward half */
         } else if (L->act == 2 || L->act == 3) { /* no gate: a = xielu(Wu h) or relu(Wu h)^2 */
             const mr_weight *w[1] = {&L->up};
@@ -749,7 +939,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         }
         if (rc != MR_OK) break;
         PROF(4);
-        if (L->n_ff > 0) {
+        if (L->n_ff > 0 && !L->moe) {
             const mr_weight *w[1] = {&L->down};
             float *y[1] = {o2};
             rc = run_mats(K, w, y, 1, -1, a, B, threads);

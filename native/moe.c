@@ -25,15 +25,6 @@ static int moe_mm(const mr_weight *W, const float *x, int64_t n, float *y, int t
     return rc;
 }
 
-/* gpt-oss' clamped SwiGLU, as ggml's swiglu_oai: g' = min(g, limit), g' * sigmoid(alpha g') * (clamp(u) + 1) */
-static void swiglu_oai(float *g, const float *u, int64_t n, float alpha, float limit) {
-    for (int64_t i = 0; i < n; i++) {
-        const float x = g[i] < limit ? g[i] : limit;
-        float y = u[i] < -limit ? -limit : u[i];
-        y = y > limit ? limit : y;
-        g[i] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
-    }
-}
 
 int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *down, long long n_expert,
                    const float *x, long long n_tok, long long n_embd, const long long *ids, const float *w,
@@ -102,15 +93,10 @@ int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *
             rc = moe_mm(&gate[e], xe, n, g, threads, isa);
             if (rc < 0) break;
             steals += rc;
-            if (act == 3) swiglu_oai(g, u, n * F, alpha, limit);
+            if (act == 3) mr_swiglu_oai(g, u, n * F, alpha, limit);
             else K->act_mul(g, u, g, n * F, act);
-        } else { /* down(act(up x)): SiLU / GELU / squared ReLU of u alone */
-            for (int64_t i = 0; i < n * F; i++) {
-                const float v = u[i];
-                g[i] = act == 0   ? v / (1.0f + expf(-v))
-                       : act == 4 ? (v > 0.0f ? v * v : 0.0f)
-                                  : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-            }
+        } else {
+            mr_expert_act(u, g, n * F, act);
         }
         rc = moe_mm(&down[e], g, n, ye, threads, isa);
         if (rc < 0) break;

@@ -29,7 +29,7 @@ import pytest
 
 import minirt
 from minirt.archs import supported
-from minirt.blocks import MoE, ParallelMoE
+from minirt.blocks import ParallelMoE
 from tests.arch_parity import (
     ARCH_DIR,
     QUANTS,
@@ -105,10 +105,10 @@ def test_decode_steps_run_fused_and_match(arch, quant):
     path = d / meta["files"][quant]["file"]
     if native.available():  # F16 matrices run there too (dequantized rows, float dots)
         with minirt.load(str(path), n_ctx=64, backend="native") as llm:
-            # mixtures of experts (Gemma 4's beside a dense MLP too) decode layer by layer (per-op matmuls of
-            # the chosen experts only); the recurrent mixers (Qwen3.5's delta-net and gated attention, Mamba-2
-            # alone or beside attention) run in the fused step
-            per_op = any(isinstance(b.mlp, (MoE, ParallelMoE)) for b in llm.model.desc.blocks)
+            # everything runs in the fused step (mixtures of experts reading only the chosen experts, the
+            # recurrent mixers) but Gemma 4's experts beside a dense MLP and gpt-oss' attention sinks
+            per_op = any(isinstance(b.mlp, ParallelMoE) or getattr(b.attn, "sinks", None) is not None
+                         for b in llm.model.desc.blocks)
             assert (llm.model.native_stack is None) == per_op, f"{arch}: fused decode step prepared: {not per_op}"
     ours = decode_logits(path, tokens, n0)  # (n_seq, T - n0, V): logits after positions n0-1 .. T-2
     hf = ref["hf"][:, n0 - 1:-1]

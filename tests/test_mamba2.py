@@ -76,7 +76,7 @@ def test_description_and_cache_layout(q8_path):
         assert d.kv_layers() == [None, None, (2, 64, 64), None]
         # a state (3 layers: conv 3 x 640 + 8 x 64 x 32, float32) and its snapshot, in positions of 512 bytes
         assert llm.state_positions == -(-2 * 4 * 3 * (3 * 640 + 8 * 64 * 32) // 512)
-        assert llm.model.native_stack is None  # decode runs layer by layer
+        assert llm.model.native_stack is not None  # decode steps (experts included) run in the fused step
     with minirt.load(str(ARCH_DIR / "granitehybrid_dense" / "model-q8_0.gguf"), n_ctx=64) as llm:
         d = llm.model.desc
         assert [isinstance(b.attn, Mamba2) for b in d.blocks] == [False, True, True, True]

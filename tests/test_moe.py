@@ -18,7 +18,7 @@ from minirt.blocks import MLP, MoE, Router, attention, group_by_expert, route
 from minirt.errors import GGUFError
 from minirt.kernels import ReferenceBackend
 from minirt.kv_cache import KVCache
-from tests.arch_parity import ARCH_DIR
+from tests.arch_parity import ARCH_DIR, check_fused_decode
 
 QWEN3MOE = ARCH_DIR / "qwen3moe" / "model-q8_0.gguf"
 
@@ -288,3 +288,23 @@ def test_native_experts_match_the_per_op_loop_and_skip_unchosen_experts(folder):
         got = NativeBackend().moe_experts(x, m, ids, w)
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("folder", ["qwen3moe", "qwen2moe", "olmoe", "granitemoe", "lfm2moe", "nemotron_h_moe",
+                                    "granitehybrid"])
+def test_fused_decode_step_runs_the_experts(folder):
+    """Mixtures of experts decode in the fused native step (``mr_decode_layers`` with ``mr_layer.moe``: router,
+    routing in C, the chosen experts' rows only, shared expert and its gate): softmax (qwen3moe, olmoe,
+    granitemoe) and sigmoid routing with a selection bias (lfm2moe, nemotron_h_moe: also squared-ReLU experts
+    and shared expert, scaled weights), gated shared experts (qwen2moe), Mamba-2 layers around them
+    (granitehybrid); two sequences step together and match the per-op reference (routers here are decisive,
+    so both pick the same experts)."""
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    path = str(ARCH_DIR / folder / "model-q8_0.gguf")
+    ref = np.load(ARCH_DIR / folder / "ref.npz")
+    with minirt.load(path, n_ctx=64, backend="native") as fused, \
+            minirt.load(path, n_ctx=64, backend="reference") as per_op:
+        check_fused_decode(fused.model, per_op.model, ref["tokens"][0][:14], ref["tokens"][1][:9], steps=6)

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import GatedDeltaNet, Mamba2, ParallelMixer, ShortConv
+from ..blocks import GatedDeltaNet, Mamba2, MoE, ParallelMixer, ShortConv
 from ..errors import BackendError, InvalidRequestError, UnsupportedQuantError
 
 log = logging.getLogger(__name__)
@@ -958,6 +958,19 @@ _NORM_KINDS = {"rms": 0, "layer": 1}
 _LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
+def _ffn_width(m: Any) -> int:
+    """The widest matrix input of a block's feed-forward (scratch for its activations); 0: none."""
+    if m is None:
+        return 0
+    if isinstance(m, MoE):
+        return max([int(lin.in_features) for lin in m.down] + ([int(m.shared.down.in_features)] if m.shared else []))
+    return int(m.down.in_features)
+
+
+def _ffn_out(m: Any) -> int:
+    return int(m.down[0].out_features if isinstance(m, MoE) else m.down.out_features)
+
+
 def _mixer(b: Any) -> Any:
     """The block's mixer as ``mr_layer`` sees it: its attention, or a short convolution (LFM2) as an
     attention-shaped view (in_proj as wq, out_proj as wo; its cache rows as n_head_kv heads of
@@ -990,6 +1003,8 @@ def _block_weights(b: Any) -> dict[str, Any]:
     another's K/V or a convolution, no per-layer input, no feed-forward half, the delta-net's and Falcon-H1's
     Mamba-2 matrices where the mixer is something else)."""
     a, m, g = _mixer(b), b.mlp, b.per_layer
+    if isinstance(m, MoE):  # its matrices go in mr_layer.moe
+        m = None
     dn, beside = getattr(a, "dn", None), getattr(a, "ssm_beside", False)
     return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate if m is not None else None,
             "up": m.up if m is not None else None, "down": m.down if m is not None else None,
@@ -1016,11 +1031,21 @@ def layer_unsupported(b: Any) -> str | None:
     if c is not None and (c.weight.dtype != np.float32 or c.weight.ndim != 2 or not 2 <= c.taps <= 64
                           or c.n_embd % c.cache_heads):
         return "a short convolution of other than 2..64 float32 taps per channel"
-    if m is not None and (not hasattr(m, "down") or isinstance(m.down, list)):
-        return "a mixture-of-experts feed-forward (decode runs it layer by layer, reading only the chosen experts)"
-    if m is not None and (m.gate is None) != (m.act in ("xielu", "relu2")):
+    if isinstance(m, MoE):
+        why = moe_unsupported(m)
+        if why is None and m.router.gating not in _GATINGS:
+            why = f"router gating {m.router.gating!r}"
+        sh = m.shared
+        if why is None and sh is not None and (sh.act not in _SHARED_ACTS or (sh.act == "relu2") != (sh.gate is None)
+                                               or any(lin.bias is not None for lin in sh.linears())):
+            why = f"a shared expert with activation {sh.act!r} or biases"
+        if why is not None:
+            return f"a mixture-of-experts feed-forward with {why}"
+    elif m is not None and (not hasattr(m, "down") or isinstance(m.down, list)):
+        return "a mixture-of-experts feed-forward beside a dense MLP (decode runs it layer by layer)"
+    elif m is not None and (m.gate is None) != (m.act in ("xielu", "relu2")):
         return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
-    if m is not None and m.act not in _LAYER_ACTS:
+    elif m is not None and m.act not in _LAYER_ACTS:
         return f"activation {m.act!r}"
     if a.sinks is not None:
         return "attention sinks"
@@ -1096,7 +1121,7 @@ class LayerStack:
                 raise InvalidRequestError(f"layer {i}: reads the KV cache of layer {src}, which is not an earlier "
                                           "layer with a cache of its own of the same shape")
             L = self._layers[i]
-            L.n_embd, L.n_ff = self._n_embd, (m.down.in_features if m is not None else 0)
+            L.n_embd, L.n_ff = self._n_embd, _ffn_width(m)
             L.n_head, L.n_head_kv, L.head_dim_k, L.head_dim_v = a.n_head, a.n_head_kv, a.head_dim_k, a.head_dim_v
             L.rope_dim = a.rope.dim if a.rope is not None else 0
             L.window = int(a.window)
@@ -1105,8 +1130,9 @@ class LayerStack:
             L.eps = float(norms[0].eps) if norms else 1e-6
             L.attn_scale, L.softcap, L.residual_scale = float(a.scale), float(a.softcap), float(b.residual_scale)
             L.rope_neox = int(bool(a.rope.neox)) if a.rope is not None else 0
-            L.act = _LAYER_ACTS[m.act] if m is not None else 0
-            for j, v in enumerate(m.act_params[:4] if m is not None else ()):
+            dense = m is not None and not isinstance(m, MoE)
+            L.act = _LAYER_ACTS[m.act] if dense else 0
+            for j, v in enumerate(m.act_params[:4] if dense else ()):
                 L.act_params[j] = float(v)
             L.qk_norm_after_rope = int(bool(a.qk_norm_after_rope))
             L.kv_layer = -1 if a.kv_source is None else int(a.kv_source)
@@ -1165,26 +1191,51 @@ class LayerStack:
             fb = None if b.parallel or b.ffn_norm is None else b.ffn_norm.bias
             L.ffn_norm_b = ffi.NULL if fb is None else self._f32(ffi, fb)
             for k, lin in _block_weights(b).items():
-                if lin is None:  # an MLP without gate
-                    getattr(L, k).data = ffi.NULL
-                    continue
-                w = lin.backend_data if isinstance(lin.backend_data, PackedMatrix) else lin.w
-                W = getattr(L, k)
-                _, tid, bs, ts = _qtype(lin.qtype)
-                W.qtype = tid
-                if isinstance(w, PackedMatrix):
-                    W.packed, W.rows, W.cols, W.row_bytes = 1, w.rows, w.cols, 0
-                    W.data = self._ptr(ffi, "unsigned char[]", w.data)
-                    self._keep.append(w)
-                else:
-                    W.packed, W.rows, W.row_bytes = 0, w.shape[0], w.shape[1]
-                    W.cols = w.shape[1] // ts * bs
-                    W.data = self._ptr(ffi, "unsigned char[]", np.ascontiguousarray(w))
-                W.bias = ffi.NULL if lin.bias is None else self._f32(ffi, lin.bias)
+                self._fill_weight(ffi, getattr(L, k), lin)
+            L.moe = self._moe(ffi, m) if isinstance(m, MoE) else ffi.NULL
             rc = lib.mr_layer_check(ffi.addressof(self._layers, i), self._isa)
             if rc != 0:
                 raise BackendError(f"layer {i} cannot run in the native decode step (code {rc})")
         self.n_tables = max(rope_index, default=-1) + 1
+
+    def _fill_weight(self, ffi: Any, W: Any, lin: Any) -> None:
+        """An ``mr_weight`` for ``lin`` (its packed copy where it has one); data NULL for None (absent)."""
+        if lin is None:
+            W.data = ffi.NULL
+            return
+        w = lin.backend_data if isinstance(lin.backend_data, PackedMatrix) else lin.w
+        _, tid, bs, ts = _qtype(lin.qtype)
+        W.qtype = tid
+        if isinstance(w, PackedMatrix):
+            W.packed, W.rows, W.cols, W.row_bytes = 1, w.rows, w.cols, 0
+            W.data = self._ptr(ffi, "unsigned char[]", w.data)
+            self._keep.append(w)
+        else:
+            W.packed, W.rows, W.row_bytes = 0, w.shape[0], w.shape[1]
+            W.cols = w.shape[1] // ts * bs
+            W.data = self._ptr(ffi, "unsigned char[]", np.ascontiguousarray(w))
+        W.bias = ffi.NULL if lin.bias is None else self._f32(ffi, lin.bias)
+
+    def _moe(self, ffi: Any, m: Any) -> Any:
+        """The ``mr_moe`` of a mixture of experts: router, routing rule, the experts as :class:`ExpertSet` holds
+        them, the shared expert and its gate."""
+        es = ExpertSet(m)
+        self._keep.append(es)
+        r = m.router
+        mo = ffi.new("mr_moe *")
+        self._keep.append(mo)
+        mo.n_expert, mo.n_used = m.n_expert, r.n_used
+        mo.gating, mo.norm_topk, mo.scale = _GATINGS[r.gating], int(bool(r.norm_topk)), float(r.scale)
+        mo.sel_bias = ffi.NULL if r.selection_bias is None else self._f32(ffi, r.selection_bias)
+        self._fill_weight(ffi, mo.router, r.gate)
+        mo.gate, mo.up, mo.down = es.gate, es.up, es.down
+        mo.act, mo.alpha, mo.limit = es.act, es.alpha, es.limit
+        s = m.shared
+        for k, lin in (("sh_gate", s.gate if s else None), ("sh_up", s.up if s else None),
+                       ("sh_down", s.down if s else None), ("sh_inp", m.shared_gate)):
+            self._fill_weight(ffi, getattr(mo, k), lin)
+        mo.sh_act = _SHARED_ACTS[s.act] if s is not None else 0
+        return mo
 
     def _check_block(self, i: int, b: Any) -> None:
         """Every size C will trust, checked against the block's dimensions before any pointer is
@@ -1194,7 +1245,7 @@ class LayerStack:
         dims = {"n_head": a.n_head, "n_head_kv": a.n_head_kv, "head_dim_k": a.head_dim_k,
                 "head_dim_v": a.head_dim_v, "n_embd": a.wo.out_features}
         if m is not None:
-            dims.update(n_embd=m.down.out_features, n_ff=m.down.in_features)
+            dims.update(n_embd=_ffn_out(m), n_ff=_ffn_width(m))
         for k, v in dims.items():
             if not _positive_int(v):
                 raise InvalidRequestError(f"layer {i}: {k} must be a positive integer, got {v!r}")
@@ -1205,7 +1256,7 @@ class LayerStack:
         if a.rope is not None and (not _positive_int(a.rope.dim) or a.rope.dim % 2 or a.rope.dim > a.head_dim_k):
             raise InvalidRequestError(f"layer {i}: rope dim {a.rope.dim!r} must be even and in 1..{a.head_dim_k}")
         d, hk, hv = int(dims["n_embd"]), int(a.head_dim_k), int(a.head_dim_v)
-        ff = int(m.down.in_features) if m is not None else 0
+        ff = _ffn_width(m) if m is not None and not isinstance(m, MoE) else 0
         E = b.per_layer.gate.out_features if b.per_layer is not None else 0
         s, dn = getattr(a, "ssm", None), getattr(a, "dn", None)
         q_rows = 3 * d if hasattr(a, "conv") else a.n_head * hk  # a short convolution's in_proj: B, C, x
@@ -1420,6 +1471,8 @@ class LayerStack:
 
 
 _MOE_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 3, "relu2": 4}
+_SHARED_ACTS = {"silu": 0, "gelu_tanh": 1, "relu2": 4}  # a shared expert in the layer stack (relu2 without gate)
+_GATINGS = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # mr_moe.gating
 
 
 def moe_unsupported(m: Any) -> str | None:
