@@ -370,7 +370,7 @@ int mr_resolve_isa(int isa);                 /* -1 -> selected; returns -1 when 
 typedef void (*mr_task_fn)(const void *ctx, int64_t item, int worker, float *buf);
 typedef void (*mr_commit_fn)(const void *ctx, int64_t item, const float *buf);
 /* Run fn for items [0, n_items) on `threads` threads (the caller is worker 0). The ctx bytes are
- * copied (ctx_size <= 1024). commit != NULL makes the job stealable. */
+ * copied (ctx_size <= 2048). commit != NULL makes the job stealable. */
 int mr_parallel_for(mr_task_fn fn, mr_commit_fn commit, const void *ctx, size_t ctx_size, int64_t n_items,
                     int64_t buf_floats, int threads);
 int mr_pool_threads_default(void);

@@ -37,9 +37,9 @@ typedef struct {
     int act; /* >= 0: mm[0] = gate, mm[1] = up over the same rows; y of mm[0] receives act(g) * u */
     int64_t nt;
     const float *x; /* (nt, cols) the float activations, for float weights */
-    mj_mat mm[4]; /* up to 4 matrices of one input (the delta-net's qkv, z, beta, alpha) */
+    mj_mat mm[8]; /* up to 8 matrices of one input (the delta-net's 4, the gate / up of 4 chosen experts) */
 } mj_ctx;
-_Static_assert(sizeof(mj_ctx) <= 1024, "mj_ctx must fit the pool's copied job context");
+_Static_assert(sizeof(mj_ctx) <= 2048, "mj_ctx must fit the pool's copied job context");
 
 /* Weights without an integer kernel that the stack still runs: the float types, as the per-op float
  * row-dot path of mr_matmul runs them for a few tokens (same dequantization, same dot_f32). */
@@ -130,8 +130,8 @@ static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const
     c.nt = nt;
     c.x = x;
     int layouts = 0, any_int = 0;
-    mr_mat mats[4];
-    if (n < 1 || n > 4) return MR_E_SHAPE;
+    mr_mat mats[8];
+    if (n < 1 || n > 8) return MR_E_SHAPE;
     for (int i = 0; i < n; i++) {
         mats[i] = weight_mat(w[i]);
         /* a matrix on the GEMM needs only the panel (quantizing its layout too would be wasted) */
@@ -289,7 +289,7 @@ static void moe_route(const mr_moe *M, const float *logits, int64_t *ids, float 
 static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *out, int64_t B, int64_t d, int64_t n_ff,
                    int threads) {
     const int64_t E = M->n_expert, k = M->n_used;
-    float *buf = (float *)malloc((size_t)(B * E + E + B * k + 2 * B * d + 2 * B * n_ff + B) * 4);
+    float *buf = (float *)malloc((size_t)(B * E + E + B * k + 2 * B * d + 2 * B * n_ff + B + 8 * n_ff) * 4);
     int64_t *ids = (int64_t *)malloc((size_t)(B * k) * sizeof(int64_t));
     if (!buf || !ids) {
         free(buf);
@@ -308,6 +308,36 @@ static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *
     }
     for (int64_t b = 0; b < B && rc == MR_OK; b++) moe_route(M, logits + b * E, ids + b * k, w + b * k, p);
     memset(out, 0, (size_t)(B * d) * 4);
+    if (rc == MR_OK && B == 1 && M->gate && k <= 4) { /* one token: all its experts' gate / up in one job */
+        const mr_weight *ws[8];
+        float *ys[8], *gu = sg + B; /* k pairs of n_ff floats */
+        int64_t order[4];
+        for (int64_t j = 0; j < k; j++) order[j] = j;
+        for (int64_t a = 1; a < k; a++) /* by expert id: the order the loop below and the per-op path sum them */
+            for (int64_t j = a; j > 0 && ids[order[j - 1]] > ids[order[j]]; j--) {
+                const int64_t t = order[j];
+                order[j] = order[j - 1];
+                order[j - 1] = t;
+            }
+        for (int64_t j = 0; j < k; j++) {
+            ws[2 * j] = &M->gate[ids[order[j]]];
+            ws[2 * j + 1] = &M->up[ids[order[j]]];
+            ys[2 * j] = gu + 2 * j * n_ff;
+            ys[2 * j + 1] = gu + (2 * j + 1) * n_ff;
+        }
+        rc = run_mats(K, ws, ys, (int)(2 * k), -1, h, 1, threads);
+        for (int64_t j = 0; j < k && rc == MR_OK; j++) {
+            const int64_t e = ids[order[j]], F = M->up[e].rows;
+            float *gj = ys[2 * j], *uj = ys[2 * j + 1];
+            if (M->act == 3) mr_swiglu_oai(gj, uj, F, M->alpha, M->limit);
+            else K->act_mul(gj, uj, gj, F, M->act);
+            const mr_weight *wd[1] = {&M->down[e]};
+            float *yd[1] = {ye};
+            rc = run_mats(K, wd, yd, 1, -1, gj, 1, threads);
+            for (int64_t c = 0; c < d && rc == MR_OK; c++) out[c] += w[order[j]] * ye[c];
+        }
+        goto shared;
+    }
     for (int64_t e = 0; e < E && rc == MR_OK; e++) {
         int64_t n = 0;
         for (int64_t i = 0; i < B * k; i++)
@@ -343,6 +373,7 @@ static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *
         for (int64_t i = 0; i < n && rc == MR_OK; i++)
             for (int64_t c = 0; c < d; c++) out[tok[i] * d + c] += wt[i] * ye[i * d + c];
     }
+shared:
     if (rc == MR_OK && M->sh_up.data) { /* the shared expert: out += [sigmoid(sh_inp h)] down(act(gate h) * up h) */
         const int64_t F = M->sh_up.rows;
         if (M->sh_gate.data) {

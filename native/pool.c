@@ -42,7 +42,7 @@ enum { ST_FREE = 0, ST_CLAIMED = 1, ST_COMMIT = 2, ST_STOLEN = 3, ST_DONE = 4 };
 #define TAG(g, s) (((uint64_t)(g) << 3) | (uint64_t)(s))
 
 #define RING 8
-#define CTX_MAX 1024
+#define CTX_MAX 2048
 
 typedef struct {
     _Atomic uint64_t seq;           /* generation of the job stored here (seqlock: written last) */
