@@ -271,8 +271,7 @@ typedef struct {
     float (*dot)(const float *a, const float *b, int64_t n);
     void (*axpy)(float a, const float *x, float *y, int64_t n);  /* y += a x */
     void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
-    /* out[i] = act(g[i]) * u[i]; act: 0 = SiLU x / (1 + e^-x), 1 = GELU tanh approximation. */
-    /* act(g) * u (u NULL: act(g)); act 0 SiLU, 1 tanh GELU, 2 erf GELU */
+    /* out[i] = act(g[i]) * u[i] (u NULL: act(g[i])); act 0 SiLU x / (1 + e^-x), 1 tanh GELU, 2 erf GELU */
     void (*act_mul)(const float *g, const float *u, float *out, int64_t n, int act);
     /* x[i] = e^x[i] in place (e^-inf = 0). */
     void (*vexp)(float *x, int64_t n);
@@ -386,15 +385,18 @@ MR_INLINE void mr_swiglu_oai(float *g, const float *u, int64_t n, float alpha, f
     }
 }
 
-/* An ungated expert's activation a = act(u): 0 SiLU, 1 GELU (tanh), 4 squared ReLU */
-MR_INLINE void mr_expert_act(const float *u, float *a, int64_t n, int act) {
-    for (int64_t i = 0; i < n; i++) {
-        const float v = u[i];
-        a[i] = act == 0   ? v / (1.0f + expf(-v))
-               : act == 4 ? (v > 0.0f ? v * v : 0.0f)
-                          : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+/* An ungated feed-forward's activation a = act(u) (a may be u): 0 SiLU, 1 GELU (tanh) as K->act_mul without
+ * gate, 4 squared ReLU */
+MR_INLINE void mr_expert_act(const mr_kernels *K, const float *u, float *a, int64_t n, int act) {
+    if (act != 4) {
+        K->act_mul(u, NULL, a, n, act);
+        return;
     }
+    for (int64_t i = 0; i < n; i++) a[i] = u[i] > 0.0f ? u[i] * u[i] : 0.0f;
 }
+
+/* softplus(v) = log(1 + e^v), as numpy's logaddexp(0, v) (no overflow for large v) */
+MR_INLINE float mr_softplus(float v) { return v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v)); }
 
 /* One token of the gated delta rule for one value head (mr_delta_rule, the fused decode step): its state S
  * (Dk x Dv, row i = key dimension i) becomes decay S + k (x) beta (v - (decay S)^T k) and o = S^T q; two

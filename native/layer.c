@@ -118,6 +118,13 @@ static mr_mat weight_mat(const mr_weight *w) {
     return m;
 }
 
+/* MR_OK when w holds a rows x cols matrix the stack can multiply (integer kernel or float rows), else MR_E_QTYPE */
+static int mat_ok(const mr_kernels *K, const mr_weight *w, int64_t rows, int64_t cols) {
+    const mr_mat m = weight_mat(w);
+    if (!w->data || w->rows != rows || w->cols != cols) return MR_E_QTYPE;
+    return mr_mat_xlayout(K, &m) || float_weight(K, &m) ? MR_OK : MR_E_QTYPE;
+}
+
 /* y_i = W_i x (+ bias_i) for the n weights (same input x: nt rows of cols); act >= 0: n == 2 and
  * y_0 = act(W_0 x) * (W_1 x). One parallel job; caller holds the call lock. */
 static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const *y, int n, int act, const float *x,
@@ -204,40 +211,24 @@ static int moe_check(const mr_kernels *K, const mr_moe *M, int64_t d, int64_t n_
         return MR_E_SHAPE;
     if (M->act != 0 && M->act != 1 && M->act != 3 && M->act != 4) return MR_E_SHAPE;
     if ((M->act == 4 && M->gate) || (M->act == 3 && !M->gate)) return MR_E_SHAPE;
-    const mr_mat r = weight_mat(&M->router);
-    if (!M->router.data || M->router.rows != E || M->router.cols != d || (!mr_mat_xlayout(K, &r) && !float_weight(K, &r)))
-        return MR_E_QTYPE;
+    if (mat_ok(K, &M->router, E, d) != MR_OK) return MR_E_QTYPE;
     for (int64_t e = 0; e < E; e++) {
-        const mr_weight *ws[3] = {M->gate ? &M->gate[e] : NULL, &M->up[e], &M->down[e]};
         const int64_t F = M->up[e].rows;
         if (F <= 0 || F > n_ff) return MR_E_SHAPE;
-        const int64_t rows[3] = {F, F, d}, cols[3] = {d, d, F};
-        for (int i = 0; i < 3; i++) {
-            if (!ws[i]) continue;
-            const mr_mat m = weight_mat(ws[i]);
-            if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i]) return MR_E_QTYPE;
-            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
-        }
+        if ((M->gate && mat_ok(K, &M->gate[e], F, d) != MR_OK) || mat_ok(K, &M->up[e], F, d) != MR_OK ||
+            mat_ok(K, &M->down[e], d, F) != MR_OK)
+            return MR_E_QTYPE;
     }
     if (M->sh_up.data) {
         const int64_t F = M->sh_up.rows;
-        const mr_weight *ws[3] = {M->sh_gate.data ? &M->sh_gate : NULL, &M->sh_up, &M->sh_down};
-        const int64_t rows[3] = {F, F, d}, cols[3] = {d, d, F};
         if (F <= 0 || F > n_ff || (M->sh_act != 0 && M->sh_act != 1 && M->sh_act != 4) ||
             (M->sh_act == 4 && M->sh_gate.data))
             return MR_E_SHAPE;
-        for (int i = 0; i < 3; i++) {
-            if (!ws[i]) continue;
-            const mr_mat m = weight_mat(ws[i]);
-            if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i]) return MR_E_QTYPE;
-            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
-        }
-    }
-    if (M->sh_inp.data) {
-        const mr_mat m = weight_mat(&M->sh_inp);
-        if (!M->sh_up.data || M->sh_inp.rows != 1 || M->sh_inp.cols != d || (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)))
+        if ((M->sh_gate.data && mat_ok(K, &M->sh_gate, F, d) != MR_OK) || mat_ok(K, &M->sh_up, F, d) != MR_OK ||
+            mat_ok(K, &M->sh_down, d, F) != MR_OK)
             return MR_E_QTYPE;
     }
+    if (M->sh_inp.data && (!M->sh_up.data || mat_ok(K, &M->sh_inp, 1, d) != MR_OK)) return MR_E_QTYPE;
     return MR_OK;
 }
 
@@ -284,6 +275,23 @@ static void moe_route(const mr_moe *M, const float *logits, int64_t *ids, float 
         for (int64_t j = 0; j < k; j++) w[j] *= M->scale;
 }
 
+/* A gated expert's activation in place in g: act(g) * u, or gpt-oss' clamped SwiGLU (act 3) */
+static void gated_act(const mr_kernels *K, const mr_moe *M, float *g, const float *u, int64_t n) {
+    if (M->act == 3) mr_swiglu_oai(g, u, n, M->alpha, M->limit);
+    else K->act_mul(g, u, g, n, M->act);
+}
+
+/* Expert e's down projection of its n activation rows a (n x F) into ye (n x d), then out[tok[i]] += wt[i] ye[i] */
+static int expert_down(const mr_kernels *K, const mr_moe *M, int64_t e, const float *a, int64_t n, const int64_t *tok,
+                       const float *wt, float *ye, float *out, int64_t d, int threads) {
+    const mr_weight *ws[1] = {&M->down[e]};
+    float *ys[1] = {ye};
+    const int rc = run_mats(K, ws, ys, 1, -1, a, n, threads);
+    for (int64_t i = 0; i < n && rc == MR_OK; i++)
+        for (int64_t c = 0; c < d; c++) out[tok[i] * d + c] += wt[i] * ye[i * d + c];
+    return rc;
+}
+
 /* The mixture of experts of B tokens h (B x d) into out (B x d): router, routing, each chosen expert once
  * over the tokens that chose it (gathered; expert order, as the per-op path), then the shared expert. */
 static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *out, int64_t B, int64_t d, int64_t n_ff,
@@ -327,53 +335,41 @@ static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *
         }
         rc = run_mats(K, ws, ys, (int)(2 * k), -1, h, 1, threads);
         for (int64_t j = 0; j < k && rc == MR_OK; j++) {
-            const int64_t e = ids[order[j]], F = M->up[e].rows;
-            float *gj = ys[2 * j], *uj = ys[2 * j + 1];
-            if (M->act == 3) mr_swiglu_oai(gj, uj, F, M->alpha, M->limit);
-            else K->act_mul(gj, uj, gj, F, M->act);
-            const mr_weight *wd[1] = {&M->down[e]};
-            float *yd[1] = {ye};
-            rc = run_mats(K, wd, yd, 1, -1, gj, 1, threads);
-            for (int64_t c = 0; c < d && rc == MR_OK; c++) out[c] += w[order[j]] * ye[c];
+            const int64_t e = ids[order[j]], tok0 = 0;
+            const float wj = w[order[j]];
+            gated_act(K, M, ys[2 * j], ys[2 * j + 1], M->up[e].rows);
+            rc = expert_down(K, M, e, ys[2 * j], 1, &tok0, &wj, ye, out, d, threads);
         }
-        goto shared;
-    }
-    for (int64_t e = 0; e < E && rc == MR_OK; e++) {
-        int64_t n = 0;
-        for (int64_t i = 0; i < B * k; i++)
-            if (ids[i] == e) {
-                tok[n] = i / k;
-                wt[n] = w[i];
-                memcpy(xe + n * d, h + (i / k) * d, (size_t)d * 4);
-                n++;
+    } else {
+        for (int64_t e = 0; e < E && rc == MR_OK; e++) {
+            int64_t n = 0;
+            for (int64_t i = 0; i < B * k; i++)
+                if (ids[i] == e) {
+                    tok[n] = i / k;
+                    wt[n] = w[i];
+                    memcpy(xe + n * d, h + (i / k) * d, (size_t)d * 4);
+                    n++;
+                }
+            if (!n) continue; /* an expert no token chose: its bytes are not touched */
+            const int64_t F = M->up[e].rows;
+            if (M->gate && M->act != 3) { /* a = act(Wg x) * (Wu x), one job */
+                const mr_weight *ws[2] = {&M->gate[e], &M->up[e]};
+                float *ys[2] = {g, g};
+                rc = run_mats(K, ws, ys, 2, M->act, xe, n, threads);
+            } else if (M->gate) { /* clamped SwiGLU */
+                const mr_weight *ws[2] = {&M->gate[e], &M->up[e]};
+                float *ys[2] = {g, u};
+                rc = run_mats(K, ws, ys, 2, -1, xe, n, threads);
+                if (rc == MR_OK) gated_act(K, M, g, u, n * F);
+            } else {
+                const mr_weight *ws[1] = {&M->up[e]};
+                float *ys[1] = {u};
+                rc = run_mats(K, ws, ys, 1, -1, xe, n, threads);
+                if (rc == MR_OK) mr_expert_act(K, u, g, n * F, M->act);
             }
-        if (!n) continue; /* an expert no token chose: its bytes are not touched */
-        const int64_t F = M->up[e].rows;
-        if (M->gate && M->act != 3) { /* a = act(Wg x) * (Wu x), one job */
-            const mr_weight *ws[2] = {&M->gate[e], &M->up[e]};
-            float *ys[2] = {g, g};
-            rc = run_mats(K, ws, ys, 2, M->act, xe, n, threads);
-        } else if (M->gate) { /* clamped SwiGLU */
-            const mr_weight *ws[2] = {&M->gate[e], &M->up[e]};
-            float *ys[2] = {g, u};
-            rc = run_mats(K, ws, ys, 2, -1, xe, n, threads);
-            if (rc == MR_OK) mr_swiglu_oai(g, u, n * F, M->alpha, M->limit);
-        } else {
-            const mr_weight *ws[1] = {&M->up[e]};
-            float *ys[1] = {u};
-            rc = run_mats(K, ws, ys, 1, -1, xe, n, threads);
-            if (rc == MR_OK) mr_expert_act(u, g, n * F, M->act);
+            if (rc == MR_OK) rc = expert_down(K, M, e, g, n, tok, wt, ye, out, d, threads);
         }
-        if (rc != MR_OK) break;
-        {
-            const mr_weight *ws[1] = {&M->down[e]};
-            float *ys[1] = {ye};
-            rc = run_mats(K, ws, ys, 1, -1, g, n, threads);
-        }
-        for (int64_t i = 0; i < n && rc == MR_OK; i++)
-            for (int64_t c = 0; c < d; c++) out[tok[i] * d + c] += wt[i] * ye[i * d + c];
     }
-shared:
     if (rc == MR_OK && M->sh_up.data) { /* the shared expert: out += [sigmoid(sh_inp h)] down(act(gate h) * up h) */
         const int64_t F = M->sh_up.rows;
         if (M->sh_gate.data) {
@@ -384,7 +380,7 @@ shared:
             const mr_weight *ws[1] = {&M->sh_up};
             float *ys[1] = {u};
             rc = run_mats(K, ws, ys, 1, -1, h, B, threads);
-            if (rc == MR_OK) mr_expert_act(u, g, B * F, M->sh_act);
+            if (rc == MR_OK) mr_expert_act(K, u, g, B * F, M->sh_act);
         }
         if (rc == MR_OK) {
             const mr_weight *ws[1] = {&M->sh_down};
@@ -441,9 +437,7 @@ int mr_layer_check(const mr_layer *L, int isa) {
                 if (dw[i]->data) return MR_E_SHAPE;
                 continue;
             }
-            const mr_mat m = weight_mat(dw[i]);
-            if (!dw[i]->data || dw[i]->rows != drows[i] || dw[i]->cols != d || dw[i]->bias) return MR_E_QTYPE;
-            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+            if (dw[i]->bias || mat_ok(K, dw[i], drows[i], d) != MR_OK) return MR_E_QTYPE;
         }
     }
     const int64_t G = L->ssm_groups, N = L->ssm_state, Hs = L->ssm_heads, inner = Hs * L->ssm_head_dim;
@@ -456,11 +450,8 @@ int mr_layer_check(const mr_layer *L, int isa) {
     if (L->mixer == 4) { /* the Mamba-2 half's own projections */
         const mr_weight *sw[2] = {&L->ssm_in, &L->ssm_out};
         const int64_t sr[2] = {2 * inner + 2 * G * N + Hs, d}, sc[2] = {d, inner};
-        for (int i = 0; i < 2; i++) {
-            const mr_mat m = weight_mat(sw[i]);
-            if (!sw[i]->data || sw[i]->rows != sr[i] || sw[i]->cols != sc[i] || sw[i]->bias) return MR_E_QTYPE;
-            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
-        }
+        for (int i = 0; i < 2; i++)
+            if (sw[i]->bias || mat_ok(K, sw[i], sr[i], sc[i]) != MR_OK) return MR_E_QTYPE;
     }
     if (conv && (!L->conv_w || L->conv_taps < 2 || L->conv_taps > 64 || L->kv_layer != -1 || L->n_head != L->n_head_kv ||
                  L->n_head_kv * L->head_dim_k != d || L->rope_table != -1))
@@ -469,29 +460,12 @@ int mr_layer_check(const mr_layer *L, int isa) {
         if (ws[i] == &L->gate && !gated) continue;
         if ((ws[i] == &L->gate || ws[i] == &L->up || ws[i] == &L->down) && !ffn) continue; /* none, or experts */
         if ((ws[i] == &L->wk || ws[i] == &L->wv) && (L->kv_layer >= 0 || conv || L->mixer == 2 || dn)) continue;
-        if (ws[i] == &L->wq && (dn || L->out_gate)) { /* delta-net: the convolution's input; gated: query + gate */
-            const int64_t r = dn ? 2 * L->dn_k_heads * L->dn_head_dim + L->n_head * L->head_dim_k
-                                 : 2 * L->n_head * L->head_dim_k;
-            const mr_mat m = weight_mat(ws[i]);
-            if (!ws[i]->data || ws[i]->rows != r || ws[i]->cols != d) return MR_E_QTYPE;
-            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
-            continue;
-        }
-        if (ws[i] == &L->wq && L->mixer == 2) { /* in_proj: z, xBC, dt */
-            const mr_mat m = weight_mat(ws[i]);
-            if (!ws[i]->data || ws[i]->rows != 2 * inner + 2 * G * N + Hs || ws[i]->cols != d) return MR_E_QTYPE;
-            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
-            continue;
-        }
-        if (ws[i] == &L->wq && conv) { /* in_proj: B, C, x */
-            const mr_mat m = weight_mat(ws[i]);
-            if (!ws[i]->data || ws[i]->rows != 3 * d || ws[i]->cols != d) return MR_E_QTYPE;
-            if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
-            continue;
-        }
-        const mr_mat m = weight_mat(ws[i]);
-        if (!ws[i]->data || ws[i]->rows != rows[i] || ws[i]->cols != cols[i]) return MR_E_QTYPE;
-        if (!mr_mat_xlayout(K, &m) && !float_weight(K, &m)) return MR_E_QTYPE;
+        int64_t r = rows[i]; /* wq of the other mixers: their own input projections */
+        if (ws[i] == &L->wq && dn) r = 2 * L->dn_k_heads * L->dn_head_dim + L->n_head * L->head_dim_k; /* q, k, v */
+        if (ws[i] == &L->wq && L->out_gate) r = 2 * L->n_head * L->head_dim_k; /* each head's query + gate */
+        if (ws[i] == &L->wq && L->mixer == 2) r = 2 * inner + 2 * G * N + Hs;    /* z, xBC, dt */
+        if (ws[i] == &L->wq && conv) r = 3 * d;                                /* B, C, x */
+        if (mat_ok(K, ws[i], r, cols[i]) != MR_OK) return MR_E_QTYPE;
     }
     if (L->gate.bias || L->up.bias) return MR_E_SHAPE;
     if (L->n_head <= 0 || L->n_head_kv <= 0 || L->head_dim_k <= 0 || L->n_embd <= 0 || L->n_ff < 0) return MR_E_SHAPE;
@@ -504,11 +478,7 @@ int mr_layer_check(const mr_layer *L, int isa) {
     if ((L->attn_norm_b && !L->attn_norm) || (L->ffn_norm_b && !L->ffn_norm)) return MR_E_SHAPE;
     if (L->n_pl < 0 || (L->n_pl > 0 && (L->pl_act < 0 || L->pl_act > 1))) return MR_E_SHAPE;
     if (L->n_pl > 0) {
-        const mr_mat g = weight_mat(&L->pl_gate), pr = weight_mat(&L->pl_proj);
-        if (!L->pl_gate.data || L->pl_gate.rows != L->n_pl || L->pl_gate.cols != d ||
-            (!mr_mat_xlayout(K, &g) && !float_weight(K, &g)) || !L->pl_proj.data || L->pl_proj.rows != d ||
-            L->pl_proj.cols != L->n_pl || (!mr_mat_xlayout(K, &pr) && !float_weight(K, &pr)))
-            return MR_E_QTYPE;
+        if (mat_ok(K, &L->pl_gate, L->n_pl, d) != MR_OK || mat_ok(K, &L->pl_proj, d, L->n_pl) != MR_OK) return MR_E_QTYPE;
         if (L->pl_gate.bias || L->pl_proj.bias) return MR_E_SHAPE;
     }
     return MR_OK;
@@ -649,8 +619,7 @@ static void m2_task(const void *c_, int64_t item, int worker, float *buf) {
     const mr_layer *L = c->L;
     const float *xs = c->xs + b * c->cd, *x = xs + h * P, *Bv = xs + c->inner + g * N,
                 *Cv = xs + c->inner + c->G * N + g * N;
-    const float v = c->zx[b * c->R + c->inner + c->cd + h] + L->ssm_dt_b[h];
-    const float dt = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v)); /* softplus, as numpy's logaddexp(0, v) */
+    const float dt = mr_softplus(c->zx[b * c->R + c->inner + c->cd + h] + L->ssm_dt_b[h]);
     float *S = c->seqs[b].state[2 * c->l + 1] + h * P * N, *y = c->y + b * c->inner + h * P;
     c->K->ssm_rows(S, x, Bv, Cv, expf(dt * L->ssm_a[h]), dt, P, N, y);
     for (int64_t p = 0; p < P; p++) y[p] += x[p] * L->ssm_d[h];
@@ -714,8 +683,7 @@ static void dn_task(const void *c_, int64_t item, int worker, float *buf) {
         ain = c->ai[b * c->Hv + j];
     }
     const float beta = 0.5f * tanhf(0.5f * bin) + 0.5f; /* sigmoid, as the per-op path writes it */
-    const float u = ain + L->ssm_dt_b[j];
-    const float decay = expf(L->ssm_a[j] * (u > 0.0f ? u + log1pf(expf(-u)) : log1pf(expf(u))));
+    const float decay = expf(L->ssm_a[j] * mr_softplus(ain + L->ssm_dt_b[j]));
     float kv[MR_DR_MAX_DV], delta[MR_DR_MAX_DV];
     mr_delta_step(c->seqs[b].state[2 * c->l + 1] + j * Dk * Dv, q, k, v, decay, beta, c->y + (b * c->Hv + j) * Dv, Dk,
                   Dv, kv, delta);
@@ -860,14 +828,14 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                 steals += mr_pool_steals();
             }
             if (rc != MR_OK) break;
-            if (L->out_gate) /* per head its query then its gate: the gates to g, the queries packed in place */
-                for (int64_t b = 0; b < B; b++) {
-                    float *qb = q + b * 2 * H * D;
-                    for (int64_t i = 0; i < H; i++) memcpy(g + (b * H + i) * D, qb + (2 * i + 1) * D, (size_t)D * 4);
-                }
-            if (L->out_gate) /* rows of 2 H D to rows of H D: every destination precedes its source */
+            if (L->out_gate) /* per head its query then its gate: the gates to g, the queries packed in place
+                                (rows of 2 H D to rows of H D: every destination precedes the sources not yet read) */
                 for (int64_t b = 0; b < B; b++)
-                    for (int64_t i = 0; i < H; i++) memmove(q + (b * H + i) * D, q + b * 2 * H * D + 2 * i * D, (size_t)D * 4);
+                    for (int64_t i = 0; i < H; i++) {
+                        const float *src = q + b * 2 * H * D + 2 * i * D;
+                        memcpy(g + (b * H + i) * D, src + D, (size_t)D * 4);
+                        memmove(q + (b * H + i) * D, src, (size_t)D * 4);
+                    }
             PROF(0);
             for (int64_t b = 0; b < B; b++) {
                 const mr_kvseq *s = &seqs[b];
@@ -960,8 +928,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             rc = run_mats(K, w, y, 1, -1, h, B, threads);
             steals += mr_pool_steals();
             if (rc == MR_OK && L->act == 2) xielu_rows(a, B * L->n_ff, L->act_params);
-            if (rc == MR_OK && L->act == 3)
-                for (int64_t i = 0; i < B * L->n_ff; i++) a[i] = a[i] > 0.0f ? a[i] * a[i] : 0.0f;
+            if (rc == MR_OK && L->act == 3) mr_expert_act(K, a, a, B * L->n_ff, 4);
         } else {
             const mr_weight *w[2] = {&L->gate, &L->up};
             float *y[2] = {a, a};

@@ -25,7 +25,6 @@ static int moe_mm(const mr_weight *W, const float *x, int64_t n, float *y, int t
     return rc;
 }
 
-
 int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *down, long long n_expert,
                    const float *x, long long n_tok, long long n_embd, const long long *ids, const float *w,
                    long long n_used, int act, float alpha, float limit, float *out, int threads, int isa) {
@@ -96,7 +95,7 @@ int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *
             if (act == 3) mr_swiglu_oai(g, u, n * F, alpha, limit);
             else K->act_mul(g, u, g, n * F, act);
         } else {
-            mr_expert_act(u, g, n * F, act);
+            mr_expert_act(K, u, g, n * F, act);
         }
         rc = moe_mm(&down[e], g, n, ye, threads, isa);
         if (rc < 0) break;
