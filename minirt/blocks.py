@@ -706,9 +706,7 @@ class ModelDesc:
         out = [self.output]
         for b in self.blocks:
             a, m = b.attn, b.mlp
-            if isinstance(a, ShortConv):
-                out += [a.in_proj, a.out_proj]
-            elif isinstance(a, Mamba2):
+            if isinstance(a, (ShortConv, Mamba2)):
                 out += [a.in_proj, a.out_proj]
             elif isinstance(a, ParallelMixer):
                 out += [a.attn.wq, a.attn.wk, a.attn.wv, a.attn.wo, a.ssm.in_proj, a.ssm.out_proj]

@@ -12,7 +12,7 @@ head sizes. Activations are float32 row-major ``(T, features)``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -265,7 +265,6 @@ class Transformer:
         bx = B * x
         H, L = c.cache_heads, c.taps
         y = np.empty((T, d), dtype=np.float32)
-        w = c.weight.T  # (taps, d): tap j multiplies position t − taps + 1 + j
         for seg, s0, p0 in ctx.spans:
             n = seg.n_tokens
             cache = seg.cache
@@ -275,10 +274,7 @@ class Transformer:
             before = cache.read(i, lo, p0)[0].transpose(1, 0, 2).reshape(-1, d)
             pad = np.zeros((lo - (p0 - (L - 1)), d), np.float32)  # zeros before position 0
             rows = np.concatenate([pad, before, bx[s0:s0 + n]])  # (taps − 1 + n, d)
-            acc = np.zeros((n, d), dtype=np.float32)
-            for j in range(L):
-                acc += rows[j:j + n] * w[j]
-            y[s0:s0 + n] = C[s0:s0 + n] * acc
+            y[s0:s0 + n] = C[s0:s0 + n] * self.backend.causal_conv(rows, c.weight)
         return self.mm(c.out_proj, y)
 
     def delta_net(self, i: int, g: GatedDeltaNet, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
@@ -312,13 +308,7 @@ class Transformer:
             else:
                 q, k = np.tile(q, (1, rep, 1)) * np.float32(1.0 / np.sqrt(Dk)), np.tile(k, (1, rep, 1))
             dr, bt = decay[s0:s0 + n], beta[s0:s0 + n]
-            if n > 1:  # the state before the last token: a prompt's reusable prefix (CachePool.acquire)
-                m = n - 1
-                o[s0:s0 + m] = self.backend.delta_rule(S, q[:m], k[:m], v[:m], dr[:m], bt[:m])
-                seg.cache.snapshot(i, p0 + m, rows[m:m + L - 1], S)
-                o[s0 + m:s0 + n] = self.backend.delta_rule(S, q[m:], k[m:], v[m:], dr[m:], bt[m:])
-            else:
-                o[s0:s0 + n] = self.backend.delta_rule(S, q, k, v, dr, bt)
+            o[s0:s0 + n] = _recur(seg.cache, i, p0, rows, L, S, self.backend.delta_rule, (q, k, v, dr, bt))
             conv_state[:] = rows[n:]
         y = self.norm(o, g.norm) * silu(z)
         return self.mm(g.out_proj, y.reshape(T, Hv * Dv))
@@ -333,6 +323,10 @@ class Transformer:
         z, xbc = zxbcdt[:, :di], zxbcdt[:, di:di + cd]
         dt = np.logaddexp(np.float32(0.0), zxbcdt[:, di + cd:] + m.dt_bias).astype(np.float32)  # softplus, (T, H)
         y = np.empty((T, H, P), dtype=np.float32)
+
+        def scan(S: np.ndarray, x: np.ndarray, d: np.ndarray, B: np.ndarray, C: np.ndarray) -> np.ndarray:
+            return self.backend.ssm_scan(S, x, d, m.a, B, C)
+
         for seg, s0, p0 in ctx.spans:
             n = seg.n_tokens
             conv_state, S = seg.cache.state(i)
@@ -342,13 +336,7 @@ class Transformer:
             B = np.ascontiguousarray(xs[:, di:di + G * N].reshape(n, G, N))
             C = np.ascontiguousarray(xs[:, di + G * N:].reshape(n, G, N))
             d = dt[s0:s0 + n]
-            if n > 1:  # the state before the last token: a prompt's reusable prefix (CachePool.acquire)
-                k = n - 1
-                y[s0:s0 + k] = self.backend.ssm_scan(S, x[:k], d[:k], m.a, B[:k], C[:k])
-                seg.cache.snapshot(i, p0 + k, rows[k:k + L - 1], S)
-                y[s0 + k:s0 + n] = self.backend.ssm_scan(S, x[k:], d[k:], m.a, B[k:], C[k:])
-            else:
-                y[s0:s0 + n] = self.backend.ssm_scan(S, x, d, m.a, B, C)
+            y[s0:s0 + n] = _recur(seg.cache, i, p0, rows, L, S, scan, (x, d, B, C))
             y[s0:s0 + n] += x * m.d_skip[:, None]
             conv_state[:] = rows[n:]
         g = self.backend.act_mul(np.ascontiguousarray(z), y.reshape(T, di), "silu")  # gated, then RMS per group
@@ -565,6 +553,22 @@ class Transformer:
         cache.tokens[n_keep:n_keep + n_move] = cache.tokens[src0:n_past].copy()
         cache.n_past = n_keep + n_move
         cache.stale_after_shift(n_keep, n_discard)
+
+
+def _recur(cache: KVCache, i: int, p0: int, rows: np.ndarray, taps: int, S: np.ndarray,
+           step: Callable[..., np.ndarray], per_token: tuple[np.ndarray, ...]) -> np.ndarray:
+    """A recurrent layer's outputs for a segment's n tokens at positions p0.. of layer i: ``step(S, *arrays)``
+    advances the state S over the tokens of the ``per_token`` arrays (n, ...) it is given and returns their
+    outputs. With n > 1 it runs over the first n − 1 tokens, the state then (convolution inputs from ``rows``,
+    (taps − 1 + n, conv_dim), and S) becomes the cache's snapshot — a prompt's reusable prefix
+    (CachePool.acquire) — and it runs over the last token."""
+    n = rows.shape[0] - (taps - 1)
+    if n <= 1:
+        return step(S, *per_token)
+    m = n - 1
+    first = step(S, *(a[:m] for a in per_token))
+    cache.snapshot(i, p0 + m, rows[m:m + taps - 1], S)
+    return np.concatenate([first, step(S, *(a[m:] for a in per_token))])
 
 
 def batch_spans(segments: Sequence[Segment]) -> list[tuple[Segment, int, int]]:

@@ -955,7 +955,6 @@ def spot_check_packed(pm: PackedMatrix, w: np.ndarray) -> bool:
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # gated activations of mr_act_mul
 _LAYER_ACTS = {**_ACTS, "xielu": 2, "relu2": 3}  # the layer stack also runs xIELU and squared ReLU without gate
 _NORM_KINDS = {"rms": 0, "layer": 1}
-_LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
 def _ffn_width(m: Any) -> int:
@@ -971,31 +970,34 @@ def _ffn_out(m: Any) -> int:
     return int(m.down[0].out_features if isinstance(m, MoE) else m.down.out_features)
 
 
+def _mixer_view(**kw: Any) -> SimpleNamespace:
+    """An attention-shaped view of a mixer that is not attention (``kw``: its heads, input and output
+    projections and itself): no K/V projections, RoPE, norms, window, sinks or output gate; causal."""
+    return SimpleNamespace(**{"wk": None, "wv": None, "scale": 1.0, "rope": None, "q_norm": None, "k_norm": None,
+                              "v_norm": None, "qk_norm_per_head": True, "qk_norm_after_rope": False, "softcap": 0.0,
+                              "window": 0, "sinks": None, "causal": True, "kv_source": None, "out_gate": False, **kw})
+
+
 def _mixer(b: Any) -> Any:
-    """The block's mixer as ``mr_layer`` sees it: its attention, or a short convolution (LFM2) as an
-    attention-shaped view (in_proj as wq, out_proj as wo; its cache rows as n_head_kv heads of
-    head_dim_k; no RoPE, norms or values), or a Mamba-2 mixer as one (in_proj as wq, out_proj as wo, its
-    heads as n_head heads of head_dim_k, one nominal KV head and no cache rows)."""
+    """The block's mixer as ``mr_layer`` sees it: its attention (Falcon-H1's with the Mamba-2 half beside it),
+    or an attention-shaped view (:func:`_mixer_view`) of a short convolution (LFM2: in_proj as wq, out_proj
+    as wo, its cache rows as n_head_kv heads of head_dim_k), a Mamba-2 mixer or a gated delta-net (their
+    input / output projections as wq / wo, their value heads as n_head heads, one nominal KV head, no cache
+    rows)."""
     a = b.attn
-    if isinstance(a, ParallelMixer):  # Falcon-H1: the attention, with the Mamba-2 half beside it
+    if isinstance(a, ParallelMixer):
         return SimpleNamespace(**{**vars(a.attn), "causal": a.attn.causal, "ssm": a.ssm, "ssm_beside": True})
     if isinstance(a, GatedDeltaNet):
-        return SimpleNamespace(n_head=a.n_v_heads, n_head_kv=1, head_dim_k=a.head_dim_v, head_dim_v=a.head_dim_v,
-                               wq=a.qkv_proj, wk=None, wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None,
-                               k_norm=None, v_norm=None, qk_norm_per_head=True, qk_norm_after_rope=False, softcap=0.0,
-                               window=0, sinks=None, causal=True, kv_source=None, dn=a, out_gate=False)
+        return _mixer_view(n_head=a.n_v_heads, n_head_kv=1, head_dim_k=a.head_dim_v, head_dim_v=a.head_dim_v,
+                           wq=a.qkv_proj, wo=a.out_proj, dn=a)
     if isinstance(a, Mamba2):
-        return SimpleNamespace(n_head=a.n_head, n_head_kv=1, head_dim_k=a.head_dim, head_dim_v=a.head_dim,
-                               wq=a.in_proj, wk=None, wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None,
-                               k_norm=None, v_norm=None, qk_norm_per_head=True, qk_norm_after_rope=False, softcap=0.0,
-                               window=0, sinks=None, causal=True, kv_source=None, ssm=a, out_gate=False)
+        return _mixer_view(n_head=a.n_head, n_head_kv=1, head_dim_k=a.head_dim, head_dim_v=a.head_dim,
+                           wq=a.in_proj, wo=a.out_proj, ssm=a)
     if not isinstance(a, ShortConv):
         return a
     h, d = a.cache_heads, a.n_embd
-    return SimpleNamespace(n_head=h, n_head_kv=h, head_dim_k=d // h, head_dim_v=d // h, wq=a.in_proj, wk=None,
-                           wv=None, wo=a.out_proj, scale=1.0, rope=None, q_norm=None, k_norm=None, v_norm=None,
-                           qk_norm_per_head=True, qk_norm_after_rope=False, softcap=0.0, window=0, sinks=None,
-                           causal=True, kv_source=None, conv=a)
+    return _mixer_view(n_head=h, n_head_kv=h, head_dim_k=d // h, head_dim_v=d // h, wq=a.in_proj, wo=a.out_proj,
+                       conv=a)
 
 
 def _block_weights(b: Any) -> dict[str, Any]:
@@ -1103,6 +1105,8 @@ class LayerStack:
         shapes = [s for s in (b.attn.kv_shape for b in blocks) if s is not None]
         self._kv_max = tuple(max((int(s[j]) for s in shapes), default=0) for j in range(3))
         self._n_pl = max((b.per_layer.gate.out_features for b in blocks if b.per_layer is not None), default=0)
+        # per layer the (convolution inputs, state) shapes of its recurrent state, None for a layer without one
+        self._state_shapes = [getattr(b.attn, "state_shapes", None) for b in blocks]
         self._n_embd = int(_mixer(blocks[0]).wo.out_features) if blocks else 0
         if len(rope_index) != self.n_layer:
             raise InvalidRequestError(f"{len(rope_index)} RoPE table indices for {self.n_layer} layers")
@@ -1262,32 +1266,6 @@ class LayerStack:
         q_rows = 3 * d if hasattr(a, "conv") else a.n_head * hk  # a short convolution's in_proj: B, C, x
         if getattr(a, "out_gate", False):  # each head's query, then its output gate
             q_rows = 2 * a.n_head * hk
-        if dn is not None:  # the delta-net's convolution input: q, k of every key head, v of every value head
-            q_rows = dn.conv_dim
-            for what, arr, n in (("dt bias", dn.dt_bias, dn.n_v_heads), ("A", dn.a, dn.n_v_heads),
-                                 ("norm", dn.norm.weight, dn.head_dim_v)):
-                if not isinstance(arr, np.ndarray) or arr.shape != (n,):
-                    raise InvalidRequestError(f"layer {i}: delta-net {what} of shape {np.shape(arr)}, expected ({n},)")
-            if dn.conv.shape != (dn.conv_dim, dn.taps) or \
-                    dn.conv_dim != 2 * dn.n_k_heads * dn.head_dim_k + dn.n_v_heads * dn.head_dim_v:
-                raise InvalidRequestError(f"layer {i}: delta-net convolution of shape {dn.conv.shape}")
-        if s is not None and not getattr(a, "ssm_beside", False):  # Mamba-2's in_proj: z, xBC, dt
-            q_rows = 2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head
-        if s is not None:
-            for what, arr, n in (("convolution bias", s.conv_bias, s.conv_dim), ("dt bias", s.dt_bias, s.n_head),
-                                 ("A", s.a, s.n_head), ("D", s.d_skip, s.n_head),
-                                 ("SSM norm", s.norm.weight if s.norm is not None else None, s.d_inner)):
-                if arr is not None and (not isinstance(arr, np.ndarray) or arr.shape != (n,)):
-                    raise InvalidRequestError(f"layer {i}: Mamba-2 {what} of shape {np.shape(arr)}, expected ({n},)")
-            if s.conv.shape != (s.conv_dim, s.taps) or s.conv_dim != s.d_inner + 2 * s.n_group * s.d_state:
-                raise InvalidRequestError(f"layer {i}: Mamba-2 convolution of shape {s.conv.shape}")
-        hv_n = dn.n_v_heads if dn is not None else 0
-        shapes = {"wq": (q_rows, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
-                  "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff),
-                  "pl_gate": (E, d), "pl_proj": (d, E), "wz": (hv_n * hv, d),
-                  "wb": ((2 if dn is not None and dn.ba_proj is not None else 1) * hv_n, d), "wa": (hv_n, d),
-                  "ssm_in": (2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head, d) if s is not None else (0, 0),
-                  "ssm_out": (d, s.d_inner) if s is not None else (0, 0)}
 
         def vec(arr: Any, n: int, what: str) -> None:
             if arr is None:
@@ -1297,6 +1275,33 @@ class LayerStack:
                                           f"expected ({n},)")
             if not np.issubdtype(arr.dtype, np.floating):
                 raise InvalidRequestError(f"layer {i}: {what} must be floating point, got {arr.dtype}")
+
+        if dn is not None:  # the delta-net's convolution input: q, k of every key head, v of every value head
+            q_rows = dn.conv_dim
+            for what, arr, n in (("dt bias", dn.dt_bias, dn.n_v_heads), ("A", dn.a, dn.n_v_heads),
+                                 ("norm", dn.norm.weight, dn.head_dim_v)):
+                if arr is None:
+                    raise InvalidRequestError(f"layer {i}: delta-net {what} missing")
+                vec(arr, n, f"delta-net {what}")
+            if dn.conv.shape != (dn.conv_dim, dn.taps) or \
+                    dn.conv_dim != 2 * dn.n_k_heads * dn.head_dim_k + dn.n_v_heads * dn.head_dim_v:
+                raise InvalidRequestError(f"layer {i}: delta-net convolution of shape {dn.conv.shape}")
+        if s is not None and not getattr(a, "ssm_beside", False):  # Mamba-2's in_proj: z, xBC, dt
+            q_rows = 2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head
+        if s is not None:
+            for what, arr, n in (("convolution bias", s.conv_bias, s.conv_dim), ("dt bias", s.dt_bias, s.n_head),
+                                 ("A", s.a, s.n_head), ("D", s.d_skip, s.n_head),
+                                 ("SSM norm", s.norm.weight if s.norm is not None else None, s.d_inner)):
+                vec(arr, n, f"Mamba-2 {what}")
+            if s.conv.shape != (s.conv_dim, s.taps) or s.conv_dim != s.d_inner + 2 * s.n_group * s.d_state:
+                raise InvalidRequestError(f"layer {i}: Mamba-2 convolution of shape {s.conv.shape}")
+        hv_n = dn.n_v_heads if dn is not None else 0
+        shapes = {"wq": (q_rows, d), "wk": (a.n_head_kv * hk, d), "wv": (a.n_head_kv * hv, d),
+                  "wo": (d, a.n_head * hv), "gate": (ff, d), "up": (ff, d), "down": (d, ff),
+                  "pl_gate": (E, d), "pl_proj": (d, E), "wz": (hv_n * hv, d),
+                  "wb": ((2 if dn is not None and dn.ba_proj is not None else 1) * hv_n, d), "wa": (hv_n, d),
+                  "ssm_in": (2 * s.d_inner + 2 * s.n_group * s.d_state + s.n_head, d) if s is not None else (0, 0),
+                  "ssm_out": (d, s.d_inner) if s is not None else (0, 0)}
 
         class _Dims:  # what _width reads
             n_embd = d
@@ -1358,26 +1363,19 @@ class LayerStack:
                 ffi, np.repeat(np.float32(1.0) / np.asarray(sc, _F32), L.n_head // L.n_head_kv, axis=0))
 
     def _states(self, ffi: Any, b: int, states: Sequence[Any] | None, keep: list[Any]) -> Any:
-        """The ``float *[2 n_layer]`` of sequence b's Mamba-2 states (NULL when no layer has one), every array
-        checked against its layer's shapes (C writes them through bare pointers)."""
-        ssm = [i for i in range(self.n_layer) if self._layers[i].mixer >= 2]
-        if not ssm:
+        """The ``float *[2 n_layer]`` of sequence b's recurrent states (NULL when no layer has one), every array
+        checked against its layer's ``state_shapes`` (C writes them through bare pointers)."""
+        rec = [i for i, sh in enumerate(self._state_shapes) if sh is not None]
+        if not rec:
             return ffi.NULL
         if states is None or len(states) != self.n_layer:
-            raise InvalidRequestError(f"sequence {b}: the Mamba-2 layers need its recurrent states (one per layer)")
+            raise InvalidRequestError(f"sequence {b}: the layers need its recurrent states (one per layer)")
         p = ffi.new("float *[]", 2 * self.n_layer)
         keep.append(p)
-        for i in ssm:
-            L = self._layers[i]
-            if L.mixer in (2, 4):  # Mamba-2: (taps - 1, inner + 2 G N), (H, P, N)
-                cd = L.ssm_heads * L.ssm_head_dim + 2 * L.ssm_groups * L.ssm_state
-                want = ((L.conv_taps - 1, cd), (L.ssm_heads, L.ssm_head_dim, L.ssm_state))
-            else:  # delta-net: (taps - 1, 2 Hk Dk + Hv Dv), (Hv, Dk, Dv)
-                cd = 2 * L.dn_k_heads * L.dn_head_dim + L.n_head * L.head_dim_k
-                want = ((L.conv_taps - 1, cd), (L.n_head, L.dn_head_dim, L.head_dim_k))
-            st = states[i]
+        for i in rec:
+            want, st = self._state_shapes[i], states[i]
             if st is None or len(st) != 2:
-                raise InvalidRequestError(f"sequence {b}, layer {i}: no Mamba-2 state")
+                raise InvalidRequestError(f"sequence {b}, layer {i}: no recurrent state")
             for j, (arr, shape) in enumerate(zip(st, want, strict=True)):
                 if (not isinstance(arr, np.ndarray) or arr.dtype != _F32 or arr.shape != shape
                         or not arr.flags.c_contiguous or not arr.flags.writeable):
