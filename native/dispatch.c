@@ -474,10 +474,17 @@ int mr_matmul_path(int qtype, long long n_tokens, int isa) {
     return p == PATH_FLOAT && n_tokens > 2 ? 3 : p; /* 3: float tile, 2: float row dots */
 }
 
-int64_t mr_pick_chunk(int64_t rows, int threads, int64_t lo, int64_t hi) {
-    int64_t c = rows / ((int64_t)(threads > 0 ? threads : 1) * 16);
+int64_t mr_pick_chunk(int64_t rows, int64_t rb, int64_t nt, int threads, int64_t lo, int64_t hi) {
+    const int64_t T = threads > 0 ? threads : 1;
+    int64_t c = rows / (T * 16);
     if (c < lo) c = lo;
     if (c > hi) c = hi;
+    if (rb > 0 && nt > 0) {
+        int64_t cb = (MR_ITEM_BYTES / nt + rb - 1) / rb; /* rows that make an item worth its claim */
+        const int64_t share = (rows + T - 1) / T;       /* but every thread still gets one */
+        if (cb > share) cb = share;
+        if (cb > c) c = cb;
+    }
     c = (c + 7) & ~(int64_t)7;
     return c;
 }
@@ -486,14 +493,14 @@ int64_t mr_pick_chunk(int64_t rows, int threads, int64_t lo, int64_t hi) {
 static int run_float(mm_ctx *c, int threads) {
     const int64_t rows = c->rows, nt = c->nt;
     if (nt <= 2) {
-        c->chunk = mr_pick_chunk(rows, threads, 8, 256);
+        c->chunk = mr_pick_chunk(rows, 0, 0, threads, 8, 256);
         return mr_parallel_for(task_fdot, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
     }
     if (c->K->panel && nt >= MR_PANEL_MIN_TOKENS) {
         c->chunk = rows >= 64 * threads * 4 ? 64 : MR_PR;
         return mr_parallel_for(task_panel, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
     }
-    c->chunk = mr_pick_chunk(rows, threads, 16, 64);
+    c->chunk = mr_pick_chunk(rows, 0, 0, threads, 16, 64);
     return mr_parallel_for(task_tile, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
 }
 
@@ -521,7 +528,7 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
         rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, lay, &xs);
         c.xa = *mr_xact_for(&xs, lay);
         if (rc == MR_OK) {
-            c.chunk = mr_pick_chunk(rows, threads, 8, 256);
+            c.chunk = mr_pick_chunk(rows, row_bytes, n_tokens, threads, 8, 256);
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens, threads);
         }
     } else {
@@ -571,7 +578,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
         rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, lay, &xs);
         c.xa = *mr_xact_for(&xs, lay);
         if (rc == MR_OK) {
-            c.chunk = mr_pick_chunk(rows, threads, 8, 256);
+            c.chunk = mr_pick_chunk(rows, c.tb * c.ntiles / 4, n_tokens, threads, 8, 256);
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,
                                  threads);
         }
@@ -580,7 +587,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
         rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, MR_XL_PANEL, &xs);
         c.xa = xs.nat;
         if (rc == MR_OK) {
-            c.chunk = mr_pick_chunk(rows, threads, 8, 256);
+            c.chunk = mr_pick_chunk(rows, c.tb * c.ntiles / 4, n_tokens, threads, 8, 256);
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,
                                  threads);
         }
