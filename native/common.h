@@ -302,6 +302,10 @@ typedef struct {
     int64_t rows, cols, rb; /* rb: bytes per ggml row */
     int64_t tb, ntiles;     /* packed: bytes per tile, tiles per row group */
 } mr_mat;
+/* Bytes of weights per row of a packed matrix: a tile holds tb bytes of 4 rows, ntiles tiles per row group. */
+static inline int64_t mr_packed_row_bytes(int64_t tb, int64_t ntiles) { return tb * ntiles / 4; }
+/* Bytes of weights per row of m, packed or not. */
+static inline int64_t mr_mat_row_bytes(const mr_mat *m) { return m->packed ? mr_packed_row_bytes(m->tb, m->ntiles) : m->rb; }
 
 /* Activation layouts (bit masks): natural order, pair-interleaved, packed permutations E / E6. */
 enum { MR_XL_NAT = 1, MR_XL_PAIR = 2, MR_XL_PERM = 4, MR_XL_PERM6 = 8, MR_XL_PANEL = 16 };

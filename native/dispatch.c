@@ -578,7 +578,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
         rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, lay, &xs);
         c.xa = *mr_xact_for(&xs, lay);
         if (rc == MR_OK) {
-            c.chunk = mr_pick_chunk(rows, c.tb * c.ntiles / 4, n_tokens, threads, 8, 256);
+            c.chunk = mr_pick_chunk(rows, mr_packed_row_bytes(c.tb, c.ntiles), n_tokens, threads, 8, 256);
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,
                                  threads);
         }
@@ -587,7 +587,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
         rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, MR_XL_PANEL, &xs);
         c.xa = xs.nat;
         if (rc == MR_OK) {
-            c.chunk = mr_pick_chunk(rows, c.tb * c.ntiles / 4, n_tokens, threads, 8, 256);
+            c.chunk = mr_pick_chunk(rows, mr_packed_row_bytes(c.tb, c.ntiles), n_tokens, threads, 8, 256);
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,
                                  threads);
         }

@@ -160,8 +160,7 @@ static int run_mats(const mr_kernels *K, const mr_weight *const *w, float *const
         M->bias = w[i]->bias;
         M->y = y[i];
         M->ys = w[i]->rows;
-        M->chunk = mr_pick_chunk(w[i]->rows, mats[i].packed ? mats[i].tb * mats[i].ntiles / 4 : w[i]->row_bytes, nt,
-                                 threads, 8, 256);
+        M->chunk = mr_pick_chunk(w[i]->rows, mr_mat_row_bytes(&mats[i]), nt, threads, 8, 256);
         M->item0 = items;
         M->nitems = (w[i]->rows + M->chunk - 1) / M->chunk;
         if (act < 0 || i == 0) items += M->nitems;

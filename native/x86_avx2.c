@@ -315,7 +315,7 @@ DEF_SWITCH(vint_q6_k)
 DEF_SWITCH(vint_q3_k)
 DEF_SWITCH(vint_q2_k)
 
-/* ---------------- i-quants and TQ2_0: 32 int8 weights per 32-element group ----------------
+/* ---------------- i-quants, TQ1_0 and TQ2_0: 32 int8 weights per 32-element group ----------------
  * (see x86_avx512.c: the same groups, signs applied with vpsignb from a bit mask) */
 
 MR_INLINE __m256i lb_signed8(__m256i mag, uint32_t neg) {
@@ -410,9 +410,37 @@ MR_INLINE __m256i g8_tq2_0(const uint8_t *b, int g, float d, float *s0, float *s
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * (g / 4)));
     return _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 2 * (g % 4)), _mm256_set1_epi8(3)), _mm256_set1_epi8(1));
 }
+/* TQ1_0 (qs[48] @0 | qh[4] @48 | d @52): the n-th base-3 digit of a byte q is ((uint8_t)(q * 3^n) * 3) >> 8.
+ * Per 16-bit lane p holds 3^n for both of its bytes; the products wrap at 256 in the byte that keeps them. */
+MR_INLINE __m256i tq1_digits(__m256i q, __m256i p) {
+    const __m256i ev = _mm256_mullo_epi16(_mm256_and_si256(q, _mm256_set1_epi16(0x00FF)), p);
+    const __m256i od = _mm256_mullo_epi16(_mm256_and_si256(q, _mm256_set1_epi16((short)0xFF00)), p);
+    const __m256i de = _mm256_mulhi_epu16(_mm256_slli_epi16(ev, 8), _mm256_set1_epi16(3));
+    const __m256i dod = _mm256_mulhi_epu16(od, _mm256_set1_epi16(3));
+    return _mm256_or_si256(de, _mm256_slli_epi16(dod, 8));
+}
+/* Groups 0-4: digit g of qs[0..32); 5 and 6: digits 2g-10 and 2g-9 of qs[32..48) in the low and high
+ * lane; 7: digit 4 of qs[32..48), then qh's digits 0-3 (element 240 + 4n + j is digit n of qh[j]). */
+MR_INLINE __m256i g8_tq1_0(const uint8_t *b, int g, float d, float *s0, float *s1) {
+    static const short pw3[5] = {1, 3, 9, 27, 81};
+    *s0 = *s1 = d;
+    __m256i q, p;
+    if (g < 5) {
+        q = _mm256_loadu_si256((const __m256i *)b);
+        p = _mm256_set1_epi16(pw3[g]);
+    } else if (g < 7) {
+        q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 32)));
+        p = _mm256_set_m128i(_mm_set1_epi16(pw3[2 * g - 9]), _mm_set1_epi16(pw3[2 * g - 10]));
+    } else {
+        q = _mm256_set_m128i(_mm_set1_epi32((int)mr_rd32(b + 48)), _mm_loadu_si128((const __m128i *)(b + 32)));
+        p = _mm256_setr_epi16(81, 81, 81, 81, 81, 81, 81, 81, 1, 1, 3, 3, 9, 9, 27, 27);
+    }
+    return _mm256_sub_epi8(tq1_digits(q, p), _mm256_set1_epi8(1));
+}
 
 MR_INLINE float lb_d(const uint8_t *b, const int TYPE) {
     if (TYPE == GT_TQ2_0) return f16s(b + 64);
+    if (TYPE == GT_TQ1_0) return f16s(b + 52);
     if (TYPE == GT_IQ1_M) return mr_iq1m_d(b);
     return f16s(b);
 }
@@ -452,6 +480,7 @@ DEF_VLB(vint_iq3_xxs, 98, GT_IQ3_XXS, g8_iq3_xxs)
 DEF_VLB(vint_iq3_s, 110, GT_IQ3_S, g8_iq3_s)
 DEF_VLB(vint_iq1_s, 50, GT_IQ1_S, g8_iq1_s)
 DEF_VLB(vint_iq1_m, 56, GT_IQ1_M, g8_iq1_m)
+DEF_VLB(vint_tq1_0, 54, GT_TQ1_0, g8_tq1_0)
 DEF_VLB(vint_tq2_0, 66, GT_TQ2_0, g8_tq2_0)
 
 /* ---------------- float kernels ---------------- */
@@ -622,9 +651,10 @@ void mr_avx2_lowbit_rows(mr_kernels *k) {
     k->vint[GT_IQ3_S] = vint_iq3_s;
     k->vint[GT_IQ1_S] = vint_iq1_s;
     k->vint[GT_IQ1_M] = vint_iq1_m;
+    k->vint[GT_TQ1_0] = vint_tq1_0;
     k->vint[GT_TQ2_0] = vint_tq2_0;
     const int types[] = {GT_MXFP4, GT_Q3_K, GT_Q2_K, GT_IQ2_XXS, GT_IQ2_XS, GT_IQ2_S, GT_IQ3_XXS, GT_IQ3_S,
-                         GT_IQ1_S, GT_IQ1_M, GT_TQ2_0};
+                         GT_IQ1_S, GT_IQ1_M, GT_TQ1_0, GT_TQ2_0};
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
         k->gemv[types[i]] = NULL; /* dispatch prefers a gemv kernel: drop the portable one */
         k->xpair[types[i]] = 0;   /* natural activation order */
