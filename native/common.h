@@ -291,6 +291,9 @@ typedef struct {
      * S: scratch (nk, 16). NULL where the ISA has none (attn_block is used instead). */
     void (*attn_dec)(const float *Q, int g, const float *Kr, const float *Vr, int64_t D, int64_t nk, float softcap,
                      float *S, float *O, float *ml);
+    /* attn_dec over float16 rows Kh, Vh (nk, D) as the cache stores them; NULL where the ISA has none. */
+    void (*attn_dec_h)(const float *Q, int g, const uint16_t *Kh, const uint16_t *Vh, int64_t D, int64_t nk,
+                       float softcap, float *S, float *O, float *ml);
     /* mr_kv_rotate for power-of-two n >= 16 (the same floats); NULL: the portable loop in kvcache.c. */
     void (*fwht)(float *x, int64_t len, int64_t n);
 } mr_kernels;

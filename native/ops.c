@@ -210,18 +210,23 @@ static void ad_task(const void *c_, int64_t item, int worker, float *buf) {
     const int64_t kvh = grp / c->groups_per_kv, lane0 = (grp % c->groups_per_kv) * 16;
     const int64_t D = c->D, g = c->H / c->Hkv, nl = g - lane0 < 16 ? g - lane0 : 16;
     const int64_t k0 = c->start[b] + ch * AD_CHUNK, nk = c->end[b] - k0 < AD_CHUNK ? c->end[b] - k0 : AD_CHUNK;
-    float *Qt = (float *)mr_scratch(worker, 2, ((size_t)(32 * D + 16 * (nk + 16) + 2 * nk * D)) * 4);
+    /* an f16 cache goes to attn_dec_h as stored; other types are converted to float rows first */
+    const int f16 = c->tk == GT_F16 && c->tv == GT_F16 && c->K->attn_dec_h && D % 64 == 0;
+    float *Qt = (float *)mr_scratch(worker, 2, ((size_t)(32 * D + 16 * (nk + 16) + (f16 ? 0 : 2 * nk * D))) * 4);
     float *S = Qt + 16 * D, *Ob = S + 16 * (nk + 16), *Kf = Ob + 16 * D, *Vf = Kf + nk * D;
     const float *qb = c->q + (b * c->H + kvh * g + lane0) * D;
-    /* the chunk's rows of this KV head, converted from the stored type (a pointer into the cache for f32) */
     const int64_t row0 = kvh * c->n_ctx[b] + k0;
-    const float *Kr = mr_kv_rows(c->K, c->tk, c->k[b], row0, nk, D, Kf);
-    const float *Vr = mr_kv_rows(c->K, c->tv, c->v[b], row0, nk, D, Vf);
     float *P = c->part + item * (16 * D + 32);
-    if (c->K->attn_dec && D % 64 == 0) { /* head dimension in the lanes */
+    /* the chunk's rows of this KV head, converted from the stored type (a pointer into the cache for f32) */
+    const float *Kr = f16 ? NULL : mr_kv_rows(c->K, c->tk, c->k[b], row0, nk, D, Kf);
+    const float *Vr = f16 ? NULL : mr_kv_rows(c->K, c->tv, c->v[b], row0, nk, D, Vf);
+    if (f16 || (c->K->attn_dec && D % 64 == 0)) { /* head dimension in the lanes */
         for (int64_t i = 0; i < nl; i++)
             for (int64_t d = 0; d < D; d++) Qt[i * D + d] = qb[i * D + d] * c->scale;
-        c->K->attn_dec(Qt, (int)nl, Kr, Vr, D, nk, c->softcap, S, Ob, P + 16 * D);
+        if (f16)
+            c->K->attn_dec_h(Qt, (int)nl, (const uint16_t *)c->k[b] + row0 * D, (const uint16_t *)c->v[b] + row0 * D,
+                             D, nk, c->softcap, S, Ob, P + 16 * D);
+        else c->K->attn_dec(Qt, (int)nl, Kr, Vr, D, nk, c->softcap, S, Ob, P + 16 * D);
         for (int64_t i = 0; i < nl; i++)
             for (int64_t d = 0; d < D; d++) P[d * 16 + i] = Ob[i * D + d];
         return;
