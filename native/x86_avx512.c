@@ -765,11 +765,12 @@ MR_INLINE void dec_pv(const float *S, int i0, const void *Vr, int64_t D, int64_t
     __m512 o[7][4];
     for (int i = 0; i < GI; i++)
         for (int c = 0; c < 4; c++) o[i][c] = _mm512_setzero_ps();
+    const int es = H16 ? 2 : 4; /* bytes per element */
     for (int64_t j = 0; j < nk; j++) {
         __m512 vr[4];
         if (j + AD_PF < nk) /* the slice of a row AD_PF keys ahead: rows are D apart, too far for the prefetcher */
-            for (int l = 0; l < (H16 ? 2 : 4); l++) /* 64 elements: 2 cache lines (f16) or 4 */
-                _mm_prefetch((const char *)Vr + ((j + AD_PF) * D + 16 * c0) * (H16 ? 2 : 4) + 64 * l, _MM_HINT_T0);
+            for (int l = 0; l < es; l++) /* 64 elements: 2 cache lines (f16) or 4 */
+                _mm_prefetch((const char *)Vr + ((j + AD_PF) * D + 16 * c0) * es + 64 * l, _MM_HINT_T0);
         for (int c = 0; c < 4; c++) vr[c] = kv_ld(Vr, j * D + 16 * (c0 + c), H16);
         for (int i = 0; i < GI; i++) {
             const __m512 p = _mm512_set1_ps(S[j * 16 + i0 + i]);
@@ -786,7 +787,7 @@ MR_INLINE void dec_pv(const float *S, int i0, const void *Vr, int64_t D, int64_t
  * D must be a multiple of 64 here (else attn_block serves). Kr, Vr: (nk, D) float32, or float16 if H16. */
 MR_INLINE void attn_dec_rows(const float *Q, int g, const void *Kr, const void *Vr, int64_t D, int64_t nk,
                              float softcap, float *S, float *O, float *ml, const int H16) {
-    const int64_t nc = D / 16;
+    const int64_t nc = D / 16, es = H16 ? 2 : 4; /* es: bytes per element */
     /* lane a*4+b of a reduced tile = (query a, key b); this permutation makes it b*4+a */
     const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -795,9 +796,9 @@ MR_INLINE void attn_dec_rows(const float *Q, int g, const void *Kr, const void *
         int64_t kr[4];
         for (int b = 0; b < 4; b++) kr[b] = (j0 + (b < nb ? b : nb - 1)) * D; /* tail: repeat the last key */
         if (j0 + AD_PF + 4 <= nk) /* the 4 rows AD_PF keys ahead; their values into L2 for the passes below */
-            for (int64_t o = 0; o < 4 * D * (H16 ? 2 : 4); o += 64) {
-                _mm_prefetch((const char *)Kr + (j0 + AD_PF) * D * (H16 ? 2 : 4) + o, _MM_HINT_T0);
-                _mm_prefetch((const char *)Vr + (j0 + AD_PF) * D * (H16 ? 2 : 4) + o, _MM_HINT_T1);
+            for (int64_t o = 0; o < 4 * D * es; o += 64) {
+                _mm_prefetch((const char *)Kr + (j0 + AD_PF) * D * es + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)Vr + (j0 + AD_PF) * D * es + o, _MM_HINT_T1);
             }
         for (int i0 = 0; i0 < g; i0 += 4) {
             const float *qr[4];
