@@ -548,12 +548,13 @@ class Engine:
         if self._masks is not None:
             self._masks.close()
 
-    def step(self, seqs: Iterable[Sequence], prefill_budget: int | None = None) -> None:
+    def step(self, seqs: Iterable[Sequence], prefill_budget: int | None = None) -> bool:
         """One forward pass over every unfinished sequence in ``seqs``.
 
         Decoding sequences contribute their pending token; sequences in prefill share what is left
         of the ``n_batch`` token budget, in order, so a long prompt is cut into chunks and never
-        stalls the decoding streams for more than one chunk.
+        stalls the decoding streams for more than one chunk. Returns whether a forward pass ran
+        (False when every sequence had finished or was cancelled at the boundary).
         """
         batch: list[tuple[Sequence, Segment, bool]] = []  # (seq, segment, samples after this pass)
         tokens: list[np.ndarray] = []
@@ -583,7 +584,7 @@ class Engine:
             batch.append((s, Segment(s.cache, n, "last" if last else "none"), last))
             prefill_left -= n
         if not batch:
-            return
+            return False
         ids = np.concatenate(tokens)
         for (s, _seg, samples), t in zip(batch, tokens):
             s.cache.tokens[s.cache.n_past:s.cache.n_past + len(t)] = t
@@ -633,6 +634,7 @@ class Engine:
             except Exception as e:  # one request's failure (e.g. every token banned) ends only that request
                 s.error = e
                 s.finish("cancelled", notify=False)
+        return True
 
     def _make_room(self, s: Sequence, n: int) -> bool:
         """Ensure ``n`` free positions: shift the context or finish with "length"."""

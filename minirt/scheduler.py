@@ -58,7 +58,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.steps = 0
+        self.steps = 0  # forward passes run
         self.reserved = 0
 
     # -- client side -------------------------------------------------------------------------------
@@ -200,8 +200,8 @@ class Scheduler:
                 with self.model._step_lock:
                     if self.model.closed:
                         return
-                    engine.step([r.seq for r in running], prefill_budget=self._prefill_budget(running))
-                self.steps += 1
+                    ran = engine.step([r.seq for r in running], prefill_budget=self._prefill_budget(running))
+                self.steps += ran  # forward passes: a pass that only found its sequences cancelled is none
             except BaseException as e:  # a failed forward pass fails its batch, not the server
                 log.exception("forward pass failed; ending %d requests", len(running))
                 for r in running:
