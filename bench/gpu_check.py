@@ -6,7 +6,7 @@
    device forward pass against llama.cpp's (``<ref>/<name>.greedy.jsonl``) and against minirt's CPU
    backend (``--cpu-prompts`` prompts);
 3. a table: prefill tok/s (pp512), decode tok/s (batch 1, CUDA graphs), time to first token, and
-   VRAM held (weights, activations, KV mirrors) against the GGUF size + KV cache.
+   VRAM held (weights, activations, KV caches) against the GGUF size + KV cache.
 
 Targets (Qwen2.5-Coder-0.5B Q4_K_M on an H200): decode >= 500 tok/s, pp512 >= 10,000 tok/s,
 VRAM <= GGUF size + KV cache + 10%. Exit status 1 when a kernel check or a parity check fails;

@@ -19,7 +19,7 @@ reference paths), while the native attention reads the stored rows directly.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -129,16 +129,24 @@ class KVCache:
         self.n_ctx = n_ctx
         self.n_layer = n_layer
         self.head_dim_k, self.head_dim_v = head_dim_k, head_dim_v
-        self.k = lazy_zeros((n_layer, n_head_kv, n_ctx, self.kt.width(head_dim_k)), self.kt.dtype)
-        self.v = lazy_zeros((n_layer, n_head_kv, n_ctx, self.vt.width(head_dim_v)), self.vt.dtype)
+        self._k = lazy_zeros((n_layer, n_head_kv, n_ctx, self.kt.width(head_dim_k)), self.kt.dtype)
+        self._v = lazy_zeros((n_layer, n_head_kv, n_ctx, self.vt.width(head_dim_v)), self.vt.dtype)
+        # a device backend holding this cache (minirt.kernels.cuda) writes new positions on the device only:
+        # the host rows of positions device_rows[0]..device_rows[1]-1 are then stale until ``device_sync``
+        # copies them back (and clears device_rows), which every host access (k, v, layer) does first.
+        # host_epoch counts those accesses: the device knows whether the host rows may have changed since
+        # it last looked at them
+        self.device_sync: Callable[[KVCache], None] | None = None
+        self.device_rows: tuple[int, int] | None = None
+        self.host_epoch = 0
         self.layers = None if layers is None else list(layers)
         self._views: list[tuple[np.ndarray, np.ndarray] | None] | None = None
         if self.layers is not None:
             if len(self.layers) != n_layer:
                 raise ValueError(f"{len(self.layers)} layer shapes for {n_layer} layers")
             # head_dim_v 0: a layer without values (LFM2's convolution rows are its keys)
-            self._views = [None if s is None else (self._carve(self.k[i], s[0], self.kt.width(s[1])),
-                                                   self._carve(self.v[i], s[0], self.vt.width(s[2]) if s[2] else 0))
+            self._views = [None if s is None else (self._carve(self._k[i], s[0], self.kt.width(s[1])),
+                                                   self._carve(self._v[i], s[0], self.vt.width(s[2]) if s[2] else 0))
                            for i, s in enumerate(self.layers)]
         if rotate is not None and len(rotate) != n_layer:
             raise ValueError(f"{len(rotate)} rotation flags for {n_layer} layers")
@@ -169,6 +177,32 @@ class KVCache:
         # ids of positions 0..n_past-1: lets a new request reuse a shared prefix and lets the
         # repetition penalties see the history
         self.tokens = np.zeros(n_ctx, dtype=np.int32)
+
+    def _host(self) -> None:
+        """Before the host reads or writes rows: bring back what only the device holds."""
+        if self.device_rows is not None and self.device_sync is not None:
+            self.device_sync(self)
+        self.host_epoch += 1
+
+    @property
+    def k(self) -> np.ndarray:
+        """Key storage (n_layer, n_head_kv, n_ctx, width) of the cache's K type, current on the host."""
+        self._host()
+        return self._k
+
+    @k.setter
+    def k(self, a: np.ndarray) -> None:
+        self._k = a
+
+    @property
+    def v(self) -> np.ndarray:
+        """Value storage, as :attr:`k`."""
+        self._host()
+        return self._v
+
+    @v.setter
+    def v(self, a: np.ndarray) -> None:
+        self._v = a
 
     @staticmethod
     def _carve(slot: np.ndarray, heads: int, width: int) -> np.ndarray:
@@ -293,6 +327,7 @@ class KVCache:
         """(k, v) arrays (Hkv, n_ctx, width) of layer ``i``."""
         if self._views is None:
             return self.k[i], self.v[i]
+        self._host()
         kv = self._views[i]
         if kv is None:
             raise ValueError(f"layer {i} has no cache of its own (it reads another layer's)")
@@ -341,14 +376,14 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes reserved (address space) for the whole context, recurrent state included."""
-        return self.k.nbytes + self.v.nbytes + self.state_nbytes()
+        return self._k.nbytes + self._v.nbytes + self.state_nbytes()
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position takes over every layer's own cache."""
         if self._views is None:
-            return (self.k.nbytes + self.v.nbytes) // self.n_ctx
-        return sum(self.layer(i)[0].nbytes + self.layer(i)[1].nbytes for i in self._own_layers()) // self.n_ctx
+            return (self._k.nbytes + self._v.nbytes) // self.n_ctx
+        return sum(a.nbytes for i in self._own_layers() for a in self._views[i]) // self.n_ctx
 
     def token_ids(self) -> np.ndarray:
         """Ids of the cached positions (a view)."""
@@ -560,8 +595,9 @@ class KVCache:
 
     def release(self) -> None:
         """Drop the arrays so their memory returns to the OS now rather than at garbage collection."""
-        empty = np.zeros((self.n_layer, 0, 0, 0), dtype=self.k.dtype)
+        empty = np.zeros((self.n_layer, 0, 0, 0), dtype=self._k.dtype)
         self.k = self.v = empty
+        self.device_sync, self.device_rows = None, None  # what only the device held goes with the positions
         self._state = [None] * self.n_layer
         self._snap = [None] * self.n_layer
         if self._views is not None:

@@ -342,8 +342,11 @@ def test_forward_prefill_then_decode_matches_cpu(tiny_pair):
     assert got.shape == ref.shape and got.dtype == np.float32
     assert _rel(got, ref) < FWD_TOL, name
     assert gc.n_past == cc.n_past == len(ids)
-    # the host cache received the device's keys/values (float16-rounded)
+    # the device cache is the cache: the host arrays were not written, the rows are marked device-only
+    assert gc.device_rows == (0, 7) and not gc._k.any() and not gc._v.any()
+    # a host access copies them back (float16-rounded) first
     assert np.abs(gc.k[:, :, :7] - cc.k[:, :, :7]).max() <= 2e-3 * np.abs(cc.k[:, :, :7]).max()
+    assert gc.device_rows is None
     for tok in (11, 260, 8):  # decode: one token, logits of the last row only
         ref = cpu.forward(np.array([tok]), [Segment(cc, 1, "last")])[0]
         got = be.forward(dev, np.array([tok]), [Segment(gc, 1, "last")])[0]
@@ -388,6 +391,63 @@ def test_mirror_follows_host_cache_changes(tiny_pair):
     ref = cpu.forward(np.array([91]), [Segment(cc2, 1, "last")])[0]
     got = be.forward(dev, np.array([91]), [Segment(gc, 1, "last")])[0]
     assert _rel(got, ref) < FWD_TOL, name
+
+
+@in_sim
+def test_device_cache_grows_evicts_and_copies_back(tiny_pair):
+    """The device copy grows (copied on the device) as a sequence decodes; under a VRAM budget that
+    holds it alone, starting a second sequence evicts it after copying its rows back to the host; it
+    then continues from the host rows (uploaded again) and every step matches the CPU pass."""
+    name, cpu, dev, be = tiny_pair
+    c = dev.cfg
+    per_pos = c.n_layer * c.n_head_kv * (c.head_dim_k + c.head_dim_v) * 2
+    old_budget = be.kv_vram_bytes
+    try:
+        be.kv_vram_bytes = 24 * per_pos
+        gc, cc = _cache(dev), _cache(cpu)
+        prompt = np.array([1, 20, 30, 40])
+        cpu.forward(prompt, [Segment(cc, 4, "none")])
+        be.forward(dev, prompt, [Segment(gc, 4, "none")])
+        cap0 = be._mirrors[gc].cap
+        for tok in (5, 6, 7, 8, 9):  # beyond the first capacity: the copy doubles on the device
+            ref = cpu.forward(np.array([tok]), [Segment(cc, 1, "last")])[0]
+            got = be.forward(dev, np.array([tok]), [Segment(gc, 1, "last")])[0]
+            assert _rel(got, ref) < FWD_TOL, name
+        assert be._mirrors[gc].cap > cap0 and gc.device_rows == (0, 9) and not gc._k.any()
+        be.kv_vram_bytes = be._mirrors[gc].nbytes + per_pos  # no room for a second sequence of 3
+        other = _cache(dev)
+        be.forward(dev, np.array([1, 2, 3]), [Segment(other, 3, "none")])
+        assert gc not in be._mirrors and gc.device_rows is None  # evicted, rows copied back first
+        assert np.abs(gc._k[:, :, :9] - cc._k[:, :, :9]).max() <= 2e-3 * np.abs(cc._k[:, :, :9]).max()
+        for tok in (10, 11):  # uploaded again from the host rows
+            ref = cpu.forward(np.array([tok]), [Segment(cc, 1, "last")])[0]
+            got = be.forward(dev, np.array([tok]), [Segment(gc, 1, "last")])[0]
+            assert _rel(got, ref) < FWD_TOL, name
+        assert other not in be._mirrors and other.device_rows is None  # evicted in turn
+    finally:
+        be.kv_vram_bytes = old_budget
+
+
+@in_sim
+def test_closing_the_device_copies_caches_back(tmp_path):
+    path = tmp_path / "m.gguf"
+    MODELS["llama-q8_0"](path)
+    f = minirt.gguf.open(path)
+    be = _backend(f, launch=_fast_launch())
+    cpu, dev = build(f, ReferenceBackend()), build(f, be)
+    ids = np.array([1, 5, 9, 200, 33])
+    gc, cc = _cache(dev), _cache(cpu)
+    be.forward(dev, ids, [Segment(gc, 5, "none")])
+    cpu.forward(ids, [Segment(cc, 5, "none")])
+    assert not gc._k.any()
+    be.close()
+    assert gc.device_rows is None and gc.device_sync is None
+    assert np.abs(gc.k[:, :, :5] - cc.k[:, :, :5]).max() <= 2e-3 * np.abs(cc.k[:, :, :5]).max()
+    # the host path continues the sequence from those rows
+    ref = cpu.forward(np.array([7]), [Segment(cc, 1, "last")])[0]
+    got = cpu.forward(np.array([7]), [Segment(gc, 1, "last")])[0]
+    assert _rel(got, ref) < FWD_TOL
+    f.close()
 
 
 @in_sim
@@ -499,7 +559,13 @@ def test_runtime_generation_through_device_forward(tmp_path, monkeypatch):
         a2 = cpu.generate(follow, max_tokens=2, temperature=0.0, ignore_eos=True)
         b2 = gpu.generate(follow, max_tokens=2, temperature=0.0, ignore_eos=True)
         assert b2.token_ids == a2.token_ids
-        assert gpu.cache_pool.reused_tokens > 0  # the device mirror of a reused cache stayed valid
+        assert gpu.cache_pool.reused_tokens > 0  # the device copy of a reused cache stayed valid
+        # a state saved from the device's cache resumes on the CPU: the rows come back from the device
+        gpu.save_state(tmp_path / "s.state")
+        cpu.load_state(tmp_path / "s.state")
+        a3 = cpu.generate(follow + a2.token_ids, max_tokens=2, temperature=0.0, ignore_eos=True)
+        b3 = gpu.generate(follow + a2.token_ids, max_tokens=2, temperature=0.0, ignore_eos=True)
+        assert b3.token_ids == a3.token_ids
         la, lb = cpu.logits(prompt[:5]), gpu.logits(prompt[:5])
         assert _rel(lb, la) < FWD_TOL
 

@@ -8,16 +8,22 @@ Two ways in:
 - :meth:`CudaBackend.forward` ``(model, tokens, segments)`` — the whole decoder on the device for
   the llama / qwen2 / qwen3 / gemma3 blocks: embeddings, every layer, final norm and output
   projection run as kernels over device buffers; per call one host→device copy of the token ids
-  and positions, and device→host copies of the requested logits and of the new keys/values.
+  and positions and one device→host copy of the requested logits.
   Returns ``None`` for a model it does not handle, so the caller can use the host path.
 
-KV cache: the :class:`~minirt.kv_cache.KVCache` a sequence owns stays the source of truth (the
-scheduler, prefix reuse, context shift and state save/load all work on it). The device keeps a
-float16 *mirror* of each cache it has seen; every forward appends the new positions to the mirror
-and copies them (float16-rounded) back into the host cache. Before use a mirror is checked against
-its cache (token ids and the newest key row of layer 0); after a context shift, a prefix copy or
-a state load that changed the cache it is re-uploaded once. Mirrors grow by doubling and are
-evicted least-recently-used beyond a VRAM budget.
+KV cache: the device cache is the cache. Each :class:`~minirt.kv_cache.KVCache` the device has seen
+gets a float16 copy in VRAM (a *mirror*, in the code); a forward writes its new keys and values
+there only and marks them in ``KVCache.device_rows``. The host arrays of a KVCache are reserved,
+not resident (anonymous pages), and stay untouched while a conversation runs on the device: no
+host memory and no device→host copy per step. Host code that reads or writes the rows (prefix copy,
+context shift, state save/load, a host-path forward) goes through ``KVCache.k`` / ``v`` /
+``layer``, which first has the device copy its rows back (:meth:`CudaBackend._flush`) and counts
+the access in ``host_epoch``. A forward trusts a mirror whose cache the host has not touched since
+(same epoch, same token ids); otherwise it compares the newest key row of layer 0 with what the
+device last saw, and re-uploads the cache once after a context shift, a prefix copy or a state
+load changed it. Mirrors grow by doubling (copied on the device) and are evicted
+least-recently-used beyond a VRAM budget, after their rows are copied back to the host: the host
+arrays hold a sequence only when VRAM does not.
 
 Launch overhead: a single-sequence decode step (one token, the case that dominates generation)
 is captured once per mirror into a CUDA graph through CuPy and replayed, since its kernels read
@@ -89,8 +95,6 @@ class _Buffers:
     ids: Any
     pos: Any
     lrows: Any
-    stage: Any  # float16 (tcap, n_layer, Hkv*(Dk+Dv)) new keys/values, copied back to the host caches
-    stage_host: np.ndarray
     rchunk: int  # most logits rows per output-projection chunk
     hrows: Any = None  # (rows, d), rows <= rchunk, grown on demand
     logits: Any = None  # (rows, V)
@@ -100,14 +104,15 @@ class _Buffers:
 
 @dataclass
 class _Mirror:
-    """Device copy (float16) of one KVCache plus what is needed to check it is still current."""
+    """The device copy (float16) of one KVCache plus what is needed to check it is still current."""
 
     cap: int
     k: list  # per layer (Hkv, cap, Dk) float16
     v: list
     n_valid: int = 0
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    shadow: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # layer-0 keys as written
+    shadow: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # layer-0 keys, host form
+    epoch: int = -1  # the cache's host_epoch when the device last checked its host rows
     nbytes: int = 0
     last_used: int = 0
     graph: Any = None  # captured decode step
@@ -135,7 +140,6 @@ class _Plan:
     final_softcap: np.float32
     embed_scale: np.float32
     qkvw: int
-    kvw: int
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -480,8 +484,7 @@ class CudaBackend(Backend):
             d=c.n_embd, H=c.n_head, Hkv=c.n_head_kv, Dk=c.head_dim_k, Dv=c.head_dim_v, F=c.n_ff, V=c.n_vocab,
             n_layer=c.n_layer, eps=np.float32(desc.output_norm.eps), final_softcap=np.float32(desc.final_softcap),
             embed_scale=np.float32(desc.embed_scale),
-            qkvw=c.n_head * c.head_dim_k + c.n_head_kv * (c.head_dim_k + c.head_dim_v),
-            kvw=c.n_head_kv * (c.head_dim_k + c.head_dim_v))
+            qkvw=c.n_head * c.head_dim_k + c.n_head_kv * (c.head_dim_k + c.head_dim_v))
 
     @staticmethod
     def _unsupported(desc: Any) -> str:
@@ -553,7 +556,6 @@ class CudaBackend(Backend):
             gu=gu, ff=gu[:, :p.F],
             ip_dev=ip_dev, ip_host=pinned(3 * tcap, np.int32),
             ids=ip_dev[0:tcap], pos=ip_dev[tcap:2 * tcap], lrows=ip_dev[2 * tcap:3 * tcap],
-            stage=al((tcap, p.n_layer, p.kvw), np.float16), stage_host=pinned((tcap, p.n_layer, p.kvw), np.float16),
             rchunk=rchunk)
         b.nbytes = self._bytes["scratch"] - before
         self._bufs[key] = b
@@ -576,30 +578,39 @@ class CudaBackend(Backend):
         b.logits_host = self._host_buffer((rows, p.V), np.float32)
         b.nbytes += self._bytes["scratch"] - before
 
-    # KV mirrors ------------------------------------------------------------------------------------
+    # KV caches on the device ------------------------------------------------------------------------
     def _mirror(self, p: _Plan, cache: Any, need: int, busy: set) -> _Mirror:
-        """The device mirror of ``cache``, current for positions 0..n_past-1 and with room for ``need``."""
+        """The device copy of ``cache``, current for positions 0..n_past-1 and with room for ``need``."""
         m = self._mirrors.get(cache)
         p0 = cache.n_past
-        cap = 0
-        if m is not None and m.cap < need:  # grow: a new mirror, refilled from the host cache
-            cap = min(cache.n_ctx, max(need, 2 * m.cap))
-            self._drop_mirror(cache)
-            m = None
-        if m is None:
-            if not cap:
-                cap = min(cache.n_ctx, need if self.sim else max(need, MIN_KV_CAP))
-            self._evict(p, cap, busy)
-            k = [self._alloc((p.Hkv, cap, p.Dk), np.float16, "kv") for _ in range(p.n_layer)]
-            v = [self._alloc((p.Hkv, cap, p.Dv), np.float16, "kv") for _ in range(p.n_layer)]
-            m = _Mirror(cap=cap, k=k, v=v, tokens=np.zeros(cap, np.int32),
-                        shadow=np.zeros((cap, p.Hkv * p.Dk), np.float32))
-            m.nbytes = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
-            self._mirrors[cache] = m
+        if m is not None and m.cap < need:  # grow: a larger copy, filled on the device
+            old = m
+            m = self._new_mirror(p, cache, min(cache.n_ctx, max(need, 2 * old.cap)), busy)
+            n = old.n_valid
+            for src, dst in ((old.k, m.k), (old.v, m.v)):
+                for a, b in zip(src, dst):
+                    for h in range(p.Hkv):
+                        b[h, :n].copy_to_device(a[h, :n], **({} if self.sim else {"stream": self.stream}))
+            m.tokens[:n], m.shadow[:n] = old.tokens[:n], old.shadow[:n]
+            m.n_valid, m.epoch = n, old.epoch
+        elif m is None:
+            if cache.device_rows is not None:  # pragma: no cover - eviction and close copy rows back first
+                raise BackendError("a KV cache lost the rows only the device held")
+            m = self._new_mirror(p, cache, min(cache.n_ctx, need if self.sim else max(need, MIN_KV_CAP)), busy)
         if not self._mirror_current(m, cache, p0):
             self._upload_cache(p, m, cache, p0)
+        m.epoch = cache.host_epoch
         self._clock += 1
         m.last_used = self._clock
+        return m
+
+    def _new_mirror(self, p: _Plan, cache: Any, cap: int, busy: set) -> _Mirror:
+        self._evict(p, cap, busy)
+        k = [self._alloc((p.Hkv, cap, p.Dk), np.float16, "kv") for _ in range(p.n_layer)]
+        v = [self._alloc((p.Hkv, cap, p.Dv), np.float16, "kv") for _ in range(p.n_layer)]
+        m = _Mirror(cap=cap, k=k, v=v, tokens=np.zeros(cap, np.int32), shadow=np.zeros((cap, p.Hkv * p.Dk), np.float32))
+        m.nbytes = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
+        self._mirrors[cache] = m
         return m
 
     @staticmethod
@@ -608,24 +619,52 @@ class CudaBackend(Backend):
             return True
         if m.n_valid < p0 or not np.array_equal(m.tokens[:p0], cache.tokens[:p0]):
             return False
-        # a context shift, prefix copy or state load rewrites the newest row: compare layer 0's
-        return bool(np.array_equal(cache.k[0][:, p0 - 1, :].reshape(-1), m.shadow[p0 - 1]))
+        if m.epoch == cache.host_epoch:  # the host has not touched the rows since the device last looked
+            return True
+        # it has (and holds every row now): a context shift, prefix copy or state load rewrites the newest
+        # row, compare layer 0's (the raw array: KVCache.k would count another access)
+        return bool(np.array_equal(cache._k[0][:, p0 - 1, :].reshape(-1), m.shadow[p0 - 1]))
 
     def _upload_cache(self, p: _Plan, m: _Mirror, cache: Any, p0: int) -> None:
-        log.debug("uploading %d cached positions to a KV mirror", p0)
+        log.debug("uploading %d cached positions to the device", p0)
+        if cache.device_rows is not None:  # pragma: no cover - only a current mirror has rows the host lacks
+            raise BackendError("a KV cache's device rows would be overwritten by stale host rows")
         if p0:
             for i in range(p.n_layer):
-                k16 = cache.k[i][:, :p0, :].astype(np.float16)
-                v16 = cache.v[i][:, :p0, :].astype(np.float16)
+                k16 = cache._k[i][:, :p0, :].astype(np.float16)
+                v16 = cache._v[i][:, :p0, :].astype(np.float16)
                 for h in range(p.Hkv):
                     m.k[i][h, :p0].copy_to_device(np.ascontiguousarray(k16[h]))
                     m.v[i][h, :p0].copy_to_device(np.ascontiguousarray(v16[h]))
-            m.shadow[:p0] = cache.k[0][:, :p0, :].transpose(1, 0, 2).reshape(p0, -1)  # as the host holds it
+            m.shadow[:p0] = cache._k[0][:, :p0, :].transpose(1, 0, 2).reshape(p0, -1)  # as the host holds it
             m.tokens[:p0] = cache.tokens[:p0]
         m.n_valid = p0
         m.graph = None
 
+    def _flush(self, cache: Any) -> None:
+        """``KVCache.device_sync``: copy the rows only the device holds (``cache.device_rows``) into the
+        host arrays, float16-rounded as the device stores them. Called before any host access to them."""
+        with self._lock:
+            rows, cache.device_rows = cache.device_rows, None
+            m = self._mirrors.get(cache)
+            if rows is None:
+                return
+            if m is None:  # pragma: no cover - eviction and close copy rows back before dropping a copy
+                raise BackendError("a KV cache lost the rows only the device held")
+            lo, hi = rows[0], min(rows[1], cache.n_past, m.n_valid)
+            if hi <= lo:
+                return
+            log.debug("copying %d device-only positions back to the host cache", hi - lo)
+            self._sync()
+            for dev, host in ((m.k, cache._k), (m.v, cache._v)):
+                for i, a in enumerate(dev):
+                    for h in range(a.shape[0]):
+                        host[i, h, lo:hi] = a[h, lo:hi].copy_to_host()
+            m.shadow[lo:hi] = cache._k[0][:, lo:hi, :].transpose(1, 0, 2).reshape(hi - lo, -1)
+
     def _drop_mirror(self, cache: Any) -> None:
+        if cache.device_rows is not None:
+            self._flush(cache)
         self._mirrors.pop(cache, None)
 
     def _evict(self, p: _Plan, cap: int, busy: set) -> None:
@@ -693,9 +732,8 @@ class CudaBackend(Backend):
             else:
                 self._run(p, b, T, spans, mirrors, len(first))
             results_rows = self._collect_logits(p, b, rows, T)
-            self._d2h(b.stage[:T], b.stage_host[:T])
             self._sync()
-            self._write_back(p, b, spans, mirrors)
+            self._advance(spans, mirrors)
             return split_logits(spans, results_rows)
 
     def _h2d(self, dev: Any, host: np.ndarray) -> None:
@@ -751,7 +789,7 @@ class CudaBackend(Backend):
             for (seg, s0, _), m in zip(spans, mirrors):
                 n = seg.n_tokens
                 self._launch(K.kv_store, self._ew_grid(n * p.Hkv * max(p.Dk, p.Dv)), NT, b.qkv, b.pos, s0, n,
-                             kcol, vcol, p.Hkv, p.Dk, p.Dv, m.k[i], m.v[i], b.stage, i)
+                             kcol, vcol, p.Hkv, p.Dk, p.Dv, m.k[i], m.v[i])
                 self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
                              p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"])
             self._residual(p, b, L, "wo", b.attn, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
@@ -812,19 +850,16 @@ class CudaBackend(Backend):
             out[a:a + nb] = b.logits_host[:nb]
         return out
 
-    def _write_back(self, p: _Plan, b: _Buffers, spans: list, mirrors: list) -> None:
-        """New keys/values (float16-rounded, as the device holds them) into the host caches."""
-        kw = p.Hkv * p.Dk
-        for (seg, s0, p0), m in zip(spans, mirrors):
-            n = seg.n_tokens
-            cache = seg.cache
-            st = b.stage_host[s0:s0 + n]  # (n, L, Hkv*(Dk+Dv))
-            cache.k[:, :, p0:p0 + n, :] = st[:, :, :kw].reshape(n, p.n_layer, p.Hkv, p.Dk).transpose(1, 2, 0, 3)
-            cache.v[:, :, p0:p0 + n, :] = st[:, :, kw:].reshape(n, p.n_layer, p.Hkv, p.Dv).transpose(1, 2, 0, 3)
-            m.shadow[p0:p0 + n] = st[:, 0, :kw]  # float16 → float32, as just stored in the host cache
-            m.tokens[p0:p0 + n] = cache.tokens[p0:p0 + n]
-            m.n_valid = p0 + n
-            cache.n_past = p0 + n
+    def _advance(self, spans: list, mirrors: list) -> None:
+        """The caches grew by their segments' tokens, on the device only (see the module's docstring)."""
+        for (seg, _, p0), m in zip(spans, mirrors):
+            cache, p1 = seg.cache, p0 + seg.n_tokens
+            m.tokens[p0:p1] = cache.tokens[p0:p1]
+            m.n_valid = p1
+            cache.n_past = p1
+            r = cache.device_rows
+            cache.device_rows = (p0 if r is None else min(r[0], p0), p1)
+            cache.device_sync = self._flush
 
     # -- device-side helpers exposed for callers and benchmarks --------------------------------------
     def argmax(self, logits: np.ndarray) -> np.ndarray:
@@ -876,6 +911,12 @@ class CudaBackend(Backend):
         with self._lock:
             if self._closed:
                 return
+            for c in list(self._mirrors.keys()):  # the host arrays hold the caches from now on
+                try:
+                    self._drop_mirror(c)
+                except Exception as e:  # pragma: no cover - a failed device: those rows are lost
+                    log.warning("could not copy a KV cache back from the device: %s", e)
+                c.device_sync = None
             self._closed = True
             self._mirrors = weakref.WeakKeyDictionary()
             self._bufs.clear()

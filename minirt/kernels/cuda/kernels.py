@@ -466,12 +466,11 @@ def _make_kv_store() -> Any:
     """Append keys and values of rows row0..row0+n-1 to one sequence's cache layer (float16).
 
     k at qkv[:, kcol + h*Dk + d], v at qkv[:, vcol + h*Dv + d]; Kc (Hkv, cap, Dk), Vc (Hkv, cap, Dv)
-    float16 at positions pos[t]; stage float16 (Tcap, n_layer, Hkv*(Dk+Dv)) receives the stored
-    values so the host copy of the cache can be updated with one transfer.
+    float16 at positions pos[t] (the device cache is the cache: nothing is copied to the host).
     """
 
     @cuda.jit
-    def kv_store(qkv, pos, row0, n, kcol, vcol, Hkv, Dk, Dv, Kc, Vc, stage, layer):
+    def kv_store(qkv, pos, row0, n, kcol, vcol, Hkv, Dk, Dv, Kc, Vc):
         Dm = max(Dk, Dv)
         total = n * Hkv * Dm
         for idx in range(cuda.grid(1), total, cuda.gridsize(1)):
@@ -482,10 +481,8 @@ def _make_kv_store() -> Any:
             p = pos[t]
             if d < Dk:
                 Kc[h, p, d] = qkv[t, kcol + h * Dk + d]
-                stage[t, layer, h * Dk + d] = Kc[h, p, d]
             if d < Dv:
                 Vc[h, p, d] = qkv[t, vcol + h * Dv + d]
-                stage[t, layer, Hkv * Dk + h * Dv + d] = Vc[h, p, d]
 
     return kv_store
 
