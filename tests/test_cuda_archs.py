@@ -77,12 +77,10 @@ HOST_PATH = {
     "nemotron_h": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "nemotron_h_moe": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "falcon_h1": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
-    # mixtures of experts: the router and the chosen experts' matmuls run per op (only their rows are read)
-    "gpt_oss": "a mixture-of-experts feed-forward",
+    # gpt-oss's experts (biased, clamped SwiGLU): the router and the chosen experts' matmuls run per op
+    # (only their rows are read); olmoe, qwen2moe and qwen3moe run their experts in the device forward
+    "gpt_oss": "a mixture-of-experts feed-forward with activation 'swiglu_oai'",
     "granitemoe": "a logit scale",
-    "olmoe": "a mixture-of-experts feed-forward",
-    "qwen2moe": "a mixture-of-experts feed-forward",
-    "qwen3moe": "a mixture-of-experts feed-forward",
 }
 
 

@@ -117,10 +117,11 @@ _LAUNCHED: set = set()
 
 
 def _kernel_key(k, kern):
-    for name in ("rmsnorm", "rope", "kv_store", "attention", "act_mul", "bias_add", "softcap", "argmax"):
+    for name in ("rmsnorm", "rope", "kv_store", "attention", "act_mul", "bias_add", "softcap", "argmax", "route",
+                 "pairs_gather", "pairs_scatter", "moe_combine"):
         if getattr(k, name) is kern:
             return ("attr", name)
-    for table in ("_mv", "_glu", "_gemm", "_deq"):
+    for table in ("_mv", "_mvid", "_glu", "_gemm", "_deq"):
         for key, d in getattr(k, table).items():
             if d is kern:
                 return (table, key[0] if isinstance(key, tuple) else key)
@@ -242,6 +243,34 @@ def test_attention_and_kv_store(n, p0, H, Hkv, D, window, softcap):
 
     c = selfcheck.check_attention(_backend(), n, p0, H, Hkv, D, window, softcap, np.random.default_rng(p0))
     assert c.ok, str(c)
+
+
+@in_sim
+@pytest.mark.parametrize("gating,norm,selb,scale", [
+    ("softmax", False, False, 1.0),   # OLMoE
+    ("softmax", True, False, 1.0),    # Qwen3-MoE
+    ("sigmoid", True, True, 2.5),     # DeepSeek-V3 style: selection bias, scaled weights
+    ("softmax_topk", False, False, 1.0),  # gpt-oss
+])
+def test_route_kernel_matches_blocks_route(gating, norm, selb, scale):
+    """The device router's choice and weights against minirt.blocks.route on the same logits."""
+    from minirt import blocks
+    from minirt.kernels.cuda.backend import _GATING
+
+    rng = np.random.default_rng(len(gating) + norm)
+    T, E, k = 5, 12, 4
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    logits[0, 3] = logits[0, 7] = 5.0  # a tie: the lower id comes first
+    bias = rng.standard_normal(E).astype(np.float32) if selb else None
+    r = blocks.Router(gate=None, n_used=k, gating=gating, norm_topk=norm, scale=scale, selection_bias=bias)
+    ref_ids, ref_w = blocks.route(logits, r)
+    be = _backend()
+    ids, w = cuda.device_array(T * k, np.int32), cuda.device_array(T * k, np.float32)
+    be._launch(be.k.route, be._ew_grid(T), be.lc.threads, cuda.to_device(logits), T, E, k, _GATING[gating],
+               cuda.to_device(bias if selb else np.zeros(1, np.float32)), int(selb), int(norm), np.float32(scale),
+               ids, w)
+    assert (ids.copy_to_host().reshape(T, k) == ref_ids).all()
+    np.testing.assert_allclose(w.copy_to_host().reshape(T, k), ref_w, rtol=1e-5, atol=1e-7)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,6 +480,54 @@ def test_closing_the_device_copies_caches_back(tmp_path):
 
 
 @in_sim
+def test_moe_on_device_reads_only_the_chosen_experts(tmp_path, monkeypatch):
+    """A mixture of experts (qwen2moe's layout: routed experts and a gated shared expert) in the device
+    forward: prefill (tokens grouped by expert, each chosen expert run once over its tokens) and decode
+    (per-pair id tables) match the CPU pass. Then every expert a decode token does not choose is
+    overwritten with NaN blocks on the device: that token's logits stay finite and unchanged, so a
+    decode step reads only the chosen experts' rows."""
+    from minirt import blocks
+    from tests.test_cuda_archs import ARCH_DIR, shrink_gguf
+
+    path = tmp_path / "moe.gguf"
+    shrink_gguf(ARCH_DIR / "qwen2moe" / "model-q8_0.gguf", path, seed=5)
+    f = minirt.gguf.open(path)
+    be = _backend(f, launch=_fast_launch())
+    try:
+        cpu, dev = build(f, ReferenceBackend()), build(f, be)
+        plan = be._plan(dev)
+        assert plan is not None and plan.moe[0] > 0
+        ids = np.array([1, 17, 270, 5, 99]) % cpu.cfg.n_vocab
+        cc, gc = _cache(cpu), _cache(dev)
+        ref = cpu.forward(ids, [Segment(cc, 5, "all")])[0]
+        got = be.forward(dev, ids, [Segment(gc, 5, "all")])[0]
+        assert _rel(got, ref) < FWD_TOL
+        chosen, real_route = [], blocks.route
+
+        def spy(logits, r):
+            out = real_route(logits, r)
+            chosen.append(set(out[0].reshape(-1).tolist()))
+            return out
+
+        with monkeypatch.context() as mp:
+            mp.setattr(blocks, "route", spy)
+            ref = cpu.forward(np.array([11]), [Segment(cc, 1, "last")])[0]
+        moes = [L["moe"] for L in plan.layers if "moe" in L]
+        assert len(chosen) == len(moes)
+        for M, keep in zip(moes, chosen):
+            assert len(keep) < M["E"]
+            for key in ("gate", "up", "down"):
+                for e, dw in enumerate(M[key]):
+                    if e not in keep:
+                        dw.w8.copy_to_device(np.full(dw.w8.shape, 0xFF, np.uint8))  # f16 scales of NaN
+        got = be.forward(dev, np.array([11]), [Segment(gc, 1, "last")])[0]
+        assert np.isfinite(got).all() and _rel(got, ref) < FWD_TOL
+    finally:
+        be.close()
+        f.close()
+
+
+@in_sim
 def test_forward_prefill_through_blas_tiles(tmp_path, monkeypatch):
     """The prefill path that uses cuBLAS on a GPU (dequantized row tiles + SGEMM), with a stand-in
     SGEMM and a scratch so small that every projection is cut into several tiles."""
@@ -632,6 +709,8 @@ for (table, name), sig in pickle.load(open(sys.argv[1], "rb")):
         kernels = [getattr(k, name)]
     elif table == "_mv":
         kernels = [k.matvec(name, 0), k.matvec(name, 1 << 30)]  # both row layouts
+    elif table == "_mvid":
+        kernels = [k.matvec_id(name, 0), k.matvec_id(name, 1 << 30)]
     elif table == "_glu":
         kernels = [k.matvec_glu(name, 0), k.matvec_glu(name, 1 << 30)]
     elif table == "_gemm":

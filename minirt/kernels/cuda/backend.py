@@ -50,7 +50,7 @@ from ...errors import BackendError
 from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
 from . import simulator_active
-from .kernels import LaunchConfig, get_kernels
+from .kernels import MAX_EXPERTS_USED, LaunchConfig, get_kernels
 from .quant import SUPPORTED_TYPES, TYPE_SIZES
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,30 @@ class _Buffers:
     pos: Any
     lrows: Any
     rchunk: int  # most logits rows per output-projection chunk
+    moe: Any = None  # _MoEBuffers of a model with mixture-of-experts layers
     hrows: Any = None  # (rows, d), rows <= rchunk, grown on demand
     logits: Any = None  # (rows, V)
     logits_host: Any = None
     nbytes: int = 0
+
+
+@dataclass
+class _MoEBuffers:
+    """Mixture-of-experts scratch for up to tcap tokens choosing k experts each (P = tcap * k pairs)."""
+
+    rl: Any  # (tcap, E) router logits
+    ids: Any  # int32 (P,) chosen experts, pair j = t * k + slot
+    w: Any  # (P,) their weights
+    eg: Any  # (P, 2 Fe) an expert's gate | up per pair (prefill: per row of one expert's group)
+    ea: Any  # (P, Fe) view of eg[:, :Fe]: the gated activation
+    ey: Any  # (P, d) each pair's expert output
+    xg: Any  # (tcap, d) one expert's gathered inputs (prefill)
+    yg: Any  # (tcap, d) its outputs
+    sh: Any  # (tcap, d) the shared expert's output
+    sg: Any  # (tcap, 1) the shared expert's gate logit
+    order: Any  # int32 (P,) pairs sorted by expert (prefill)
+    ids_host: np.ndarray
+    order_host: np.ndarray
 
 
 @dataclass
@@ -140,9 +160,11 @@ class _Plan:
     final_softcap: np.float32
     embed_scale: np.float32
     qkvw: int
+    moe: tuple[int, int, int] = (0, 0, 0)  # largest (experts, experts per token, expert width); 0: no MoE
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
+_GATING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
 
 class CudaBackend(Backend):
@@ -447,11 +469,21 @@ class CudaBackend(Backend):
             log.info("the embedding or output matrix stays on the host; using per-op CUDA matmuls")
             return None
         layers = []
+        widths, moe_dims = [0], [(0, 0, 0)]
         for blk in desc.blocks:
             a, m = blk.attn, blk.mlp
             L: dict[str, Any] = {}
-            for key, lin in (("wq", a.wq), ("wk", a.wk), ("wv", a.wv), ("wo", a.wo), ("gate", m.gate), ("up", m.up),
-                             ("down", m.down)):
+            dense = m.shared if isinstance(m, MoE) else m  # the MLP run by _mlp (a MoE's shared expert)
+            mats = [("wq", a.wq), ("wk", a.wk), ("wv", a.wv), ("wo", a.wo)]
+            if dense is not None:
+                mats += [("gate", dense.gate), ("up", dense.up), ("down", dense.down)]
+                widths.append(dense.n_ff)
+            if isinstance(m, MoE):
+                L["moe"] = self._moe_plan(m)
+                if L["moe"] is None:
+                    return None
+                moe_dims.append((m.n_expert, m.router.n_used, m.n_ff))
+            for key, lin in mats:
                 dw = self.weight(lin)
                 if dw is None:
                     log.info("tensor %s stays on the host; using per-op CUDA matmuls", lin.name)
@@ -469,22 +501,58 @@ class CudaBackend(Backend):
             L["neox"] = int(a.rope.neox) if a.rope is not None else 0
             L["window"], L["scale"], L["softcap"] = int(a.window), np.float32(a.scale), np.float32(a.softcap)
             L["eps"] = np.float32(next(n.eps for n in (blk.attn_norm, blk.ffn_norm, a.q_norm) if n is not None))
-            L["act"] = _ACTS[m.act]
-            L["glu"] = L["gate"].qtype == L["up"].qtype
+            if dense is not None:
+                L["act"] = _ACTS[dense.act]
+                L["glu"] = L["gate"].qtype == L["up"].qtype
+                L["F"] = dense.n_ff
             layers.append(L)
         if c.head_dim_k > self.lc.max_head_dim or c.head_dim_v > self.lc.max_head_dim:
             log.info("head size %d exceeds the attention kernel's %d", max(c.head_dim_k, c.head_dim_v),
                      self.lc.max_head_dim)
             return None
         # row indices for every weight's tiles, allocated once (no reallocation while kernels run)
-        self._arange_dev(max(c.n_vocab, 2 * c.n_ff, c.n_embd, 1024))
+        F = max(widths)
+        self._arange_dev(max(c.n_vocab, 2 * F, c.n_embd, 1024))
         return _Plan(
             layers=layers, tok_embd=tok, output=out, output_norm=self._vector(desc.output_norm.weight),
             post_norms=any(b.post_attn_norm is not None or b.post_ffn_norm is not None for b in desc.blocks),
-            d=c.n_embd, H=c.n_head, Hkv=c.n_head_kv, Dk=c.head_dim_k, Dv=c.head_dim_v, F=c.n_ff, V=c.n_vocab,
+            d=c.n_embd, H=c.n_head, Hkv=c.n_head_kv, Dk=c.head_dim_k, Dv=c.head_dim_v, F=F, V=c.n_vocab,
             n_layer=c.n_layer, eps=np.float32(desc.output_norm.eps), final_softcap=np.float32(desc.final_softcap),
             embed_scale=np.float32(desc.embed_scale),
-            qkvw=c.n_head * c.head_dim_k + c.n_head_kv * (c.head_dim_k + c.head_dim_v))
+            qkvw=c.n_head * c.head_dim_k + c.n_head_kv * (c.head_dim_k + c.head_dim_v),
+            moe=tuple(max(x) for x in zip(*moe_dims)))
+
+    def _moe_plan(self, m: MoE) -> dict[str, Any] | None:
+        """Device weights and settings of a mixture-of-experts feed-forward (None: an expert stays on the host).
+
+        Each expert set (gate, up, down) is one stacked device matrix of its 3-D tensor plus a table of
+        every expert's first row in it (fused gate_up tensors: two tables into the same matrix); the
+        per-expert views serve prefill, which runs each chosen expert once over its tokens."""
+        r = m.router
+        router = self.weight(r.gate)
+        M: dict[str, Any] = {"router": router, "router.bias": self._vector(r.gate.bias) if r.gate.bias is not None
+                             else None, "E": m.n_expert, "k": r.n_used, "Fe": m.n_ff, "act": _ACTS[m.act],
+                             "gating": _GATING[r.gating], "norm": int(r.norm_topk), "scale": np.float32(r.scale),
+                             "selb": self._vector(r.selection_bias) if r.selection_bias is not None else None}
+        if router is None:
+            log.info("tensor %s stays on the host; using per-op CUDA matmuls", r.gate.name)
+            return None
+        for key, lins in (("gate", m.gate), ("up", m.up), ("down", m.down)):
+            views = [self.weight(lin) for lin in lins]
+            whole = self.weights.get(lins[0].parent[0]) if lins[0].parent is not None else None
+            if any(v is None for v in views) or whole is None:
+                log.info("experts %s stay on the host; using per-op CUDA matmuls", lins[0].name)
+                return None
+            M[key] = views
+            M[key + ".all"] = whole
+            M[key + ".off"] = cuda.to_device(np.array([lin.parent[1] for lin in lins], np.int32))
+        sg = m.shared_gate
+        M["shared_gate"] = None
+        if sg is not None:  # (1, d), a 1-D tensor in the file: a float32 device row, dequantized once
+            M["shared_gate"] = self.weight(sg) or self.add_weight(
+                sg.name, "F32", self.dequantize_rows(sg.w, sg.qtype, sg.in_features).view(np.uint8))
+            M["shared_gate.bias"] = self._vector(sg.bias) if sg.bias is not None else None
+        return M
 
     @staticmethod
     def _unsupported(desc: Any) -> str:
@@ -507,8 +575,13 @@ class CudaBackend(Backend):
         b0 = desc.blocks[0]
         for i, b in enumerate(desc.blocks):
             a, m = b.attn, b.mlp
-            if isinstance(m, (MoE, ParallelMoE)) or isinstance(b0.mlp, (MoE, ParallelMoE)):
-                return f"layer {i}: a mixture-of-experts feed-forward"
+            if isinstance(m, ParallelMoE):
+                return f"layer {i}: a mixture-of-experts feed-forward beside a dense MLP"
+            if isinstance(m, MoE):
+                why = CudaBackend._moe_unsupported(m)
+                if why:
+                    return f"layer {i}: a mixture-of-experts feed-forward {why}"
+                m = m.shared
             norms = [b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm]
             if b.parallel or b.residual_scale != 1.0:
                 return f"layer {i}: parallel blocks / residual scaling"
@@ -518,7 +591,7 @@ class CudaBackend(Backend):
                 return f"layer {i}: norms other than RMSNorm with gains"
             if len({float(n.eps) for n in norms if n is not None}) > 1:
                 return f"layer {i}: norms with different eps"
-            if m.gate is None or m.act not in _ACTS:
+            if m is not None and (m.gate is None or m.act not in _ACTS):
                 return f"layer {i}: an MLP without gate or with activation {m.act!r}"
             if a.sinks is not None or a.qk_norm_after_rope:
                 return f"layer {i}: attention sinks or q/k norms after RoPE"
@@ -528,10 +601,28 @@ class CudaBackend(Backend):
                 return f"layer {i}: non-causal attention or norms of the residual sum"
             if a.rope is not None and a.rope.mscale() != 1.0:
                 return f"layer {i}: RoPE with a magnitude factor"
-            if (a.n_head, m.down.in_features) != (b0.attn.n_head, b0.mlp.down.in_features):
-                return f"layer {i}: head count or MLP width differs between layers"
+            if a.n_head != b0.attn.n_head:
+                return f"layer {i}: the head count differs between layers"
             if (a.q_norm is None) != (a.k_norm is None):
                 return f"layer {i}: a q norm without k norm"
+        return ""
+
+    @staticmethod
+    def _moe_unsupported(m: MoE) -> str:
+        """What the device's experts cannot run of a MoE ('' if nothing)."""
+        r = m.router
+        if m.gate is None or m.act not in _ACTS:
+            return f"with activation {m.act!r}"
+        if any(lin.bias is not None for lin in m.gate + m.up + m.down):
+            return "with biased experts"
+        if r.gating not in _GATING or r.n_used > MAX_EXPERTS_USED:
+            return f"with {r.gating} gating of {r.n_used} experts"
+        if any(lin.parent is None for lin in (m.gate[0], m.up[0], m.down[0])):
+            return "whose experts are not rows of 3-D tensors"
+        if m.shared is not None and (m.shared.gate is None or m.shared.act not in _ACTS):
+            return f"with a shared expert of activation {m.shared.act!r}"
+        if m.shared_gate is not None and m.shared_gate.out_features != 1:
+            return "with a shared-expert gate of more than one row"
         return ""
 
     def _buffers(self, p: _Plan, T: int) -> _Buffers:
@@ -557,6 +648,15 @@ class CudaBackend(Backend):
             ip_dev=ip_dev, ip_host=pinned(3 * tcap, np.int32),
             ids=ip_dev[0:tcap], pos=ip_dev[tcap:2 * tcap], lrows=ip_dev[2 * tcap:3 * tcap],
             rchunk=rchunk)
+        if p.moe[0]:
+            E, k, Fe = p.moe
+            P = tcap * k
+            eg = al((P, 2 * Fe), np.float32)
+            b.moe = _MoEBuffers(rl=al((tcap, E), np.float32), ids=al(P, np.int32), w=al(P, np.float32), eg=eg,
+                                ea=eg[:, :Fe], ey=al((P, p.d), np.float32), xg=al((tcap, p.d), np.float32),
+                                yg=al((tcap, p.d), np.float32), sh=al((tcap, p.d), np.float32),
+                                sg=al((tcap, 1), np.float32), order=al(P, np.int32),
+                                ids_host=pinned(P, np.int32), order_host=pinned(P, np.int32))
         b.nbytes = self._bytes["scratch"] - before
         self._bufs[key] = b
         return b
@@ -794,8 +894,11 @@ class CudaBackend(Backend):
                              p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"])
             self._residual(p, b, L, "wo", b.attn, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
             self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, eps, 0)
-            self._mlp(p, L, b, T)
-            self._residual(p, b, L, "down", b.ff, T, L["post_ffn_norm"], ar)
+            if "moe" in L:
+                self._moe(p, L, b, T, ar)
+            else:
+                self._mlp(p, L, b, T)
+                self._residual(p, b, L, "down", b.ff, T, L["post_ffn_norm"], ar)
         if nrows:
             self._logits_chunk(p, b, nrows)
 
@@ -813,18 +916,77 @@ class CudaBackend(Backend):
                      D, eps, add)
 
     def _mlp(self, p: _Plan, L: dict, b: _Buffers, T: int) -> None:
-        """ff = act(Wgate·h) * (Wup·h)."""
-        lc = self.lc
+        """ff[:, :F] = act(Wgate·h) * (Wup·h), F the layer's width."""
+        lc, F = self.lc, L["F"]
         if L["glu"] and T <= lc.mv_max_tokens and L["gate.bias"] is None and L["up.bias"] is None:
             g, u = L["gate"], L["up"]
             rpb = lc.mv_threads // lc.tpr(p.d)
-            grid = (lc.grid((p.F + rpb - 1) // rpb), lc.grid_y(T))
+            grid = (lc.grid((F + rpb - 1) // rpb), lc.grid_y(T))
             self._launch(self.k.matvec_glu(g.qtype, p.d), grid, lc.mv_threads, *g.args, *u.args, b.h, T, b.ff, L["act"],
-                         p.F, p.d)
+                         F, p.d)
             return
         self._mm(L["gate"], b.h, T, b.gu, 0, L["gate.bias"])
-        self._mm(L["up"], b.h, T, b.gu, p.F, L["up.bias"])
-        self._launch(self.k.act_mul, self._ew_grid(T * p.F), lc.threads, b.gu, b.ff, T, p.F, L["act"])
+        self._mm(L["up"], b.h, T, b.gu, F, L["up.bias"])
+        self._launch(self.k.act_mul, self._ew_grid(T * F), lc.threads, b.gu, b.ff, T, F, L["act"])
+
+    def _moe(self, p: _Plan, L: dict, b: _Buffers, T: int, ar: Any) -> None:
+        """x += [post-norm](sum over the chosen experts of w · expert(h) + [gate ·] shared(h)).
+
+        The router and the choice run on the device. Up to mv_max_tokens tokens (decode, captured in
+        the graph) every (token, slot) pair's matvecs read its expert's rows through the id table;
+        more tokens (prefill) are grouped by expert on the host from the chosen ids, and each chosen
+        expert runs once over all its tokens (gathered, then its outputs scattered back to the pairs)."""
+        M, B, lc, K = L["moe"], b.moe, self.lc, self.k
+        E, k, Fe, act, d = M["E"], M["k"], M["Fe"], M["act"], p.d
+        P = T * k
+        self._mm(M["router"], b.h, T, B.rl, 0, M["router.bias"])
+        selb = M["selb"]
+        self._launch(K.route, self._ew_grid(T), lc.threads, B.rl, T, E, k, M["gating"],
+                     selb if selb is not None else self._dummy_bias, int(selb is not None), M["norm"], M["scale"],
+                     B.ids, B.w)
+        if T <= lc.mv_max_tokens:
+            self._mm_id(M["gate.all"], M["gate.off"], B.ids, b.h, k, P, B.eg, 0, Fe)
+            self._mm_id(M["up.all"], M["up.off"], B.ids, b.h, k, P, B.eg, Fe, Fe)
+            self._launch(K.act_mul, self._ew_grid(P * Fe), lc.threads, B.eg, B.ea, P, Fe, act)
+            self._mm_id(M["down.all"], M["down.off"], B.ids, B.ea, 1, P, B.ey, 0, d)
+        else:
+            self._d2h(B.ids[:P], B.ids_host[:P])
+            self._sync()
+            ids = B.ids_host[:P]
+            B.order_host[:P] = np.argsort(ids, kind="stable")
+            self._h2d(B.order[:P], B.order_host[:P])
+            counts = np.bincount(ids, minlength=E)
+            start = 0
+            for e in np.flatnonzero(counts):
+                n = int(counts[e])
+                self._launch(K.pairs_gather, self._ew_grid(n * d), lc.threads, b.h, B.order, start, n, k, B.xg, d)
+                self._mm(M["gate"][e], B.xg, n, B.eg, 0)
+                self._mm(M["up"][e], B.xg, n, B.eg, Fe)
+                self._launch(K.act_mul, self._ew_grid(n * Fe), lc.threads, B.eg, B.ea, n, Fe, act)
+                self._mm(M["down"][e], B.ea, n, B.yg, 0)
+                self._launch(K.pairs_scatter, self._ew_grid(n * d), lc.threads, B.yg, B.order, start, n, B.ey, d)
+                start += n
+        has_sh, sg = "gate" in L, M["shared_gate"]
+        if has_sh:
+            self._mlp(p, L, b, T)
+            self._mm(L["down"], b.ff, T, B.sh, 0, L["down.bias"])
+            if sg is not None:
+                self._mm(sg, b.h, T, B.sg, 0, M["shared_gate.bias"])
+        post = L["post_ffn_norm"]
+        out = b.x if post is None else b.a
+        self._launch(K.moe_combine, self._ew_grid(T * d), lc.threads, out, int(post is None), B.ey, B.w, T, k, d,
+                     B.sh, int(has_sh), B.sg, int(has_sh and sg is not None))
+        if post is not None:
+            self._norm(b.a, ar, post, b.x, T, 0, 1, d, L["eps"], 1)
+
+    def _mm_id(self, dw: DeviceWeight, off: Any, ids: Any, x: Any, xdiv: int, P: int, y: Any, ycol: int,
+               N: int) -> None:
+        """``y[j, ycol:ycol+N] = x[j // xdiv] @ W_e.T`` for pairs j < P, e = ids[j], W_e the N rows of ``dw``
+        from off[e]."""
+        lc, K = self.lc, dw.cols
+        rpb = lc.mv_threads // lc.tpr(K)
+        self._launch(self.k.matvec_id(dw.qtype, K), (lc.grid((N + rpb - 1) // rpb), lc.grid_y(P)), lc.mv_threads,
+                     dw.w8, dw.w16, dw.w32, off, ids, x, xdiv, P, y, ycol, N, K)
 
     def _logits_chunk(self, p: _Plan, b: _Buffers, nrows: int) -> None:
         """logits[:nrows] = output(norm(x[lrows[:nrows]])) (soft-capped when the model says so)."""

@@ -145,6 +145,10 @@ class Kernels:
         self.bias_add = _make_bias_add()
         self.softcap = _make_softcap()
         self.argmax = _make_argmax(NT)
+        self.route = _make_route()
+        self.pairs_gather, self.pairs_scatter = _make_pair_moves()
+        self.moe_combine = _make_moe_combine()
+        self._mvid: dict[tuple[str, int], Any] = {}
 
     # per-type kernels ------------------------------------------------------------------------
     def matvec(self, qtype: str, K: int) -> Any:
@@ -153,6 +157,14 @@ class Kernels:
         k = self._mv.get((qtype, tpr))
         if k is None:
             k = self._mv[(qtype, tpr)] = _make_matvec(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
+        return k
+
+    def matvec_id(self, qtype: str, K: int) -> Any:
+        """As :meth:`matvec` with each (token, slot) pair's rows chosen by an expert id."""
+        tpr = self.cfg.tpr(K)
+        k = self._mvid.get((qtype, tpr))
+        if k is None:
+            k = self._mvid[(qtype, tpr)] = _make_matvec_id(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
         return k
 
     def matvec_glu(self, qtype: str, K: int) -> Any:
@@ -239,6 +251,54 @@ def _make_matvec(deq: Callable, THREADS: int, TPR: int) -> Any:
                     cuda.syncthreads()
 
     return matvec
+
+
+def _make_matvec_id(deq: Callable, THREADS: int, TPR: int) -> Any:
+    """Decode matvecs of the chosen experts, every (token, slot) pair with its own expert's rows.
+
+    ``y[j, ycol + r] = sum_c W[off[ids[j]] + r, c] * x[j // xdiv, c]`` for pairs j < P, rows r < N:
+    W (n_expert * N (+ more), K) quantized, the experts' rows stacked (the 3-D GGUF tensor); off
+    (n_expert,) int32 the first row of each expert; ids (P,) int32; x (>= P / xdiv, K); y (P, >= ycol + N).
+    Only the chosen experts' rows are read. Launch as :func:`_make_matvec` with the pairs along y.
+    """
+    RPB = THREADS // TPR
+
+    @cuda.jit
+    def matvec_id(w8, w16, w32, off, ids, x, xdiv, P, y, ycol, N, K):
+        tid = cuda.threadIdx.x
+        rr = tid // TPR
+        lane = tid - rr * TPR
+        red = cuda.shared.array(THREADS, float32)
+        vals = cuda.local.array(GROUP, float32)
+        ng = K // GROUP
+        for j in range(cuda.blockIdx.y, P, cuda.gridDim.y):
+            base = off[ids[j]]
+            t = j // xdiv
+            for r0 in range(cuda.blockIdx.x * RPB, N, cuda.gridDim.x * RPB):
+                r = r0 + rr
+                s = float32(0.0)
+                if r < N:
+                    for g in range(lane, ng, TPR):
+                        c = g * GROUP
+                        deq(w8, w16, w32, base + r, c, vals)
+                        for i in range(GROUP):
+                            s += vals[i] * x[t, c + i]
+                if TPR > 1:
+                    red[tid] = s
+                    cuda.syncthreads()
+                    st = TPR // 2
+                    while st > 0:
+                        if lane < st:
+                            red[tid] += red[tid + st]
+                        cuda.syncthreads()
+                        st //= 2
+                    s = red[tid]
+                if lane == 0 and r < N:
+                    y[j, ycol + r] = s
+                if TPR > 1:
+                    cuda.syncthreads()
+
+    return matvec_id
 
 
 def _make_matvec_glu(deq: Callable, THREADS: int, TPR: int) -> Any:
@@ -569,6 +629,129 @@ def _make_act_mul() -> Any:
             out[t, c] = a * gu[t, F + c]
 
     return act_mul
+
+
+MAX_EXPERTS_USED = 16  # most experts a token may choose (route's local array)
+
+
+def _make_route() -> Any:
+    """The router's choice per token, as :func:`minirt.blocks.route`, one thread per token.
+
+    rl (>= T, E) router logits; gating 0 softmax, 1 sigmoid, 2 softmax over the chosen logits;
+    selb (E,) selection bias (used when has_selb); ids (T * k,) int32 the chosen experts in
+    descending order of score (ties: lower id first); w (T * k,) their weights, renormalised to sum
+    1 when ``norm`` and times ``scale``.
+    """
+
+    @cuda.jit(device=True)
+    def prob(rl, t, e, gating, mx, ssum):
+        v = rl[t, e]
+        if gating == 0:
+            return math.exp(v - mx) / ssum
+        if gating == 1:
+            return float32(1.0) / (float32(1.0) + math.exp(-v))
+        return v
+
+    @cuda.jit
+    def route(rl, T, E, k, gating, selb, has_selb, norm, scale, ids, w):
+        chosen = cuda.local.array(MAX_EXPERTS_USED, int32)
+        for t in range(cuda.grid(1), T, cuda.gridsize(1)):
+            mx = rl[t, 0]
+            for e in range(1, E):
+                mx = max(mx, rl[t, e])
+            ssum = float32(0.0)
+            if gating == 0:
+                for e in range(E):
+                    ssum += math.exp(rl[t, e] - mx)
+            for s in range(k):
+                best = -1
+                bv = float32(0.0)
+                for e in range(E):
+                    taken = False
+                    for q in range(s):
+                        if chosen[q] == e:
+                            taken = True
+                    if taken:
+                        continue
+                    v = prob(rl, t, e, gating, mx, ssum)
+                    if has_selb:
+                        v += selb[e]
+                    if best < 0 or v > bv:
+                        best = e
+                        bv = v
+                chosen[s] = best
+                ids[t * k + s] = best
+                w[t * k + s] = prob(rl, t, best, gating, mx, ssum)
+            if gating == 2:  # softmax among the chosen
+                m2 = w[t * k]
+                for s in range(1, k):
+                    m2 = max(m2, w[t * k + s])
+                tot = float32(0.0)
+                for s in range(k):
+                    w[t * k + s] = math.exp(w[t * k + s] - m2)
+                    tot += w[t * k + s]
+                for s in range(k):
+                    w[t * k + s] /= tot
+            if norm:
+                tot = float32(0.0)
+                for s in range(k):
+                    tot += w[t * k + s]
+                tot = max(tot, float32(6.103515625e-5))  # as llama.cpp: f16's smallest normal
+                for s in range(k):
+                    w[t * k + s] /= tot
+            for s in range(k):
+                w[t * k + s] *= scale
+
+    return route
+
+
+def _make_pair_moves() -> tuple[Any, Any]:
+    """Prefill's grouping of (token, slot) pairs by expert: ``order`` (P,) int32 holds pair indices
+    t * k + slot sorted by expert; an expert's pairs are order[start:start + n].
+
+    pairs_gather: dst[j, :d] = src[order[start + j] // k, :d] (the tokens' inputs, j < n);
+    pairs_scatter: dst[order[start + j], :d] = src[j, :d] (the expert's outputs to their pairs).
+    """
+
+    @cuda.jit
+    def pairs_gather(src, order, start, n, k, dst, d):
+        for idx in range(cuda.grid(1), n * d, cuda.gridsize(1)):
+            j = idx // d
+            c = idx - j * d
+            dst[j, c] = src[order[start + j] // k, c]
+
+    @cuda.jit
+    def pairs_scatter(src, order, start, n, dst, d):
+        for idx in range(cuda.grid(1), n * d, cuda.gridsize(1)):
+            j = idx // d
+            c = idx - j * d
+            dst[order[start + j], c] = src[j, c]
+
+    return pairs_gather, pairs_scatter
+
+
+def _make_moe_combine() -> Any:
+    """out[t, c] = (out[t, c] if acc) + sum_s w[t*k + s] * ey[t*k + s, c]
+    + (sigmoid(sgl[t, 0]) if has_sg else 1) * sh[t, c] (if has_sh), for t < T, c < d."""
+
+    @cuda.jit
+    def moe_combine(out, acc, ey, w, T, k, d, sh, has_sh, sgl, has_sg):
+        for idx in range(cuda.grid(1), T * d, cuda.gridsize(1)):
+            t = idx // d
+            c = idx - t * d
+            v = float32(0.0)
+            for s in range(k):
+                v += w[t * k + s] * ey[t * k + s, c]
+            if has_sh:
+                g = float32(1.0)
+                if has_sg:
+                    g = float32(1.0) / (float32(1.0) + math.exp(-sgl[t, 0]))
+                v += g * sh[t, c]
+            if acc:
+                v += out[t, c]
+            out[t, c] = v
+
+    return moe_combine
 
 
 def _make_bias_add() -> Any:
