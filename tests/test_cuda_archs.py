@@ -66,7 +66,6 @@ HOST_PATH = {
     "granite": "a logit scale",
     "hunyuan_dense": "q/k norms after RoPE",
     "olmo2": "a block without pre-norms",
-    "phi3": "RoPE with a magnitude factor",
     "gemma4": "per-layer inputs or layers with different KV shapes",
     "lfm2": "a short convolution mixer",
     "lfm2moe": "a short convolution mixer",
@@ -77,9 +76,6 @@ HOST_PATH = {
     "nemotron_h": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "nemotron_h_moe": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "falcon_h1": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
-    # gpt-oss's experts (biased, clamped SwiGLU): the router and the chosen experts' matmuls run per op
-    # (only their rows are read); olmoe, qwen2moe and qwen3moe run their experts in the device forward
-    "gpt_oss": "a mixture-of-experts feed-forward with activation 'swiglu_oai'",
     "granitemoe": "a logit scale",
 }
 

@@ -232,16 +232,19 @@ def test_layer_kernels_match_numpy():
 
 
 @in_sim
-@pytest.mark.parametrize("n,p0,H,Hkv,D,window,softcap", [
-    (3, 4, 4, 2, 8, 0, 0.0),    # GQA, a prefill chunk after 4 cached positions
-    (2, 9, 2, 1, 8, 3, 0.0),    # sliding window of 3
-    (1, 5, 2, 2, 4, 0, 20.0),   # decode, soft-capped scores
-    (1, 0, 3, 1, 8, 0, 0.0),    # the very first token; odd head count
+@pytest.mark.parametrize("n,p0,H,Hkv,D,window,softcap,sinks", [
+    (3, 4, 4, 2, 8, 0, 0.0, False),    # GQA, a prefill chunk after 4 cached positions
+    (2, 9, 2, 1, 8, 3, 0.0, False),    # sliding window of 3
+    (1, 5, 2, 2, 4, 0, 20.0, False),   # decode, soft-capped scores
+    (1, 0, 3, 1, 8, 0, 0.0, False),    # the very first token; odd head count
+    (3, 6, 4, 2, 8, 0, 0.0, True),     # attention sinks (gpt-oss)
+    (1, 9, 4, 1, 8, 4, 0.0, True),     # sinks on a sliding-window layer, decode
 ])
-def test_attention_and_kv_store(n, p0, H, Hkv, D, window, softcap):
+def test_attention_and_kv_store(n, p0, H, Hkv, D, window, softcap, sinks):
     from minirt.kernels.cuda import selfcheck
 
-    c = selfcheck.check_attention(_backend(), n, p0, H, Hkv, D, window, softcap, np.random.default_rng(p0))
+    c = selfcheck.check_attention(_backend(), n, p0, H, Hkv, D, window, softcap, np.random.default_rng(p0),
+                                  sinks=sinks)
     assert c.ok, str(c)
 
 

@@ -165,6 +165,8 @@ class _Plan:
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
 _GATING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
+_EXPERT_ACTS = {**_ACTS, "swiglu_oai": 2}  # act_mul's kinds (the fused dense GLU kernel has the first two)
+_NO_PARAM = np.float32(0.0)
 
 
 class CudaBackend(Backend):
@@ -499,6 +501,8 @@ class CudaBackend(Backend):
             L["inv"] = cuda.to_device(np.ascontiguousarray(a.rope.inv_freq())) if a.rope is not None else None
             L["rope_dim"] = a.rope.dim if a.rope is not None else 0
             L["neox"] = int(a.rope.neox) if a.rope is not None else 0
+            L["msc"] = np.float64(a.rope.mscale()) if a.rope is not None else np.float64(1.0)
+            L["sinks"] = self._vector(a.sinks) if a.sinks is not None else None
             L["window"], L["scale"], L["softcap"] = int(a.window), np.float32(a.scale), np.float32(a.softcap)
             L["eps"] = np.float32(next(n.eps for n in (blk.attn_norm, blk.ffn_norm, a.q_norm) if n is not None))
             if dense is not None:
@@ -531,7 +535,9 @@ class CudaBackend(Backend):
         r = m.router
         router = self.weight(r.gate)
         M: dict[str, Any] = {"router": router, "router.bias": self._vector(r.gate.bias) if r.gate.bias is not None
-                             else None, "E": m.n_expert, "k": r.n_used, "Fe": m.n_ff, "act": _ACTS[m.act],
+                             else None, "E": m.n_expert, "k": r.n_used, "Fe": m.n_ff, "act": _EXPERT_ACTS[m.act],
+                             "act_params": tuple(np.float32(v) for v in m.act_params) if m.act == "swiglu_oai"
+                             else (_NO_PARAM, _NO_PARAM),
                              "gating": _GATING[r.gating], "norm": int(r.norm_topk), "scale": np.float32(r.scale),
                              "selb": self._vector(r.selection_bias) if r.selection_bias is not None else None}
         if router is None:
@@ -546,6 +552,15 @@ class CudaBackend(Backend):
             M[key] = views
             M[key + ".all"] = whole
             M[key + ".off"] = cuda.to_device(np.array([lin.parent[1] for lin in lins], np.int32))
+            # biased experts (gpt-oss): one bias per row of the stacked matrix (decode), each expert's own (prefill)
+            M[key + ".biases"] = [self._vector(lin.bias) if lin.bias is not None else None for lin in lins]
+            M[key + ".bias"] = None
+            if any(lin.bias is not None for lin in lins):
+                full = np.zeros(whole.rows, np.float32)
+                for lin in lins:
+                    if lin.bias is not None:
+                        full[lin.parent[1]:lin.parent[1] + lin.out_features] = lin.bias
+                M[key + ".bias"] = self._vector(full)
         sg = m.shared_gate
         M["shared_gate"] = None
         if sg is not None:  # (1, d), a 1-D tensor in the file: a float32 device row, dequantized once
@@ -593,14 +608,12 @@ class CudaBackend(Backend):
                 return f"layer {i}: norms with different eps"
             if m is not None and (m.gate is None or m.act not in _ACTS):
                 return f"layer {i}: an MLP without gate or with activation {m.act!r}"
-            if a.sinks is not None or a.qk_norm_after_rope:
-                return f"layer {i}: attention sinks or q/k norms after RoPE"
+            if a.qk_norm_after_rope:
+                return f"layer {i}: q/k norms after RoPE"
             if a.kv_source is not None or a.v_norm is not None or b.per_layer is not None or b.out_scale != 1.0:
                 return f"layer {i}: KV shared with another layer, a value norm, per-layer inputs or an output scale"
             if not a.causal or b.norm_residual:
                 return f"layer {i}: non-causal attention or norms of the residual sum"
-            if a.rope is not None and a.rope.mscale() != 1.0:
-                return f"layer {i}: RoPE with a magnitude factor"
             if a.n_head != b0.attn.n_head:
                 return f"layer {i}: the head count differs between layers"
             if (a.q_norm is None) != (a.k_norm is None):
@@ -611,10 +624,8 @@ class CudaBackend(Backend):
     def _moe_unsupported(m: MoE) -> str:
         """What the device's experts cannot run of a MoE ('' if nothing)."""
         r = m.router
-        if m.gate is None or m.act not in _ACTS:
+        if m.gate is None or m.act not in _EXPERT_ACTS:
             return f"with activation {m.act!r}"
-        if any(lin.bias is not None for lin in m.gate + m.up + m.down):
-            return "with biased experts"
         if r.gating not in _GATING or r.n_used > MAX_EXPERTS_USED:
             return f"with {r.gating} gating of {r.n_used} experts"
         if any(lin.parent is None for lin in (m.gate[0], m.up[0], m.down[0])):
@@ -885,13 +896,14 @@ class CudaBackend(Backend):
                 self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, hk, dh or p.Hkv * p.Dk, eps, 0)
             if L["inv"] is not None:
                 self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (L["rope_dim"] // 2)), NT,
-                             b.qkv, b.pos, 0, T, 0, p.H + p.Hkv, p.Dk, L["inv"], L["rope_dim"], L["neox"])
+                             b.qkv, b.pos, 0, T, 0, p.H + p.Hkv, p.Dk, L["inv"], L["rope_dim"], L["neox"], L["msc"])
             for (seg, s0, _), m in zip(spans, mirrors):
                 n = seg.n_tokens
                 self._launch(K.kv_store, self._ew_grid(n * p.Hkv * max(p.Dk, p.Dv)), NT, b.qkv, b.pos, s0, n,
                              kcol, vcol, p.Hkv, p.Dk, p.Dv, m.k[i], m.v[i])
                 self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
-                             p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"])
+                             p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"],
+                             L["sinks"] if L["sinks"] is not None else self._dummy_bias, int(L["sinks"] is not None))
             self._residual(p, b, L, "wo", b.attn, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
             self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, eps, 0)
             if "moe" in L:
@@ -927,7 +939,7 @@ class CudaBackend(Backend):
             return
         self._mm(L["gate"], b.h, T, b.gu, 0, L["gate.bias"])
         self._mm(L["up"], b.h, T, b.gu, F, L["up.bias"])
-        self._launch(self.k.act_mul, self._ew_grid(T * F), lc.threads, b.gu, b.ff, T, F, L["act"])
+        self._launch(self.k.act_mul, self._ew_grid(T * F), lc.threads, b.gu, b.ff, T, F, L["act"], _NO_PARAM, _NO_PARAM)
 
     def _moe(self, p: _Plan, L: dict, b: _Buffers, T: int, ar: Any) -> None:
         """x += [post-norm](sum over the chosen experts of w · expert(h) + [gate ·] shared(h)).
@@ -945,10 +957,10 @@ class CudaBackend(Backend):
                      selb if selb is not None else self._dummy_bias, int(selb is not None), M["norm"], M["scale"],
                      B.ids, B.w)
         if T <= lc.mv_max_tokens:
-            self._mm_id(M["gate.all"], M["gate.off"], B.ids, b.h, k, P, B.eg, 0, Fe)
-            self._mm_id(M["up.all"], M["up.off"], B.ids, b.h, k, P, B.eg, Fe, Fe)
-            self._launch(K.act_mul, self._ew_grid(P * Fe), lc.threads, B.eg, B.ea, P, Fe, act)
-            self._mm_id(M["down.all"], M["down.off"], B.ids, B.ea, 1, P, B.ey, 0, d)
+            self._mm_id(M["gate.all"], M["gate.off"], B.ids, b.h, k, P, B.eg, 0, Fe, M["gate.bias"])
+            self._mm_id(M["up.all"], M["up.off"], B.ids, b.h, k, P, B.eg, Fe, Fe, M["up.bias"])
+            self._launch(K.act_mul, self._ew_grid(P * Fe), lc.threads, B.eg, B.ea, P, Fe, act, *M["act_params"])
+            self._mm_id(M["down.all"], M["down.off"], B.ids, B.ea, 1, P, B.ey, 0, d, M["down.bias"])
         else:
             self._d2h(B.ids[:P], B.ids_host[:P])
             self._sync()
@@ -960,10 +972,10 @@ class CudaBackend(Backend):
             for e in np.flatnonzero(counts):
                 n = int(counts[e])
                 self._launch(K.pairs_gather, self._ew_grid(n * d), lc.threads, b.h, B.order, start, n, k, B.xg, d)
-                self._mm(M["gate"][e], B.xg, n, B.eg, 0)
-                self._mm(M["up"][e], B.xg, n, B.eg, Fe)
-                self._launch(K.act_mul, self._ew_grid(n * Fe), lc.threads, B.eg, B.ea, n, Fe, act)
-                self._mm(M["down"][e], B.ea, n, B.yg, 0)
+                self._mm(M["gate"][e], B.xg, n, B.eg, 0, M["gate.biases"][e])
+                self._mm(M["up"][e], B.xg, n, B.eg, Fe, M["up.biases"][e])
+                self._launch(K.act_mul, self._ew_grid(n * Fe), lc.threads, B.eg, B.ea, n, Fe, act, *M["act_params"])
+                self._mm(M["down"][e], B.ea, n, B.yg, 0, M["down.biases"][e])
                 self._launch(K.pairs_scatter, self._ew_grid(n * d), lc.threads, B.yg, B.order, start, n, B.ey, d)
                 start += n
         has_sh, sg = "gate" in L, M["shared_gate"]
@@ -980,13 +992,14 @@ class CudaBackend(Backend):
             self._norm(b.a, ar, post, b.x, T, 0, 1, d, L["eps"], 1)
 
     def _mm_id(self, dw: DeviceWeight, off: Any, ids: Any, x: Any, xdiv: int, P: int, y: Any, ycol: int,
-               N: int) -> None:
-        """``y[j, ycol:ycol+N] = x[j // xdiv] @ W_e.T`` for pairs j < P, e = ids[j], W_e the N rows of ``dw``
-        from off[e]."""
+               N: int, bias: Any = None) -> None:
+        """``y[j, ycol:ycol+N] = x[j // xdiv] @ W_e.T (+ b_e)`` for pairs j < P, e = ids[j], W_e the N rows of
+        ``dw`` from off[e] (b_e: the same rows of ``bias``, one per row of dw)."""
         lc, K = self.lc, dw.cols
         rpb = lc.mv_threads // lc.tpr(K)
         self._launch(self.k.matvec_id(dw.qtype, K), (lc.grid((N + rpb - 1) // rpb), lc.grid_y(P)), lc.mv_threads,
-                     dw.w8, dw.w16, dw.w32, off, ids, x, xdiv, P, y, ycol, N, K)
+                     dw.w8, dw.w16, dw.w32, off, ids, x, xdiv, P, y, ycol,
+                     bias if bias is not None else self._dummy_bias, int(bias is not None), N, K)
 
     def _logits_chunk(self, p: _Plan, b: _Buffers, nrows: int) -> None:
         """logits[:nrows] = output(norm(x[lrows[:nrows]])) (soft-capped when the model says so)."""

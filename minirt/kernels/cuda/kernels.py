@@ -256,15 +256,16 @@ def _make_matvec(deq: Callable, THREADS: int, TPR: int) -> Any:
 def _make_matvec_id(deq: Callable, THREADS: int, TPR: int) -> Any:
     """Decode matvecs of the chosen experts, every (token, slot) pair with its own expert's rows.
 
-    ``y[j, ycol + r] = sum_c W[off[ids[j]] + r, c] * x[j // xdiv, c]`` for pairs j < P, rows r < N:
-    W (n_expert * N (+ more), K) quantized, the experts' rows stacked (the 3-D GGUF tensor); off
-    (n_expert,) int32 the first row of each expert; ids (P,) int32; x (>= P / xdiv, K); y (P, >= ycol + N).
+    ``y[j, ycol + r] = sum_c W[off[ids[j]] + r, c] * x[j // xdiv, c] (+ bias[off[ids[j]] + r] if has_bias)``
+    for pairs j < P, rows r < N: W (n_expert * N (+ more), K) quantized, the experts' rows stacked (the
+    3-D GGUF tensor); bias: one per row of W; off (n_expert,) int32 the first row of each expert; ids
+    (P,) int32; x (>= P / xdiv, K); y (P, >= ycol + N).
     Only the chosen experts' rows are read. Launch as :func:`_make_matvec` with the pairs along y.
     """
     RPB = THREADS // TPR
 
     @cuda.jit
-    def matvec_id(w8, w16, w32, off, ids, x, xdiv, P, y, ycol, N, K):
+    def matvec_id(w8, w16, w32, off, ids, x, xdiv, P, y, ycol, bias, has_bias, N, K):
         tid = cuda.threadIdx.x
         rr = tid // TPR
         lane = tid - rr * TPR
@@ -294,6 +295,8 @@ def _make_matvec_id(deq: Callable, THREADS: int, TPR: int) -> Any:
                         st //= 2
                     s = red[tid]
                 if lane == 0 and r < N:
+                    if has_bias:
+                        s += bias[base + r]
                     y[j, ycol + r] = s
                 if TPR > 1:
                     cuda.syncthreads()
@@ -491,12 +494,13 @@ def _make_rope() -> Any:
     """Rotate heads in place: x (T, W), heads of D at columns col + h*D, rows row0..row0+n-1.
 
     Angle of pair i at position p: ``p * inv[i]`` computed in float64 (inv (rope_dim/2,) float64
-    already holds the base, frequency factors and linear scaling), as the CPU tables are. NEOX
-    pairs (i, i + rope_dim/2), normal pairs (2i, 2i + 1).
+    already holds the base, frequency factors and linear scaling), as the CPU tables are; cos and
+    sin times ``msc`` (YaRN's / LongRoPE's magnitude, 1 for plain RoPE). NEOX pairs (i, i + rope_dim/2),
+    normal pairs (2i, 2i + 1).
     """
 
     @cuda.jit
-    def rope(x, pos, row0, n, col, nheads, D, inv, rope_dim, neox):
+    def rope(x, pos, row0, n, col, nheads, D, inv, rope_dim, neox, msc):
         half = rope_dim // 2
         total = n * nheads * half
         for idx in range(cuda.grid(1), total, cuda.gridsize(1)):
@@ -505,8 +509,8 @@ def _make_rope() -> Any:
             h = th % nheads
             t = row0 + th // nheads
             ang = float64(pos[t]) * inv[i]
-            c = float32(math.cos(ang))
-            s = float32(math.sin(ang))
+            c = float32(msc * math.cos(ang))
+            s = float32(msc * math.sin(ang))
             base = col + h * D
             if neox:
                 ia = base + i
@@ -554,10 +558,12 @@ def _make_attention(NT: int, MAXD: int, block_sum: Callable, block_max: Callable
     query at position p sees keys lo..p with lo = max(0, p - window + 1) when window > 0 (sliding
     window) else 0. Keys are taken NT at a time with an online softmax (running max and sum), so
     the context length is not bounded by shared memory. q at qkv[t, h*Dk + d]; out (T, H*Dv).
+    ``sinks`` (H,) (when has_sinks): per-head logits that join each softmax's denominator only
+    (gpt-oss' attention sinks).
     """
 
     @cuda.jit
-    def attention(qkv, Kc, Vc, out, pos, row0, n, H, Hkv, Dk, Dv, scale, window, softcap):
+    def attention(qkv, Kc, Vc, out, pos, row0, n, H, Hkv, Dk, Dv, scale, window, softcap, sinks, has_sinks):
         tid = cuda.threadIdx.x
         qs = cuda.shared.array(MAXD, float32)
         accs = cuda.shared.array(MAXD, float32)
@@ -605,28 +611,40 @@ def _make_attention(NT: int, MAXD: int, block_sum: Callable, block_max: Callable
                     accs[d] = a
                 m = mnew
                 cuda.syncthreads()
+            f = float32(1.0) / l
+            if has_sinks:  # exp(sink) in the denominator, both sides scaled by the larger maximum
+                ms = max(m, sinks[h])
+                r = math.exp(m - ms)
+                f = r / (l * r + math.exp(sinks[h] - ms))
             for d in range(tid, Dv, NT):
-                out[t, h * Dv + d] = accs[d] / l
+                out[t, h * Dv + d] = accs[d] * f
             cuda.syncthreads()
 
     return attention
 
 
 def _make_act_mul() -> Any:
-    """out[t, c] = act(gu[t, c]) * gu[t, F + c] for t < n, c < F (SiLU kind 0, GELU-tanh kind 1)."""
+    """out[t, c] = act(gu[t, c]) * gu[t, F + c] for t < n, c < F (SiLU kind 0, GELU-tanh kind 1);
+    kind 2 is gpt-oss' clamped SwiGLU: g = min(gu[t, c], limit), u = clamp(gu[t, F + c], ±limit),
+    out = g * sigmoid(alpha * g) * (u + 1) (alpha and limit unused by the other kinds)."""
 
     @cuda.jit
-    def act_mul(gu, out, n, F, kind):
+    def act_mul(gu, out, n, F, kind, alpha, limit):
         for idx in range(cuda.grid(1), n * F, cuda.gridsize(1)):
             t = idx // F
             c = idx - t * F
             a = gu[t, c]
+            u = gu[t, F + c]
             if kind == 0:
                 a = a / (float32(1.0) + math.exp(-a))
-            else:
+            elif kind == 1:
                 a = float32(0.5) * a * (float32(1.0) + math.tanh(
                     float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
-            out[t, c] = a * gu[t, F + c]
+            else:
+                a = min(a, limit)
+                a = a / (float32(1.0) + math.exp(-alpha * a))
+                u = min(max(u, -limit), limit) + float32(1.0)
+            out[t, c] = a * u
 
     return act_mul
 

@@ -180,14 +180,20 @@ def _gelu(a: np.ndarray) -> np.ndarray:
 
 
 def check_act_mul(be: Any, T: int, F: int, rng: np.random.Generator) -> list[Check]:
+    """SiLU, GELU-tanh and gpt-oss' clamped SwiGLU (:func:`minirt.blocks.swiglu_oai`, alpha 1.702,
+    limit 7 as the released models set them; the inputs reach beyond the limit)."""
+    from ...blocks import swiglu_oai
+
     out = []
-    for kind in (0, 1):
-        gu = (rng.standard_normal((T, 2 * F)) * 3).astype(np.float32)
+    alpha, limit = np.float32(1.702), np.float32(7.0)
+    for kind, name in ((0, "silu"), (1, "gelu"), (2, "swiglu_oai")):
+        gu = (rng.standard_normal((T, 2 * F)) * 4).astype(np.float32)
         o = cuda.device_array((T, F), np.float32)
-        be._launch(be.k.act_mul, be._ew_grid(T * F), be.lc.threads, _dev(gu), o, T, F, kind)
+        be._launch(be.k.act_mul, be._ew_grid(T * F), be.lc.threads, _dev(gu), o, T, F, kind, alpha, limit)
         a = gu[:, :F].astype(np.float64)
-        ref = (_silu(a) if kind == 0 else _gelu(a)) * gu[:, F:]
-        out.append(Check(f"act_mul {'silu' if kind == 0 else 'gelu'}", rel_err(o.copy_to_host(), ref), 1e-5))
+        ref = (swiglu_oai(gu[:, :F], gu[:, F:], float(alpha), float(limit)) if kind == 2 else
+               (_silu(a) if kind == 0 else _gelu(a)) * gu[:, F:])
+        out.append(Check(f"act_mul {name}", rel_err(o.copy_to_host(), ref), 1e-5))
     return out
 
 
@@ -228,9 +234,11 @@ def check_rope(be: Any, T: int, nheads: int, D: int, rope_dim: int, rng: np.rand
     from ...blocks import Rope, apply_rope
 
     res = []
-    for neox in (False, True):
+    for neox, yarn in ((False, False), (True, False), (True, True)):
         rope = Rope(dim=rope_dim, base=10000.0, neox=neox, freq_scale=0.5,
                     factors=rng.uniform(1.0, 4.0, rope_dim // 2).astype(np.float32))
+        if yarn:  # YaRN: ramped frequencies and a magnitude (mscale 1 + 0.1 ln 2) on cos and sin
+            rope = Rope(dim=rope_dim, base=10000.0, neox=neox, freq_scale=0.5, ext_factor=1.0, n_ctx_orig=64)
         pos = rng.integers(0, 5000, T).astype(np.int32)
         x = rng.standard_normal((T, nheads * D + 4)).astype(np.float32)
         ref = x.copy()
@@ -241,16 +249,17 @@ def check_rope(be: Any, T: int, nheads: int, D: int, rope_dim: int, rng: np.rand
         inv = rope.inv_freq()
         xd = _dev(x)
         be._launch(be.k.rope, be._ew_grid(T * nheads * half), be.lc.threads, xd, _dev(pos), 0, T, 4, nheads, D,
-                   _dev(inv), rope_dim, int(neox))
-        name = f"rope {'neox' if neox else 'normal'} dim {rope_dim}/{D}"
+                   _dev(inv), rope_dim, int(neox), np.float64(rope.mscale()))
+        name = f"rope {'neox' if neox else 'normal'}{' yarn' if yarn else ''} dim {rope_dim}/{D}"
         res.append(Check(name, rel_err(xd.copy_to_host(), ref), 1e-5))
     return res
 
 
 def check_attention(be: Any, n: int, p0: int, H: int, Hkv: int, D: int, window: int, softcap: float,
-                    rng: np.random.Generator) -> Check:
+                    rng: np.random.Generator, sinks: bool = False) -> Check:
     """kv_store then attention for n new rows at positions p0.. over a float16 cache, against
-    :func:`minirt.blocks.attention` on the same (float16-rounded) keys and values."""
+    :func:`minirt.blocks.attention` on the same (float16-rounded) keys and values (``sinks``: with
+    random per-head sink logits, some above every score)."""
     from ...blocks import attention
 
     def run() -> Check:
@@ -275,8 +284,9 @@ def check_attention(be: Any, n: int, p0: int, H: int, Hkv: int, D: int, window: 
                    Hkv, Dk, Dv, kd, vd)
         out = cuda.device_array((s0 + n, H * Dv), np.float32)
         scale = np.float32(1.0 / math.sqrt(Dk))
+        sk = (rng.standard_normal(H) * 4).astype(np.float32) if sinks else None
         be._launch(be.k.attention, be.lc.grid(n * H), be.lc.threads, qd, kd, vd, out, posd, s0, n, H, Hkv, Dk,
-                   Dv, scale, window, np.float32(softcap))
+                   Dv, scale, window, np.float32(softcap), _dev(sk if sinks else np.zeros(1, np.float32)), int(sinks))
         be._sync()
         new_k = qkv[s0:, kcol:vcol].reshape(n, Hkv, Dk).astype(np.float16).transpose(1, 0, 2)
         new_v = qkv[s0:, vcol:].reshape(n, Hkv, Dv).astype(np.float16).transpose(1, 0, 2)
@@ -284,12 +294,12 @@ def check_attention(be: Any, n: int, p0: int, H: int, Hkv: int, D: int, window: 
         vc = np.concatenate([old_v, new_v], axis=1).astype(np.float32)
         q = qkv[s0:, :kcol].reshape(n, H, Dk).copy()
         lo = max(0, p0 - window + 1) if window else 0
-        ref = attention(q, kc[:, lo:L], vc[:, lo:L], p0 - lo, float(scale), window, softcap)
+        ref = attention(q, kc[:, lo:L], vc[:, lo:L], p0 - lo, float(scale), window, softcap, sinks=sk)
         err = rel_err(out.copy_to_host()[s0:], ref)
         kc_got = kd.copy_to_host()[:, :L].astype(np.float32)
         err_store = max(rel_err(kc_got, kc), rel_err(vd.copy_to_host()[:, :L].astype(np.float32), vc))
         name = f"attention H{H}/{Hkv} D{D} n{n} p0 {p0}" + (f" win{window}" if window else "") + \
-            (f" cap{softcap:g}" if softcap else "")
+            (f" cap{softcap:g}" if softcap else "") + (" sinks" if sinks else "")
         return Check(name, max(err, err_store), 1e-5)
     return _timed(run)
 
@@ -340,6 +350,7 @@ def run_all(be: Any, rng: np.random.Generator, real: bool = False, types: tuple[
                                             (64, 300, 4, 1, 256, 512, 0.0), (1, 900, 4, 1, 256, 512, 0.0),
                                             (8, 40, 8, 8, 128, 0, 30.0)]:
             add(check_attention(be, n, p0, H, Hkv, D, win, cap, rng))
+        add(check_attention(be, 1, 900, 64, 8, 64, 128, 0.0, rng, sinks=True))  # gpt-oss' layout
     else:
         for n, p0, H, Hkv, D, win, cap in [(3, 4, 4, 2, 8, 0, 0.0), (2, 9, 2, 1, 8, 3, 0.0),
                                             (1, 5, 2, 2, 4, 0, 20.0)]:
