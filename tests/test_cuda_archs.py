@@ -62,21 +62,16 @@ N_CTX = 16
 HOST_PATH = {
     "apertus": "activation 'xielu'",
     "cohere2": "an output norm other than RMSNorm",
-    "exaone4": "a block without pre-norms",
-    "granite": "a logit scale",
-    "hunyuan_dense": "q/k norms after RoPE",
-    "olmo2": "a block without pre-norms",
     "gemma4": "per-layer inputs or layers with different KV shapes",
     "lfm2": "a short convolution mixer",
     "lfm2moe": "a short convolution mixer",
     "qwen35": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "qwen35moe": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "qwen3next": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
-    "granitehybrid": "a logit scale",
+    "granitehybrid": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "nemotron_h": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "nemotron_h_moe": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "falcon_h1": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
-    "granitemoe": "a logit scale",
 }
 
 

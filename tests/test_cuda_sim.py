@@ -118,7 +118,7 @@ _LAUNCHED: set = set()
 
 def _kernel_key(k, kern):
     for name in ("rmsnorm", "rope", "kv_store", "attention", "act_mul", "bias_add", "softcap", "argmax", "route",
-                 "pairs_gather", "pairs_scatter", "moe_combine"):
+                 "pairs_gather", "pairs_scatter", "moe_combine", "scale_rows"):
         if getattr(k, name) is kern:
             return ("attr", name)
     for table in ("_mv", "_mvid", "_glu", "_gemm", "_deq"):
@@ -229,6 +229,13 @@ def test_layer_kernels_match_numpy():
     checks += selfcheck.check_argmax_softcap(be, 3, 50, rng)
     bad = [str(c) for c in checks if not c.ok]
     assert not bad, bad
+    # Granite's residual multiplier: rows 0..1, columns 0..4 of a wider buffer scaled in place
+    y = rng.standard_normal((3, 7)).astype(np.float32)
+    yd = cuda.to_device(y)
+    be._launch(be.k.scale_rows, be._ew_grid(10), be.lc.threads, yd, 2, 5, np.float32(0.22))
+    ref = y.copy()
+    ref[:2, :5] *= np.float32(0.22)
+    np.testing.assert_array_equal(yd.copy_to_host(), ref)
 
 
 @in_sim

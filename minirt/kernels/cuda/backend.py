@@ -503,8 +503,12 @@ class CudaBackend(Backend):
             L["neox"] = int(a.rope.neox) if a.rope is not None else 0
             L["msc"] = np.float64(a.rope.mscale()) if a.rope is not None else np.float64(1.0)
             L["sinks"] = self._vector(a.sinks) if a.sinks is not None else None
+            # Granite's residual multiplier s (x += s·W·y) scales each sublayer's last input instead
+            L["res_scale"] = np.float32(blk.residual_scale)
             L["window"], L["scale"], L["softcap"] = int(a.window), np.float32(a.scale), np.float32(a.softcap)
-            L["eps"] = np.float32(next(n.eps for n in (blk.attn_norm, blk.ffn_norm, a.q_norm) if n is not None))
+            L["eps"] = np.float32(next((n.eps for n in (blk.attn_norm, blk.ffn_norm, a.q_norm, blk.post_attn_norm,
+                                                        blk.post_ffn_norm) if n is not None), 1e-6))
+            L["qk_after_rope"] = bool(a.qk_norm_after_rope)
             if dense is not None:
                 L["act"] = _ACTS[dense.act]
                 L["glu"] = L["gate"].qtype == L["up"].qtype
@@ -518,7 +522,10 @@ class CudaBackend(Backend):
         F = max(widths)
         self._arange_dev(max(c.n_vocab, 2 * F, c.n_embd, 1024))
         return _Plan(
-            layers=layers, tok_embd=tok, output=out, output_norm=self._vector(desc.output_norm.weight),
+            # Granite's logit multiplier folded into the output norm's gain (logits = W·(scale·norm(x)))
+            layers=layers, tok_embd=tok, output=out, output_norm=self._vector(
+                desc.output_norm.weight * np.float32(desc.logit_scale) if desc.logit_scale != 1.0
+                else desc.output_norm.weight),
             post_norms=any(b.post_attn_norm is not None or b.post_ffn_norm is not None for b in desc.blocks),
             d=c.n_embd, H=c.n_head, Hkv=c.n_head_kv, Dk=c.head_dim_k, Dv=c.head_dim_v, F=F, V=c.n_vocab,
             n_layer=c.n_layer, eps=np.float32(desc.output_norm.eps), final_softcap=np.float32(desc.final_softcap),
@@ -574,8 +581,6 @@ class CudaBackend(Backend):
         """Which feature of a description the device forward has no kernel for ('' if none)."""
         if desc.output_norm is None or desc.output_norm.kind != "rms" or desc.output_norm.weight is None:
             return "an output norm other than RMSNorm"
-        if desc.logit_scale != 1.0:
-            return "a logit scale"
         if desc.pos_embd is not None or desc.type_embd is not None or desc.embd_norm is not None:
             return "position / token-type embeddings or an embedding norm"
         if any(isinstance(b.attn, ShortConv) for b in desc.blocks):
@@ -598,18 +603,18 @@ class CudaBackend(Backend):
                     return f"layer {i}: a mixture-of-experts feed-forward {why}"
                 m = m.shared
             norms = [b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm]
-            if b.parallel or b.residual_scale != 1.0:
-                return f"layer {i}: parallel blocks / residual scaling"
-            if b.attn_norm is None or b.ffn_norm is None:
-                return f"layer {i}: a block without pre-norms"
+            if b.parallel:
+                return f"layer {i}: parallel blocks"
+            down = m.down if m is not None else None  # m: the dense MLP or a MoE's shared expert here
+            if b.residual_scale != 1.0 and (b.post_attn_norm is not None or b.post_ffn_norm is not None
+                                            or a.wo.bias is not None or (down is not None and down.bias is not None)):
+                return f"layer {i}: residual scaling of post-normed or biased sublayers"
             if any(n is not None and (n.kind != "rms" or n.weight is None or n.bias is not None) for n in norms):
                 return f"layer {i}: norms other than RMSNorm with gains"
             if len({float(n.eps) for n in norms if n is not None}) > 1:
                 return f"layer {i}: norms with different eps"
             if m is not None and (m.gate is None or m.act not in _ACTS):
                 return f"layer {i}: an MLP without gate or with activation {m.act!r}"
-            if a.qk_norm_after_rope:
-                return f"layer {i}: q/k norms after RoPE"
             if a.kv_source is not None or a.v_norm is not None or b.per_layer is not None or b.out_scale != 1.0:
                 return f"layer {i}: KV shared with another layer, a value norm, per-layer inputs or an output scale"
             if not a.causal or b.norm_residual:
@@ -886,17 +891,18 @@ class CudaBackend(Backend):
         qcol, kcol, vcol = 0, p.H * p.Dk, p.H * p.Dk + p.Hkv * p.Dk
         for i, L in enumerate(p.layers):
             eps = L["eps"]
-            self._norm(b.x, ar, L["attn_norm"], b.h, T, 0, 1, p.d, eps, 0)
-            self._mm(L["wq"], b.h, T, b.qkv, qcol, L["wq.bias"])
-            self._mm(L["wk"], b.h, T, b.qkv, kcol, L["wk.bias"])
-            self._mm(L["wv"], b.h, T, b.qkv, vcol, L["wv.bias"])
-            if L["q_norm"] is not None:
-                hq, hk, dh = L["qk_heads"]
-                self._norm(b.qkv, ar, L["q_norm"], b.qkv, T, qcol, hq, dh or p.H * p.Dk, eps, 0)
-                self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, hk, dh or p.Hkv * p.Dk, eps, 0)
-            if L["inv"] is not None:
-                self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (L["rope_dim"] // 2)), NT,
-                             b.qkv, b.pos, 0, T, 0, p.H + p.Hkv, p.Dk, L["inv"], L["rope_dim"], L["neox"], L["msc"])
+            h = self._pre_norm(p, b, L["attn_norm"], T, eps, ar)
+            self._mm(L["wq"], h, T, b.qkv, qcol, L["wq.bias"])
+            self._mm(L["wk"], h, T, b.qkv, kcol, L["wk.bias"])
+            self._mm(L["wv"], h, T, b.qkv, vcol, L["wv.bias"])
+            for step in (("rope", "qk") if L["qk_after_rope"] else ("qk", "rope")):
+                if step == "qk" and L["q_norm"] is not None:
+                    hq, hk, dh = L["qk_heads"]
+                    self._norm(b.qkv, ar, L["q_norm"], b.qkv, T, qcol, hq, dh or p.H * p.Dk, eps, 0)
+                    self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, hk, dh or p.Hkv * p.Dk, eps, 0)
+                if step == "rope" and L["inv"] is not None:
+                    self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (L["rope_dim"] // 2)), NT, b.qkv, b.pos,
+                                 0, T, 0, p.H + p.Hkv, p.Dk, L["inv"], L["rope_dim"], L["neox"], L["msc"])
             for (seg, s0, _), m in zip(spans, mirrors):
                 n = seg.n_tokens
                 self._launch(K.kv_store, self._ew_grid(n * p.Hkv * max(p.Dk, p.Dv)), NT, b.qkv, b.pos, s0, n,
@@ -904,12 +910,14 @@ class CudaBackend(Backend):
                 self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
                              p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"],
                              L["sinks"] if L["sinks"] is not None else self._dummy_bias, int(L["sinks"] is not None))
+            self._scale(b.attn, T, p.H * p.Dv, L["res_scale"])
             self._residual(p, b, L, "wo", b.attn, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
-            self._norm(b.x, ar, L["ffn_norm"], b.h, T, 0, 1, p.d, eps, 0)
+            h = self._pre_norm(p, b, L["ffn_norm"], T, eps, ar)
             if "moe" in L:
-                self._moe(p, L, b, T, ar)
+                self._moe(p, L, b, T, ar, h)
             else:
-                self._mlp(p, L, b, T)
+                self._mlp(p, L, b, T, h)
+                self._scale(b.ff, T, L["F"], L["res_scale"])
                 self._residual(p, b, L, "down", b.ff, T, L["post_ffn_norm"], ar)
         if nrows:
             self._logits_chunk(p, b, nrows)
@@ -927,21 +935,28 @@ class CudaBackend(Backend):
         self._launch(self.k.rmsnorm, self.lc.grid(n * nheads), self.lc.threads, x, rows, w, out, n, col, nheads,
                      D, eps, add)
 
-    def _mlp(self, p: _Plan, L: dict, b: _Buffers, T: int) -> None:
+    def _pre_norm(self, p: _Plan, b: _Buffers, w: Any, T: int, eps: np.float32, ar: Any) -> Any:
+        """The sublayer's input: norm(x) in b.h, or x itself for a block without that pre-norm (OLMo 2)."""
+        if w is None:
+            return b.x
+        self._norm(b.x, ar, w, b.h, T, 0, 1, p.d, eps, 0)
+        return b.h
+
+    def _mlp(self, p: _Plan, L: dict, b: _Buffers, T: int, h: Any) -> None:
         """ff[:, :F] = act(Wgate·h) * (Wup·h), F the layer's width."""
         lc, F = self.lc, L["F"]
         if L["glu"] and T <= lc.mv_max_tokens and L["gate.bias"] is None and L["up.bias"] is None:
             g, u = L["gate"], L["up"]
             rpb = lc.mv_threads // lc.tpr(p.d)
             grid = (lc.grid((F + rpb - 1) // rpb), lc.grid_y(T))
-            self._launch(self.k.matvec_glu(g.qtype, p.d), grid, lc.mv_threads, *g.args, *u.args, b.h, T, b.ff, L["act"],
+            self._launch(self.k.matvec_glu(g.qtype, p.d), grid, lc.mv_threads, *g.args, *u.args, h, T, b.ff, L["act"],
                          F, p.d)
             return
-        self._mm(L["gate"], b.h, T, b.gu, 0, L["gate.bias"])
-        self._mm(L["up"], b.h, T, b.gu, F, L["up.bias"])
+        self._mm(L["gate"], h, T, b.gu, 0, L["gate.bias"])
+        self._mm(L["up"], h, T, b.gu, F, L["up.bias"])
         self._launch(self.k.act_mul, self._ew_grid(T * F), lc.threads, b.gu, b.ff, T, F, L["act"], _NO_PARAM, _NO_PARAM)
 
-    def _moe(self, p: _Plan, L: dict, b: _Buffers, T: int, ar: Any) -> None:
+    def _moe(self, p: _Plan, L: dict, b: _Buffers, T: int, ar: Any, h: Any) -> None:
         """x += [post-norm](sum over the chosen experts of w · expert(h) + [gate ·] shared(h)).
 
         The router and the choice run on the device. Up to mv_max_tokens tokens (decode, captured in
@@ -951,14 +966,14 @@ class CudaBackend(Backend):
         M, B, lc, K = L["moe"], b.moe, self.lc, self.k
         E, k, Fe, act, d = M["E"], M["k"], M["Fe"], M["act"], p.d
         P = T * k
-        self._mm(M["router"], b.h, T, B.rl, 0, M["router.bias"])
+        self._mm(M["router"], h, T, B.rl, 0, M["router.bias"])
         selb = M["selb"]
         self._launch(K.route, self._ew_grid(T), lc.threads, B.rl, T, E, k, M["gating"],
-                     selb if selb is not None else self._dummy_bias, int(selb is not None), M["norm"], M["scale"],
-                     B.ids, B.w)
+                     selb if selb is not None else self._dummy_bias, int(selb is not None), M["norm"],
+                     M["scale"] * L["res_scale"], B.ids, B.w)
         if T <= lc.mv_max_tokens:
-            self._mm_id(M["gate.all"], M["gate.off"], B.ids, b.h, k, P, B.eg, 0, Fe, M["gate.bias"])
-            self._mm_id(M["up.all"], M["up.off"], B.ids, b.h, k, P, B.eg, Fe, Fe, M["up.bias"])
+            self._mm_id(M["gate.all"], M["gate.off"], B.ids, h, k, P, B.eg, 0, Fe, M["gate.bias"])
+            self._mm_id(M["up.all"], M["up.off"], B.ids, h, k, P, B.eg, Fe, Fe, M["up.bias"])
             self._launch(K.act_mul, self._ew_grid(P * Fe), lc.threads, B.eg, B.ea, P, Fe, act, *M["act_params"])
             self._mm_id(M["down.all"], M["down.off"], B.ids, B.ea, 1, P, B.ey, 0, d, M["down.bias"])
         else:
@@ -971,7 +986,7 @@ class CudaBackend(Backend):
             start = 0
             for e in np.flatnonzero(counts):
                 n = int(counts[e])
-                self._launch(K.pairs_gather, self._ew_grid(n * d), lc.threads, b.h, B.order, start, n, k, B.xg, d)
+                self._launch(K.pairs_gather, self._ew_grid(n * d), lc.threads, h, B.order, start, n, k, B.xg, d)
                 self._mm(M["gate"][e], B.xg, n, B.eg, 0, M["gate.biases"][e])
                 self._mm(M["up"][e], B.xg, n, B.eg, Fe, M["up.biases"][e])
                 self._launch(K.act_mul, self._ew_grid(n * Fe), lc.threads, B.eg, B.ea, n, Fe, act, *M["act_params"])
@@ -980,16 +995,22 @@ class CudaBackend(Backend):
                 start += n
         has_sh, sg = "gate" in L, M["shared_gate"]
         if has_sh:
-            self._mlp(p, L, b, T)
+            self._mlp(p, L, b, T, h)
+            self._scale(b.ff, T, L["F"], L["res_scale"])
             self._mm(L["down"], b.ff, T, B.sh, 0, L["down.bias"])
             if sg is not None:
-                self._mm(sg, b.h, T, B.sg, 0, M["shared_gate.bias"])
+                self._mm(sg, h, T, B.sg, 0, M["shared_gate.bias"])
         post = L["post_ffn_norm"]
         out = b.x if post is None else b.a
         self._launch(K.moe_combine, self._ew_grid(T * d), lc.threads, out, int(post is None), B.ey, B.w, T, k, d,
                      B.sh, int(has_sh), B.sg, int(has_sh and sg is not None))
         if post is not None:
             self._norm(b.a, ar, post, b.x, T, 0, 1, d, L["eps"], 1)
+
+    def _scale(self, y: Any, T: int, N: int, s: np.float32) -> None:
+        """y[:T, :N] *= s (nothing for 1)."""
+        if s != 1.0:
+            self._launch(self.k.scale_rows, self._ew_grid(T * N), self.lc.threads, y, T, N, s)
 
     def _mm_id(self, dw: DeviceWeight, off: Any, ids: Any, x: Any, xdiv: int, P: int, y: Any, ycol: int,
                N: int, bias: Any = None) -> None:

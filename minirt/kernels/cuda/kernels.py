@@ -144,6 +144,7 @@ class Kernels:
         self.act_mul = _make_act_mul()
         self.bias_add = _make_bias_add()
         self.softcap = _make_softcap()
+        self.scale_rows = _make_scale_rows()
         self.argmax = _make_argmax(NT)
         self.route = _make_route()
         self.pairs_gather, self.pairs_scatter = _make_pair_moves()
@@ -770,6 +771,18 @@ def _make_moe_combine() -> Any:
             out[t, c] = v
 
     return moe_combine
+
+
+def _make_scale_rows() -> Any:
+    """y[t, c] *= s for t < n, c < N (Granite's residual multiplier on a sublayer's input)."""
+
+    @cuda.jit
+    def scale_rows(y, n, N, s):
+        for idx in range(cuda.grid(1), n * N, cuda.gridsize(1)):
+            t = idx // N
+            y[t, idx - t * N] *= s
+
+    return scale_rows
 
 
 def _make_bias_add() -> Any:
