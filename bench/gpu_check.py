@@ -15,7 +15,8 @@ missed speed targets are reported, not fatal.
     python bench/gpu_check.py \\
         --qwen models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --gemma models/gemma-3-270m-q4_k_m.gguf
     python bench/gpu_check.py --synthetic          # no model files: time random models with the
-                                                   # real models' tensor tables (no parity)
+                                                   # real models' tensor tables (no parity) and a
+                                                   # random Qwen3-MoE (greedy parity with the CPU)
     python bench/gpu_check.py --simulate           # dry run on the CPU under numba's CUDA simulator
 
 See bench/GPU.md for the wheels to carry and the exact command used on the GPU machine.
@@ -50,6 +51,12 @@ SYNTH = {
                   bias=False, layers={"attn_q": "5" * 18, "attn_k": "5" * 18, "attn_v": "885585585585585888",
                                       "attn_output": "4" * 18, "ffn_gate": "5" * 18, "ffn_up": "5" * 18,
                                       "ffn_down": "664464464464464666"}),
+    # a Qwen3-MoE of 1.5 B parameters (32 experts of width 768, top 4; about 0.9 GB at Q4_K): no real file
+    # of this size is carried to the GPU machine, so it is always random (timing and the CPU parity run)
+    "moe": dict(arch="qwen3moe", d=1024, H=16, Hkv=4, hd=64, F=768, E=32, k=4, V=32000, n_layer=16, emb="Q4_K",
+                out="Q6_K", bias=False, layers={n: "4" * 16 for n in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                      "ffn_gate_exps", "ffn_up_exps")}
+                | {"ffn_down_exps": "6" * 16}),
 }
 # tiny shapes for --simulate (legacy types only: K-quants need 256-wide rows)
 SIM = {
@@ -59,6 +66,9 @@ SIM = {
     "gemma": dict(arch="gemma3", d=32, H=2, Hkv=1, hd=16, F=64, V=96, n_layer=2, emb="Q8_0", out=None, bias=False,
                   layers={"attn_q": "55", "attn_k": "55", "attn_v": "85", "attn_output": "88", "ffn_gate": "55",
                           "ffn_up": "55", "ffn_down": "88"}),
+    "moe": dict(arch="qwen3moe", d=32, H=2, Hkv=1, hd=16, F=32, E=6, k=2, V=96, n_layer=2, emb="Q8_0", out="Q8_0",
+                bias=False, layers={n: "85" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps",
+                                                      "ffn_up_exps", "ffn_down_exps")}),
 }
 
 
@@ -88,11 +98,18 @@ def write_synthetic(path: Path, s: dict, seed: int = 0) -> None:
     w.add_rope_freq_base(1e6)
     if a == "gemma3":
         w.add_sliding_window(512 if s["d"] > 64 else 3)
+    if "E" in s:  # experts of width F, s["k"] per token, renormalised (Qwen3-MoE)
+        w.add_expert_count(s["E"])
+        w.add_expert_used_count(s["k"])
+        w.add_expert_feed_forward_length(s["F"])
+        w.add_expert_weights_norm(True)
     d, H, Hkv, hd, F = s["d"], s["H"], s["Hkv"], s["hd"], s["F"]
 
-    def q(name: str, qt: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, random_raw(qt, rows, cols, rng, 0.05 if "embd" not in name else 1.0),
-                     raw_dtype=gguf.GGMLQuantizationType[qt])
+    def q(name: str, qt: str, rows: int, cols: int, n_expert: int = 0) -> None:
+        raw = random_raw(qt, rows * max(1, n_expert), cols, rng, 0.05 if "embd" not in name else 1.0)
+        if n_expert:  # a 3-D tensor: (n_expert, rows, cols) in GGUF's order
+            raw = raw.reshape(n_expert, rows, -1)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qt])
 
     def vec(name: str, n: int, base: float) -> None:
         w.add_tensor(name, (base + 0.1 * rng.standard_normal(n)).astype(np.float32))
@@ -102,17 +119,20 @@ def write_synthetic(path: Path, s: dict, seed: int = 0) -> None:
         q("output.weight", s["out"], s["V"], d)
     vec("output_norm.weight", d, 1.0 if a != "gemma3" else 0.0)
     shapes = {"attn_q": (H * hd, d), "attn_k": (Hkv * hd, d), "attn_v": (Hkv * hd, d), "attn_output": (d, H * hd),
-              "ffn_gate": (F, d), "ffn_up": (F, d), "ffn_down": (d, F)}
+              "ffn_gate": (F, d), "ffn_up": (F, d), "ffn_down": (d, F),
+              "ffn_gate_exps": (F, d), "ffn_up_exps": (F, d), "ffn_down_exps": (d, F)}
     for i in range(s["n_layer"]):
         p = f"blk.{i}."
         for n, types in s["layers"].items():
-            q(p + n + ".weight", _T[types[i]], *shapes[n])
+            q(p + n + ".weight", _T[types[i]], *shapes[n], n_expert=s["E"] if n.endswith("_exps") else 0)
+        if "E" in s:
+            w.add_tensor(p + "ffn_gate_inp.weight", (0.5 * rng.standard_normal((s["E"], d))).astype(np.float32))
         norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if a == "gemma3" else [])
         for n in norms:
             vec(p + n + ".weight", d, 1.0 if a != "gemma3" else 0.0)
-        if a == "gemma3":
-            vec(p + "attn_q_norm.weight", hd, 0.0)
-            vec(p + "attn_k_norm.weight", hd, 0.0)
+        if a in ("gemma3", "qwen3moe"):
+            vec(p + "attn_q_norm.weight", hd, 0.0 if a == "gemma3" else 1.0)
+            vec(p + "attn_k_norm.weight", hd, 0.0 if a == "gemma3" else 1.0)
         if s["bias"]:
             for n, rows in (("attn_q", H * hd), ("attn_k", Hkv * hd), ("attn_v", Hkv * hd)):
                 w.add_tensor(p + n + ".bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
@@ -252,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemma", type=Path, help="Gemma 3 270M Q4_K_M GGUF")
     ap.add_argument("--synthetic", action="store_true", help="time random models with the real tensor tables "
                     "for the models not given")
+    ap.add_argument("--moe", action="store_true", help="also time a random Qwen3-MoE (1.5 B parameters, 32 "
+                    "experts, top 4; always with --synthetic) and compare its greedy tokens with the CPU backend's")
     ap.add_argument("--simulate", action="store_true", help="dry run under numba's CUDA simulator (tiny sizes)")
     ap.add_argument("--cpu-prompts", type=int, default=8, help="prompts also decoded on the CPU backend")
     ap.add_argument("--prefill-tokens", type=int, default=512)
@@ -320,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     # 2./3. models ------------------------------------------------------------------------------------
     tmp = Path(tempfile.mkdtemp(prefix="minirt-gpu-check-"))
     models: list[tuple[str, Path, bool]] = []
-    for key in ("qwen", "gemma"):
-        p = getattr(args, key)
+    for key in ("qwen", "gemma", "moe"):
+        p = getattr(args, key, None)
         if args.simulate:
             path = tmp / f"sim-{key}.gguf"
             write_synthetic(path, SIM[key])
@@ -332,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"{key}: model file missing")
                 continue
             models.append((key, p, False))
-        elif args.synthetic:
+        elif args.synthetic or (key == "moe" and args.moe):
             path = tmp / f"synthetic-{key}.gguf"
             t = time.perf_counter()
             write_synthetic(path, SYNTH[key])
@@ -342,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for key, path, synthetic in models:
         log(f"== {key}: {path.name}" + (" (synthetic)" if synthetic else ""))
-        r = Runner(path, args.simulate, cpu=(args.cpu_prompts > 0 and (not synthetic or args.simulate)))
+        # the MoE is random but small enough for the CPU: its greedy tokens are compared there
+        with_cpu = not synthetic or args.simulate or key == "moe"
+        r = Runner(path, args.simulate, cpu=(args.cpu_prompts > 0 and with_cpu))
         rec: dict = {"model": key, "synthetic": synthetic, "gguf_bytes": path.stat().st_size,
                      "upload_s": round(r.upload_s, 3)}
         try:
@@ -353,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     refs = [json.loads(x) for x in rp.read_text().splitlines() if x.strip()]
                 else:
                     log(f"!! {rp} missing: parity against llama.cpp skipped")
-            if not synthetic or args.simulate:
-                par = parity(r, key, refs, args.cpu_prompts, n=16 if not args.simulate else 3, dry_run=args.simulate)
+            if with_cpu:
+                n_cpu = args.cpu_prompts if key != "moe" else min(args.cpu_prompts, 3)
+                par = parity(r, key, refs, n_cpu, n=16 if not args.simulate else 3, dry_run=args.simulate)
                 rec["parity"] = par
                 for what in ("llama_cpp", "cpu"):
                     if what in par:

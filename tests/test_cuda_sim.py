@@ -571,7 +571,7 @@ def test_context_overflow_and_unsupported_model(tiny_pair):
 
     from minirt.forward import Transformer
 
-    for change in (dict(parallel=True, ffn_norm=None), dict(residual_scale=0.5)):
+    for change in (dict(parallel=True, ffn_norm=None), dict(out_scale=0.5)):
         desc = copy.copy(dev.desc)
         desc.blocks = [dataclasses.replace(b, **change) for b in dev.desc.blocks]
         odd = Transformer.__new__(Transformer)
