@@ -755,9 +755,12 @@ class ModelDesc:
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(n_head_kv, head_dim_k, head_dim_v) of the cache: the layers' own, or each the largest
-        over the layers when they differ (a cache then gives each layer its own shape)."""
+        over the layers when they differ (a cache then gives each layer its own shape); (1, 1, 1) when
+        every layer keeps a recurrent state instead (pure Mamba-2: the cache holds no rows)."""
         shapes = [s for s in self.kv_layers() if s is not None]
         if not shapes:
+            if all(s is not None for s in self.recurrent_states()):
+                return 1, 1, 1
             from .errors import UnsupportedArchitectureError
 
             raise UnsupportedArchitectureError("no layer has a KV cache of its own")

@@ -287,8 +287,10 @@ class Model:
     def _kv_bytes_per_token(self, cfg: Any) -> int:
         tk, tv = kv_types.get(self.cache_types[0]), kv_types.get(self.cache_types[1])
         if cfg.kv_layers is not None:  # layers of their own shapes, some without a cache
-            return sum(h * (tk.row_bytes(dk) + (tv.row_bytes(dv) if dv else 0))  # dv 0: no values
-                       for h, dk, dv in filter(None, cfg.kv_layers))
+            # at least the position's token id (4 bytes): with no attention layer at all (pure Mamba-2, only
+            # recurrent state) the sum is 0, and the context is then bounded by the training length
+            return max(4, sum(h * (tk.row_bytes(dk) + (tv.row_bytes(dv) if dv else 0))  # dv 0: no values
+                              for h, dk, dv in filter(None, cfg.kv_layers)))
         return cfg.n_layer * cfg.n_head_kv * (tk.row_bytes(cfg.head_dim_k) + tv.row_bytes(cfg.head_dim_v))
 
     def _pick_n_ctx(self, n_ctx: int | None, cfg: Any) -> int:

@@ -72,6 +72,7 @@ HOST_PATH = {
     "nemotron_h": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "nemotron_h_moe": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
     "falcon_h1": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
+    "mamba2": "a gated delta-net or Mamba-2 mixer, or a gated attention output",
 }
 
 
@@ -122,7 +123,7 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
         f = fields.get(f"{arch}.{key}")
         return default if f is None else f.contents()
 
-    d0, h0 = int(orig("embedding_length")), int(orig("attention.head_count"))
+    d0, h0 = int(orig("embedding_length")), int(orig("attention.head_count")) or 1  # 0: pure Mamba-2
     hkv0 = orig("attention.head_count_kv", h0)
     hkv0 = int(max(hkv0) if isinstance(hkv0, list) else hkv0)
     dk0 = int(orig("attention.key_length", d0 // h0))
@@ -163,9 +164,9 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     tensors = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in r.tensors}  # numpy order
     q_rows, kv_rows = H * DK, hkv * DK
     conv_dim = 2 * SG * SK + SV * SK  # Qwen3.5's delta-net convolution channels
-    # Mamba-2 (Granite 4.0-H, Nemotron-H, Falcon-H1): SV heads of SK, SG groups of state SK; its convolution
+    # Mamba-2 (Granite 4.0-H, Nemotron-H, Falcon-H1, pure Mamba-2): SV heads of SK, SG groups of state SK; its convolution
     # has inner + 2 G N = the same number of channels
-    mamba = arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1")
+    mamba = arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1", "mamba2")
 
     def shape_of(name: str, shape0: tuple[int, ...]) -> tuple[int, ...]:
         base = re.sub(r"^blk\.\d+\.", "", name)

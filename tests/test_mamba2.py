@@ -164,11 +164,11 @@ def test_native_causal_conv_matches_numpy_and_checks_shapes():
         native.causal_conv(rows, w, bias[:5])
 
 
-@pytest.mark.parametrize("arch", ["granitehybrid", "granitehybrid_dense", "falcon_h1", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["granitehybrid", "granitehybrid_dense", "falcon_h1", "nemotron_h", "mamba2"])
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_batched_and_stepwise_passes_agree(arch, backend):
     """Batches, token-by-token decode and split prefills continue each sequence from its own state
-    (``check_recurrent_passes``); Nemotron-H has blocks without feed-forward too."""
+    (``check_recurrent_passes``); Nemotron-H has blocks without feed-forward too, pure Mamba-2 nothing else."""
     ref = np.load(ARCH_DIR / arch / "ref.npz")
     tol = 1e-4 if backend == "reference" else 5e-4  # native: other matmul kernels per batch size
     with minirt.load(str(ARCH_DIR / arch / "model-q8_0.gguf"), n_ctx=64, backend=backend) as llm:
@@ -186,12 +186,13 @@ def test_native_and_reference_backends_agree(q8_path):
     assert rel_rms(got["native"], got["reference"]) < 5e-4
 
 
-@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])  # falcon_h1: KV rows and a state in one layer
+# falcon_h1: KV rows and a state in one layer; mamba2: a state and no KV rows at all
+@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1", "mamba2"])
 def test_prefix_cache_state_files_and_batching(arch, tmp_path):
     check_recurrent_prefix_cache(str(ARCH_DIR / arch / "model-q8_0.gguf"), tmp_path / "gh.state")
 
 
-@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["granitehybrid", "falcon_h1", "mamba2"])
 def test_context_shift_is_refused_with_a_clear_error(arch):
     q8_path = str(ARCH_DIR / arch / "model-q8_0.gguf")
     with minirt.load(q8_path, n_ctx=32) as m:

@@ -129,17 +129,23 @@ class HParams(Config):
     final_softcap: float
 
 
-def read_hparams(f: GGUFFile, varying: tuple[str, ...] = ()) -> HParams:
+def read_hparams(f: GGUFFile, varying: tuple[str, ...] = (), attention: bool = True) -> HParams:
     """Common hyperparameters; every value type- and range-checked (GGUFError naming the key, never a
     stray ValueError or an allocation sized by a corrupt count). ``varying``: the keys among
     ``attention.head_count_kv`` and ``feed_forward_length`` that the architecture allows per layer
-    (their largest value is given here)."""
+    (their largest value is given here). ``attention=False``: a model without attention or MLP layers
+    (pure Mamba-2, whose converter writes head count and feed-forward length 0): those keys are not read,
+    one nominal head of n_embd and n_ff 0 stand in."""
     n_layer = meta_int(f, "block_count", required=True, hi=MAX_LAYERS)
     n_embd = meta_int(f, "embedding_length", required=True)
-    n_head = _per_layer(f, "attention.head_count", n_layer, required=True)
-    n_head_kv = _per_layer(f, "attention.head_count_kv", n_layer, default=n_head,
-                           varying="attention.head_count_kv" in varying)
-    n_ff = _per_layer(f, "feed_forward_length", n_layer, required=True, varying="feed_forward_length" in varying)
+    if attention:
+        n_head = _per_layer(f, "attention.head_count", n_layer, required=True)
+        n_head_kv = _per_layer(f, "attention.head_count_kv", n_layer, default=n_head,
+                               varying="attention.head_count_kv" in varying)
+        n_ff = _per_layer(f, "feed_forward_length", n_layer, required=True, varying="feed_forward_length" in varying)
+    else:
+        n_head = n_head_kv = 1
+        n_ff = 0
     if n_head % n_head_kv:
         raise GGUFError(f"{f.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     head_dim_k = meta_int(f, "attention.key_length", max(1, n_embd // n_head))

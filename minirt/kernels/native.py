@@ -1101,9 +1101,10 @@ class LayerStack:
             if why is not None:
                 raise BackendError(f"layer {i} cannot run in the native decode step: {why}")
         # a cache's (n_head_kv, head_dim_k, head_dim_v): the largest over the layers (layers of other
-        # sizes have their rows at the front of their slot, see minirt.kv_cache)
+        # sizes have their rows at the front of their slot, see minirt.kv_cache); without any attention layer
+        # the nominal (1, 1, 1) of ModelDesc.kv_shape
         shapes = [s for s in (b.attn.kv_shape for b in blocks) if s is not None]
-        self._kv_max = tuple(max((int(s[j]) for s in shapes), default=0) for j in range(3))
+        self._kv_max = tuple(max((int(s[j]) for s in shapes), default=1) for j in range(3))
         self._n_pl = max((b.per_layer.gate.out_features for b in blocks if b.per_layer is not None), default=0)
         # per layer the (convolution inputs, state) shapes of its recurrent state, None for a layer without one
         self._state_shapes = [getattr(b.attn, "state_shapes", None) for b in blocks]

@@ -396,6 +396,14 @@ ARCHS: dict[str, dict[str, Any]] = {
                     layers_block_type=["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "mamba", "mlp"],
                     ssm_state_size=32, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, conv_kernel=4, expand=2,
                     use_conv_bias=True, mamba_proj_bias=False, use_mamba_kernels=False)),
+    # pure Mamba-2: every layer a pre-norm Mamba-2 mixer, nothing else
+    "mamba2": dict(
+        config="Mamba2Config", model="Mamba2ForCausalLM", tokenizer="bpe", pre="gpt-2",
+        features="Mamba-2 layout (state-spaces mamba2 / Mamba-Codestral): 3 layers of Mamba-2 mixers only (8 heads "
+                 "of 64, 2 groups, state 32, conv 4 taps with bias, gated grouped RMSNorm), untied, BPE vocab",
+        kwargs=dict(vocab_size=512, hidden_size=HIDDEN, num_hidden_layers=3, num_heads=8, head_dim=64, expand=2,
+                    n_groups=2, state_size=32, conv_kernel=4, use_conv_bias=True, use_bias=False,
+                    layer_norm_epsilon=1e-5, tie_word_embeddings=False)),
     "nemotron_h_moe": dict(
         config="NemotronHConfig", model="NemotronHForCausalLM", no_repack=True, tokenizer="bpe", pre="refact",
         config_fix=_nemotron_pattern, raw_config=True, scale={"mixer.gate.weight": 3.0}, buffers={"e_score_correction_bias": 0.1},
