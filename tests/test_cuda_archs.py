@@ -164,8 +164,8 @@ def shrink_gguf(src: Path, dst: Path, seed: int = 0) -> None:
     tensors = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in r.tensors}  # numpy order
     q_rows, kv_rows = H * DK, hkv * DK
     conv_dim = 2 * SG * SK + SV * SK  # Qwen3.5's delta-net convolution channels
-    # Mamba-2 (Granite 4.0-H, Nemotron-H, Falcon-H1, pure Mamba-2): SV heads of SK, SG groups of state SK; its convolution
-    # has inner + 2 G N = the same number of channels
+    # Mamba-2 (Granite 4.0-H, Nemotron-H, Falcon-H1, pure Mamba-2): SV heads of SK, SG groups of state SK; its
+    # convolution has inner + 2 G N = the same number of channels
     mamba = arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1", "mamba2")
 
     def shape_of(name: str, shape0: tuple[int, ...]) -> tuple[int, ...]:
