@@ -164,7 +164,7 @@ def test_native_causal_conv_matches_numpy_and_checks_shapes():
         native.causal_conv(rows, w, bias[:5])
 
 
-@pytest.mark.parametrize("arch", ["granitehybrid", "granitehybrid_dense", "falcon_h1", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("arch", ["granitehybrid", "granitehybrid_dense", "bamba", "falcon_h1", "nemotron_h", "mamba2"])
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_batched_and_stepwise_passes_agree(arch, backend):
     """Batches, token-by-token decode and split prefills continue each sequence from its own state

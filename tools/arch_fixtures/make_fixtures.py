@@ -80,6 +80,14 @@ def _granite_layer_names(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def _bamba_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The released Bamba checkpoints name their rotary width ``attn_rotary_emb`` (what llama.cpp's converter
+    reads); transformers 5 keeps it as rope_parameters.partial_rotary_factor."""
+    rp = cfg.get("rope_parameters") or {}
+    cfg["attn_rotary_emb"] = int(cfg["head_dim"] * rp.get("partial_rotary_factor", 1.0))
+    return cfg
+
+
 _NEMOTRON_CODES = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-",
                    "moe": "E"}
 _NEMOTRON_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -384,6 +392,18 @@ ARCHS: dict[str, dict[str, Any]] = {
                     residual_multiplier=0.5, attention_multiplier=1 / 32, logits_scaling=2.0,
                     position_embedding_type=None, layer_types=["attention", "mamba", "mamba", "mamba"],
                     mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_d_head=32, mamba_d_conv=4,
+                    mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False)),
+    # Bamba: the same file architecture (granitehybrid) with RoPE on its attention layers and no multipliers
+    "bamba": dict(
+        config="BambaConfig", model="BambaForCausalLM", tokenizer="bpe", pre="refact", config_fix=_bamba_rope,
+        features="Bamba-9B layout (converted to granitehybrid): 4 layers mamba, mamba, attention, mamba; Mamba-2 "
+                 "mixers (8 heads of 64, 2 groups, state 32, conv 4 taps with bias); attention with RoPE over the "
+                 "whole head (rope.scaling.finetuned true; Bamba-9B's half-head RoPE is not reproduced: llama.cpp's "
+                 "converter permutes q/k over the whole head, so its file disagrees with transformers there), GQA "
+                 "4/2; dense SwiGLU MLP (FFN 256), untied, BPE vocab",
+        kwargs=dict(_common(layers=4), rms_norm_eps=1e-5, attn_layer_indices=[2],
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
+                    mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=32, mamba_d_head=64, mamba_d_conv=4,
                     mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False)),
     # Nemotron-H: one mixer or feed-forward per layer (Mamba-2, attention without positions, relu² MLP, experts)
     "nemotron_h": dict(
