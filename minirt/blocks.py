@@ -543,7 +543,9 @@ class MoE:
     each an ordinary (possibly biased) matrix, so every backend's matmul runs them; only the experts
     some token chose are read. ``shared``: the always-on expert (qwen2moe, granitemoe shared);
     ``shared_gate``: its (1, d) sigmoid gate, None for an ungated one. ``act_params`` as for MLP
-    ("swiglu_oai": alpha, limit).
+    ("swiglu_oai": alpha, limit). ``latent_down`` (latent, d) / ``latent_up`` (d, latent): Nemotron 3
+    Super's latent experts, which read ``latent_down · x`` (the router still reads x) and whose weighted
+    sum goes through ``latent_up`` before the shared expert's output is added.
     """
 
     router: Router
@@ -554,6 +556,8 @@ class MoE:
     act_params: tuple[float, ...] = ()
     shared: MLP | None = None
     shared_gate: Linear | None = None
+    latent_down: Linear | None = None
+    latent_up: Linear | None = None
 
     @property
     def n_expert(self) -> int:
@@ -567,6 +571,7 @@ class MoE:
     def linears(self) -> list[Linear]:
         """Every matrix of this feed-forward (router, experts, shared expert and its gate)."""
         out = [self.router.gate] + (list(self.gate) if self.gate is not None else []) + list(self.up) + list(self.down)
+        out += [lin for lin in (self.latent_down, self.latent_up) if lin is not None]
         if self.shared is not None:
             out += self.shared.linears()
         if self.shared_gate is not None:

@@ -265,8 +265,8 @@ def test_nemotron_native_relu2_experts_match_the_per_op_loop():
 
 
 def test_nemotron_layouts_it_cannot_run_are_refused(tmp_path):
-    """A feed-forward layer after another feed-forward, and latent expert projections (Nemotron 3 Super),
-    get UnsupportedArchitectureError naming what is missing."""
+    """A feed-forward layer after another feed-forward gets UnsupportedArchitectureError naming what is
+    missing; latent expert projections without their width (``moe_latent_size``) a GGUFError naming the key."""
     import gguf
 
     src = ND / "model-f16.gguf"
@@ -279,7 +279,7 @@ def test_nemotron_layouts_it_cannot_run_are_refused(tmp_path):
     dst = tmp_path / "latent.gguf"
     _rewrite(ARCH_DIR / "nemotron_h_moe" / "model-f16.gguf", dst,
              extra_tensors={"blk.1.ffn_latent_down.weight": np.zeros((64, 256), np.float32)})
-    with pytest.raises(minirt.UnsupportedArchitectureError, match="latent"):
+    with pytest.raises(minirt.GGUFError, match="moe_latent_size"):
         minirt.load(str(dst), n_ctx=32)
 
 

@@ -326,8 +326,11 @@ def moe_ffn(f: GGUFFile, i: int, hp: HParams, *, n_ff: int | None = None, norm_t
     ``feed_forward_length``), ``norm_topk`` (``expert_weights_norm``), ``gating``
     (``expert_gating_func``; default softmax), scale (``expert_weights_scale``; 0 or absent: 1),
     ``shared_ff`` (``expert_shared_feed_forward_length``; default ``feed_forward_length``); ``shared_act`` the
-    shared expert's activation."""
+    shared expert's activation. Latent experts (``ffn_latent_down`` / ``ffn_latent_up``, Nemotron 3 Super)
+    read and write ``moe_latent_size`` features instead of n_embd."""
     p, d = f"blk.{i}.", hp.n_embd
+    latent = p + "ffn_latent_down.weight" in f.tensors
+    de = meta_int(f, "moe_latent_size", required=True, hi=d) if latent else d  # the experts' input width
     E = meta_int(f, "expert_count", required=True, hi=MAX_EXPERTS)
     k = meta_int(f, "expert_used_count", required=True, hi=E)
     F = meta_int(f, "expert_feed_forward_length", n_ff if n_ff is not None else hp.n_ff)
@@ -348,16 +351,19 @@ def moe_ffn(f: GGUFFile, i: int, hp: HParams, *, n_ff: int | None = None, norm_t
         router.selection_bias = vector(f, p + "exp_probs_b.bias", E)
     if p + "ffn_gate_up_exps.weight" in f.tensors:
         gate, up = [], []
-        for lin in _expert_linear(f, p + "ffn_gate_up_exps", (E, 2 * F, d)).experts():
+        for lin in _expert_linear(f, p + "ffn_gate_up_exps", (E, 2 * F, de)).experts():
             g_e, u_e = lin.split([F, F], ["gate", "up"])
             gate.append(g_e)
             up.append(u_e)
     else:
-        up = _expert_linear(f, p + "ffn_up_exps", (E, F, d)).experts()
-        gate = (_expert_linear(f, p + "ffn_gate_exps", (E, F, d)).experts()
+        up = _expert_linear(f, p + "ffn_up_exps", (E, F, de)).experts()
+        gate = (_expert_linear(f, p + "ffn_gate_exps", (E, F, de)).experts()
                 if p + "ffn_gate_exps.weight" in f.tensors else None)
-    down = _expert_linear(f, p + "ffn_down_exps", (E, d, F)).experts()
+    down = _expert_linear(f, p + "ffn_down_exps", (E, de, F)).experts()
     m = MoE(router=router, act=act, up=up, down=down, gate=gate, act_params=act_params)
+    if latent:
+        m.latent_down = linear(f, p + "ffn_latent_down", de, d, bias=False)
+        m.latent_up = linear(f, p + "ffn_latent_up", d, de, bias=False)
     if p + "ffn_up_shexp.weight" in f.tensors:
         Fs = meta_int(f, "expert_shared_feed_forward_length", shared_ff if shared_ff is not None else hp.n_ff)
         sg = linear(f, p + "ffn_gate_shexp", Fs, d, bias=False) if p + "ffn_gate_shexp.weight" in f.tensors else None

@@ -13,8 +13,8 @@
 A mixer layer and the feed-forward layer after it make one :class:`minirt.blocks.Block` (the same
 computation: attention-then-MLP blocks are two such steps); a mixer followed by another mixer is a block
 without feed-forward. A feed-forward layer that follows another feed-forward is refused (no released model
-has one). Multi-token-prediction layers (``nextn_predict_layers``, after the main ones) are not run; the
-latent expert projections of Nemotron 3 Super (``ffn_latent_down`` / ``ffn_latent_up``) are refused.
+has one). Multi-token-prediction layers (``nextn_predict_layers``, after the main ones) are not run; Nemotron
+3 Super's experts work in a latent width (``ffn_latent_down`` / ``ffn_latent_up``, :class:`minirt.blocks.MoE`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ def _ffn(f: GGUFFile, i: int, hp: HParams, n_ff: int, moe: bool) -> MLP:
     p, d = f"blk.{i}.", hp.n_embd
     if not moe:
         return MLP(act="relu2", gate=None, up=linear(f, p + "ffn_up", n_ff, d), down=linear(f, p + "ffn_down", d, n_ff))
-    if p + "ffn_latent_down.weight" in f.tensors:
-        raise UnsupportedArchitectureError("latent expert projections (ffn_latent_down / ffn_latent_up, Nemotron 3 "
-                                           "Super) are not supported")
     return moe_ffn(f, i, hp, n_ff=n_ff, gating="sigmoid", act="relu2", shared_act="relu2")
 
 

@@ -122,7 +122,10 @@ class Backend:
         the chosen experts' bytes are read (a decode step reads ``n_used`` experts per layer)."""
         r = m.router
         ids, w = blocks.route(self._mm_bias(r.gate, x), r)
-        out = self.moe_experts(x, m, ids, w)
+        if m.latent_down is None:
+            out = self.moe_experts(x, m, ids, w)
+        else:  # latent experts: they read and write the latent width
+            out = self._mm_bias(m.latent_up, self.moe_experts(self._mm_bias(m.latent_down, x), m, ids, w))
         if m.shared is not None:
             s = m.shared
             u = self._mm_bias(s.up, x)

@@ -1035,6 +1035,8 @@ def layer_unsupported(b: Any) -> str | None:
         return "a short convolution of other than 2..64 float32 taps per channel"
     if isinstance(m, MoE):
         why = moe_unsupported(m)
+        if why is None and m.latent_down is not None:  # the layer-by-layer path runs them
+            why = "latent expert projections"
         if why is None and m.router.gating not in _GATINGS:
             why = f"router gating {m.router.gating!r}"
         sh = m.shared

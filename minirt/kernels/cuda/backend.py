@@ -633,6 +633,8 @@ class CudaBackend(Backend):
             return f"with activation {m.act!r}"
         if r.gating not in _GATING or r.n_used > MAX_EXPERTS_USED:
             return f"with {r.gating} gating of {r.n_used} experts"
+        if m.latent_down is not None:
+            return "with latent expert projections"
         if any(lin.parent is None for lin in (m.gate[0], m.up[0], m.down[0])):
             return "whose experts are not rows of 3-D tensors"
         if m.shared is not None and (m.shared.gate is None or m.shared.act not in _ACTS):
