@@ -140,6 +140,7 @@ typedef struct {
                                    rows); the attention output is multiplied by sigmoid(gate) (Qwen3.5) */
     const mr_moe *moe;          /* non-NULL: the feed-forward is this mixture of experts (gate, up, down NULL;
                                    n_ff the widest expert or shared expert) */
+    const float *sinks;         /* (n_head) attention-sink logits in each softmax's denominator, or NULL (gpt-oss) */
 } mr_layer;
 
 typedef struct {
@@ -222,10 +223,11 @@ int mr_kv_dequantize(int type, const unsigned char *src, long long n, float *dst
 /* Grouped-query attention for one query position over a KV cache.
  * q (n_head, head_dim); k, v: (n_kv, n_ctx, row) rows of head_dim values stored as type_k / type_v;
  * positions [start, n_past) attended, start = max(0, n_past - window) when window > 0;
- * softcap > 0: scores = softcap * tanh(scores / softcap). out (n_head, head_dim). */
+ * softcap > 0: scores = softcap * tanh(scores / softcap); sinks (n_head) or NULL: per-head logits that join
+ * each softmax's denominator only (gpt-oss). out (n_head, head_dim). */
 int mr_attention_decode(const float *q, const void *k, const void *v, int type_k, int type_v,
                         long long n_head, long long n_kv, long long n_ctx, long long head_dim,
-                        long long n_past, float scale, long long window, float softcap,
+                        long long n_past, float scale, long long window, float softcap, const float *sinks,
                         float *out, int threads, int isa);
 
 /* out[i] = act(g[i]) * u[i] for i < n; act: 0 = SiLU, 1 = GELU (tanh approximation). out may be g. */

@@ -340,7 +340,7 @@ int64_t mr_pick_chunk(int64_t rows, int64_t rb, int64_t nt, int threads, int64_t
 int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, int64_t B, const void *const *k,
                               const void *const *v, const int64_t *n_ctx, const int64_t *start, const int64_t *end,
                               int64_t H, int64_t Hkv, int64_t D, int type_k, int type_v, float scale, float softcap,
-                              int threads);
+                              const float *sinks, int threads);
 
 /* KV cache element types (kvcache.c): ggml ids F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1.
  * mr_kv_store writes n values (a multiple of the block) as ggml's reference quantizer does;

@@ -881,7 +881,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                     st[b] = L->window > 0 && en[b] > L->window ? en[b] - L->window : 0;
                 }
                 rc = mr_attention_decode_batch(K, q, att, B, kp, vp, nc, st, en, H, Hkv, D, type_k, type_v, L->attn_scale,
-                                               L->softcap, threads);
+                                               L->softcap, L->sinks, threads);
             }
             if (rc != MR_OK) break;
             mr_kv_rotate(att, B * H * D, rot_v); /* rotated values: the output back to the plain basis */

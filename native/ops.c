@@ -65,7 +65,7 @@ int mr_logit_stats(const float *x, long long n, int k, float *out_max, double *o
 
 int mr_attention_decode(const float *q, const void *k, const void *v, int type_k, int type_v, long long n_head, long long n_kv,
                         long long n_ctx, long long head_dim, long long n_past, float scale, long long window,
-                        float softcap, float *out, int threads, int isa) {
+                        float softcap, const float *sinks, float *out, int threads, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (n_head <= 0 || n_kv <= 0 || n_head % n_kv || head_dim <= 0 || n_past <= 0 || n_past > n_ctx || window < 0)
@@ -74,7 +74,7 @@ int mr_attention_decode(const float *q, const void *k, const void *v, int type_k
     const int64_t start = window > 0 && n_past > window ? n_past - window : 0, end = n_past, nc = n_ctx;
     mr_call_lock();
     const int rc = mr_attention_decode_batch(K, q, out, 1, &k, &v, &nc, &start, &end, n_head, n_kv, head_dim, type_k,
-                                             type_v, scale, softcap, threads);
+                                             type_v, scale, softcap, sinks, threads);
     mr_call_unlock();
     return rc;
 }
@@ -266,12 +266,12 @@ static size_t ad_cap;
 
 /* Attention of one new query per sequence (q (B, H, D), B <= 16) over each sequence's cache
  * (Hkv, n_ctx[b], D) at k[b], v[b], positions [start[b], end[b]); out (B, H * D). The query heads
- * of a KV head are SIMD lanes; keys come in chunks of AD_CHUNK, one work item each, merged here.
- * Caller holds the call lock. */
+ * of a KV head are SIMD lanes; keys come in chunks of AD_CHUNK, one work item each, merged here
+ * (sinks (H) or NULL: a logit per head added to the merged denominator only). Caller holds the call lock. */
 int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, int64_t B, const void *const *k,
                               const void *const *v, const int64_t *n_ctx, const int64_t *start, const int64_t *end,
                               int64_t H, int64_t Hkv, int64_t D, int type_k, int type_v, float scale, float softcap,
-                              int threads) {
+                              const float *sinks, int threads) {
     if (B <= 0 || B > AD_MAX_SEQ || H % Hkv) return MR_E_SHAPE;
     if (mr_kv_row_bytes(type_k, D) < 0 || mr_kv_row_bytes(type_v, D) < 0) return MR_E_QTYPE;
     ad_ctx c;
@@ -333,6 +333,8 @@ int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, i
                     if (ch < 64) wgt[ch] = w;
                     L += w * Pc[16 * D + 16 + i];
                 }
+                if (sinks) /* scores and sink in one softmax: exp(sink - M) joins the denominator (overflow: out 0) */
+                    L += expf(sinks[kvh * c.gsize + lane0 + i] - M);
                 const float inv = L > 0.0f ? 1.0f / L : 0.0f;
                 for (int64_t d = 0; d < D; d++) {
                     float a = 0.0f;

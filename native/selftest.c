@@ -161,7 +161,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void test_ops(int isa) {
     static float q[NH * HD], k[NKV * NCTX * HD], v[NKV * NCTX * HD], out[NH * HD];
     for (int i = 0; i < NH * HD; i++) q[i] = frand();
     for (int i = 0; i < NKV * NCTX * HD; i++) { k[i] = frand(); v[i] = frand(); }
-    mr_attention_decode(q, k, v, 0, 0, NH, NKV, NCTX, HD, NP, 0.17f, 0, 0.0f, out, 2, isa); /* f32 keys and values */
+    mr_attention_decode(q, k, v, 0, 0, NH, NKV, NCTX, HD, NP, 0.17f, 0, 0.0f, NULL, out, 2, isa); /* f32 keys and values */
     e = 0;
     for (int h = 0; h < NH; h++) {
         const int kv = h / (NH / NKV);

@@ -457,6 +457,31 @@ def test_attention_decode(nat, dtype):
         native.attention_decode(q, k, v, n_ctx + 1, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attention_decode_with_sinks(nat, dtype):
+    """gpt-oss' attention sinks: a logit per head in each softmax's denominator only, against
+    minirt.blocks.attention; one chunk and several merged, a window, sinks far above and below every score."""
+    from minirt.blocks import attention
+
+    rng = np.random.default_rng(5)
+    for n_head, n_kv, hd, n_ctx, n_past, window, spread in [
+            (8, 2, 64, 40, 33, 0, 2.0), (16, 2, 64, 700, 650, 0, 2.0), (16, 2, 64, 700, 650, 128, 2.0),
+            (4, 1, 32, 300, 280, 0, 40.0)]:
+        q = rng.standard_normal((n_head, hd)).astype(np.float32)
+        k = rng.standard_normal((n_kv, n_ctx, hd)).astype(dtype)
+        v = rng.standard_normal((n_kv, n_ctx, hd)).astype(dtype)
+        sinks = (rng.standard_normal(n_head) * spread).astype(np.float32)
+        scale = 1.0 / np.sqrt(hd)
+        lo = max(0, n_past - window) if window else 0
+        ref = attention(q[None], k[:, lo:n_past].astype(np.float32), v[:, lo:n_past].astype(np.float32),
+                        n_past - 1 - lo, scale, window, 0.0, sinks)[0]
+        for isa in isas_to_test():
+            y = native.attention_decode(q, k, v, n_past, scale, window=window, threads=2, isa=isa, sinks=sinks)
+            np.testing.assert_allclose(y, ref.reshape(n_head, hd), rtol=0, atol=2e-5)
+    with pytest.raises(minirt.InvalidRequestError, match="sinks"):
+        native.attention_decode(q, k, v, 1, 1.0, sinks=sinks[:2])
+
+
 # -------------------------------------------------------------------------------- on-demand build
 
 

@@ -232,6 +232,17 @@ class NativeBackend(Backend):
                                                    softcap=softcap, threads=self.threads, kv_types=kv_types)
         return super().attention(q, kc, vc, p0, scale, window, softcap, kv_types)
 
+    def attention_sinks(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
+                        softcap: float, sinks: np.ndarray, kv_types: tuple[str, str] | None = None) -> np.ndarray:
+        """:meth:`attention` with per-head sink logits (gpt-oss): the native single-query kernel for decode
+        (the sinks join its merged denominator), the numpy version for several queries."""
+        if (q.shape[0] == 1 and kc.shape[:2] == vc.shape[:2] and kc.flags.c_contiguous and vc.flags.c_contiguous
+                and (kv_types is None or self._mod.kv_types_fit(kc, vc, kv_types, q.shape[-1]))):
+            return self._mod.attention_decode(q[0], kc, vc, p0 + 1, scale, window=window, softcap=softcap,
+                                              threads=self.threads, kv_types=kv_types,
+                                              sinks=np.ascontiguousarray(sinks, dtype=np.float32)).reshape(1, -1)
+        return super().attention_sinks(q, kc, vc, p0, scale, window, softcap, sinks, kv_types)
+
     def delta_rule(self, S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray,
                    beta: np.ndarray) -> np.ndarray:
         """The gated delta rule in C, a value head per thread item (the numpy version loops per token)."""

@@ -1051,8 +1051,6 @@ def layer_unsupported(b: Any) -> str | None:
         return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
     elif m is not None and m.act not in _LAYER_ACTS:
         return f"activation {m.act!r}"
-    if a.sinks is not None:
-        return "attention sinks"
     if a.v_norm is not None and (a.v_norm.kind != "rms" or a.v_norm.weight is not None):
         return "a value norm other than RMSNorm without gains"
     g = b.per_layer
@@ -1142,6 +1140,7 @@ class LayerStack:
             for j, v in enumerate(m.act_params[:4] if dense else ()):
                 L.act_params[j] = float(v)
             L.qk_norm_after_rope = int(bool(a.qk_norm_after_rope))
+            L.sinks = self._f32(ffi, a.sinks) if a.sinks is not None else ffi.NULL
             L.kv_layer = -1 if a.kv_source is None else int(a.kv_source)
             L.v_norm = int(a.v_norm is not None)
             L.out_scale = float(b.out_scale)
@@ -1775,13 +1774,14 @@ def logit_stats(x: np.ndarray, k: int, isa: str | None = None) -> tuple[float, f
 def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, scale: float,
                      out: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
                      threads: int | None = None, isa: str | None = None,
-                     kv_types: tuple[str, str] | None = None) -> np.ndarray:
+                     kv_types: tuple[str, str] | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """One query position against a KV cache, grouped-query.
 
     q: (n_head, head_dim) float32; k_cache, v_cache: (n_kv, n_ctx, width) rows stored in the KV types
     ``kv_types`` (names of :mod:`minirt.kv_types`; None: float32 / float16 arrays), the first ``n_past``
     positions valid; ``window`` > 0 keeps only the last ``window`` positions; softcap > 0 applies
-    ``softcap * tanh(s / softcap)`` to the scaled scores. Returns out (n_head, head_dim).
+    ``softcap * tanh(s / softcap)`` to the scaled scores; ``sinks`` (n_head,): per-head logits that join
+    each softmax's denominator only (gpt-oss). Returns out (n_head, head_dim).
     """
     ffi, lib = _lib()
     q = _f32_array(q, "q", (2,))
@@ -1804,6 +1804,10 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
         raise InvalidRequestError(f"window must be a non-negative integer, got {window!r}")
     if not np.isfinite(scale) or not np.isfinite(softcap) or softcap < 0:
         raise InvalidRequestError("scale must be finite and softcap finite and >= 0")
+    if sinks is not None:
+        sinks = _f32_array(sinks, "sinks", (1,))
+        if sinks.shape != (n_head,) or not np.isfinite(sinks).all():
+            raise InvalidRequestError(f"sinks must be {n_head} finite values, got shape {sinks.shape}")
     if out is None:
         out = np.empty((n_head, hd), dtype=_F32)
     else:
@@ -1811,6 +1815,7 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
     _check_rc(lib.mr_attention_decode(ffi.from_buffer("float[]", q), _bytes_of(ffi, k_cache), _bytes_of(ffi, v_cache),
                                       tk.ggml_id, tv.ggml_id, n_head, n_kv, n_ctx, hd, int(n_past),
                                       float(scale), int(window), float(softcap),
+                                      ffi.NULL if sinks is None else ffi.from_buffer("float[]", sinks),
                                       ffi.from_buffer("float[]", out, require_writable=True), _threads_arg(threads),
                                       _isa_id(isa)), "attention_decode")
     return out
