@@ -41,6 +41,11 @@ _GRANITEH = dict(config="GraniteMoeHybridConfig", model="GraniteMoeHybridForCaus
                  extra=dict(rms_norm_eps=1e-5, position_embedding_type=None, mamba_d_conv=4, mamba_expand=2,
                             mamba_conv_bias=True, mamba_proj_bias=False, embedding_multiplier=12.0,
                             residual_multiplier=0.246, attention_multiplier=0.0078125, logits_scaling=4.0))
+# gpt-oss: attention sinks, sliding window on every other layer, YaRN, biased experts with clamped SwiGLU
+_GPTOSS = dict(config="GptOssConfig", model="GptOssForCausalLM", tied=False, router="mlp.router",
+               extra=dict(rms_norm_eps=1e-5, sliding_window=128, swiglu_limit=7.0),
+               rope={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096, "rope_theta": 150000.0})
 # name -> (family, transformers config sizes)
 SHAPES = {
     "default": (_QWEN3MOE, dict(hidden_size=2048, num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
@@ -71,6 +76,12 @@ SHAPES = {
                                            mamba_d_head=32, mamba_d_state=128, mamba_n_groups=1,
                                            layer_types=["attention" if i in (7, 15, 23, 31) else "mamba"
                                                         for i in range(32)])),
+    # gpt-oss-20b's layout at a third of its width: 12 layers alternating sliding (128) and full attention (16
+    # query / 4 KV heads of 64, sinks), 32 experts of 1024 top-4 with biases: 1.3 B parameters, about 0.75 GB
+    # with --quant MXFP4_MOE (as gpt-oss ships)
+    "gpt-oss-mini": (_GPTOSS, dict(hidden_size=1024, num_hidden_layers=12, num_local_experts=32, num_experts_per_tok=4,
+                                   intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                   layer_types=["sliding_attention", "full_attention"] * 6)),
 }
 
 # Run by --ref-python: writes a seeded random checkpoint of the shape's family (bfloat16, parameters
