@@ -437,21 +437,6 @@ ARCHS: dict[str, dict[str, Any]] = {
                     use_conv_bias=True, mamba_proj_bias=False, use_mamba_kernels=False, n_routed_experts=4,
                     num_experts_per_tok=2, moe_intermediate_size=128, moe_shared_expert_intermediate_size=256,
                     n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)),
-    # Nemotron 3 Super: the same with latent experts (they read latent_down · x, their sum goes through latent_up)
-    "nemotron_h_moe_latent": dict(
-        config="NemotronHConfig", model="NemotronHForCausalLM", no_repack=True, tokenizer="bpe", pre="refact",
-        config_fix=_nemotron_pattern, raw_config=True, scale={"mixer.gate.weight": 3.0}, buffers={"e_score_correction_bias": 0.1},
-        features="Nemotron 3 Super layout: 5 layers M E * E M (Mamba-2: 8 heads of 64, 2 groups, state 32); "
-                 "latent experts (latent width 128 of 256): 4 of FFN 128 top-2, relu² without gate, sigmoid "
-                 "router with a selection bias, renormalised, scaled x2.5, a relu² shared expert of 256 on the "
-                 "full width; attention without RoPE, GQA 4/2, untied, BPE vocab",
-        kwargs=dict(_common(layers=5), intermediate_size=512, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5,
-                    layers_block_type=["mamba", "moe", "attention", "moe", "mamba"],
-                    ssm_state_size=32, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, conv_kernel=4, expand=2,
-                    use_conv_bias=True, mamba_proj_bias=False, use_mamba_kernels=False, n_routed_experts=4,
-                    num_experts_per_tok=2, moe_intermediate_size=128, moe_shared_expert_intermediate_size=256,
-                    n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-                    moe_latent_size=128)),
     # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer; the converter folds the µP multipliers
     # into the weights, so non-trivial ones check that folding against transformers' runtime multiplications
     "falcon_h1": dict(
@@ -491,6 +476,17 @@ ARCHS: dict[str, dict[str, Any]] = {
         kwargs=_gemma4_kw(4, hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=False,
                           enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=256)),
 }
+# Nemotron 3 Super: Nemotron 3 Nano's layout with latent experts (they read latent_down · x, their sum goes
+# through latent_up), 5 layers
+ARCHS["nemotron_h_moe_latent"] = dict(
+    ARCHS["nemotron_h_moe"],
+    features="Nemotron 3 Super layout: 5 layers M E * E M (Mamba-2: 8 heads of 64, 2 groups, state 32); "
+             "latent experts (latent width 128 of 256): 4 of FFN 128 top-2, relu² without gate, sigmoid "
+             "router with a selection bias, renormalised, scaled x2.5, a relu² shared expert of 256 on the "
+             "full width; attention without RoPE, GQA 4/2, untied, BPE vocab",
+    kwargs=dict(ARCHS["nemotron_h_moe"]["kwargs"], num_hidden_layers=5,
+                layers_block_type=["mamba", "moe", "attention", "moe", "mamba"],
+                moe_latent_size=128))
 
 
 def _phi3_rope(kw: dict[str, Any]) -> dict[str, Any]:

@@ -203,16 +203,46 @@ def get_kernels(cfg: LaunchConfig) -> Kernels:
 # ---------------------------------------------------------------------------------------------
 # quantized matmuls
 # ---------------------------------------------------------------------------------------------
+def _make_row_dot(deq: Callable, THREADS: int, TPR: int) -> Any:
+    """``sum_c W[row, c] * x[t, c]`` by the TPR threads of one row (lanes of a block of THREADS), each taking
+    groups of 8 weights strided by TPR (consecutive threads read consecutive bytes); the partial sums meet
+    in the shared ``red``. Every thread of the block must call it (barriers inside); ``valid`` False: this
+    thread's row is past the end and adds nothing. The result is complete in lane 0 of the row."""
+
+    @cuda.jit(device=True)
+    def row_dot(w8, w16, w32, row, valid, x, t, K, tid, lane, red, vals):
+        s = float32(0.0)
+        if valid:
+            for g in range(lane, K // GROUP, TPR):
+                c = g * GROUP
+                deq(w8, w16, w32, row, c, vals)
+                for i in range(GROUP):
+                    s += vals[i] * x[t, c + i]
+        if TPR > 1:  # compile-time constant: one thread per row needs no reduction
+            red[tid] = s
+            cuda.syncthreads()
+            st = TPR // 2
+            while st > 0:
+                if lane < st:
+                    red[tid] += red[tid + st]
+                cuda.syncthreads()
+                st //= 2
+            s = red[tid]
+        return s
+
+    return row_dot
+
+
 def _make_matvec(deq: Callable, THREADS: int, TPR: int) -> Any:
     """Fused dequant-matvec for a few tokens (decode).
 
     ``y[t, ycol + r] = (y[t, ycol + r] if acc) + sum_c W[r, c] * x[t, c] + (bias[r] if has_bias)``
     x (>= T, K) f32; W (N, K) quantized; y (T, >= ycol + N) f32; bias (N,) f32 (any size when unused).
-    Block = RPB rows x TPR threads; each thread takes groups of 8 weights strided by TPR
-    (consecutive threads read consecutive bytes), the TPR partial sums meet in shared memory.
-    Grid: x over row tiles, y over tokens (both grid-stride).
+    Block = RPB rows x TPR threads (:func:`_make_row_dot`). Grid: x over row tiles, y over tokens (both
+    grid-stride).
     """
     RPB = THREADS // TPR
+    row_dot = _make_row_dot(deq, THREADS, TPR)
 
     @cuda.jit
     def matvec(w8, w16, w32, x, T, y, ycol, bias, has_bias, acc, N, K):
@@ -221,27 +251,10 @@ def _make_matvec(deq: Callable, THREADS: int, TPR: int) -> Any:
         lane = tid - rr * TPR
         red = cuda.shared.array(THREADS, float32)
         vals = cuda.local.array(GROUP, float32)
-        ng = K // GROUP
         for t in range(cuda.blockIdx.y, T, cuda.gridDim.y):
             for r0 in range(cuda.blockIdx.x * RPB, N, cuda.gridDim.x * RPB):
                 r = r0 + rr
-                s = float32(0.0)
-                if r < N:
-                    for g in range(lane, ng, TPR):
-                        c = g * GROUP
-                        deq(w8, w16, w32, r, c, vals)
-                        for i in range(GROUP):
-                            s += vals[i] * x[t, c + i]
-                if TPR > 1:  # compile-time constant: one thread per row needs no reduction
-                    red[tid] = s
-                    cuda.syncthreads()
-                    st = TPR // 2
-                    while st > 0:
-                        if lane < st:
-                            red[tid] += red[tid + st]
-                        cuda.syncthreads()
-                        st //= 2
-                    s = red[tid]
+                s = row_dot(w8, w16, w32, r, r < N, x, t, K, tid, lane, red, vals)
                 if lane == 0 and r < N:
                     if has_bias:
                         s += bias[r]
@@ -264,6 +277,7 @@ def _make_matvec_id(deq: Callable, THREADS: int, TPR: int) -> Any:
     Only the chosen experts' rows are read. Launch as :func:`_make_matvec` with the pairs along y.
     """
     RPB = THREADS // TPR
+    row_dot = _make_row_dot(deq, THREADS, TPR)
 
     @cuda.jit
     def matvec_id(w8, w16, w32, off, ids, x, xdiv, P, y, ycol, bias, has_bias, N, K):
@@ -272,29 +286,11 @@ def _make_matvec_id(deq: Callable, THREADS: int, TPR: int) -> Any:
         lane = tid - rr * TPR
         red = cuda.shared.array(THREADS, float32)
         vals = cuda.local.array(GROUP, float32)
-        ng = K // GROUP
         for j in range(cuda.blockIdx.y, P, cuda.gridDim.y):
             base = off[ids[j]]
-            t = j // xdiv
             for r0 in range(cuda.blockIdx.x * RPB, N, cuda.gridDim.x * RPB):
                 r = r0 + rr
-                s = float32(0.0)
-                if r < N:
-                    for g in range(lane, ng, TPR):
-                        c = g * GROUP
-                        deq(w8, w16, w32, base + r, c, vals)
-                        for i in range(GROUP):
-                            s += vals[i] * x[t, c + i]
-                if TPR > 1:
-                    red[tid] = s
-                    cuda.syncthreads()
-                    st = TPR // 2
-                    while st > 0:
-                        if lane < st:
-                            red[tid] += red[tid + st]
-                        cuda.syncthreads()
-                        st //= 2
-                    s = red[tid]
+                s = row_dot(w8, w16, w32, base + r, r < N, x, j // xdiv, K, tid, lane, red, vals)
                 if lane == 0 and r < N:
                     if has_bias:
                         s += bias[base + r]
