@@ -217,8 +217,7 @@ class Attention:
     ``rope`` None: a NoPE layer. ``qk_norm_per_head``: q/k norms over each head (Dk,) or over the
     whole projection (H·Dk,) (OLMo 2); they apply before RoPE unless ``qk_norm_after_rope``.
     ``window`` > 0: each query sees its last ``window`` positions.
-    ``sinks``: per-head attention-sink logits (a slot for architectures that have them; no backend
-    runs them yet, so a description with sinks is refused).
+    ``sinks``: per-head attention-sink logits (gpt-oss): each joins its head's softmax denominator only.
     ``causal`` False: every query sees every position of its sequence (encoders, EmbeddingGemma); a
     window then extends both ways (``|q − k| ≤ window // 2``, ModernBERT's local layers,
     EmbeddingGemma, llama.cpp's symmetric SWA).
