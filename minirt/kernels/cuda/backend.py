@@ -6,7 +6,8 @@ Two ways in:
 - :meth:`CudaBackend.matmul` ``(x, lin)`` — the per-op contract every backend has: host float32
   in, host float32 out, weight already in VRAM. Used for architectures without a device forward.
 - :meth:`CudaBackend.forward` ``(model, tokens, segments)`` — the whole decoder on the device for
-  the llama / qwen2 / qwen3 / gemma3 blocks: embeddings, every layer, final norm and output
+  the descriptions :meth:`CudaBackend._unsupported` accepts (attention blocks with dense or
+  mixture-of-experts feed-forwards): embeddings, every layer, final norm and output
   projection run as kernels over device buffers; per call one host→device copy of the token ids
   and positions and one device→host copy of the requested logits.
   Returns ``None`` for a model it does not handle, so the caller can use the host path.
