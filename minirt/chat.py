@@ -564,6 +564,10 @@ def _make_env(budget: _Budget) -> Any:
         return base["urlize"](eval_ctx, value, *a, **k)
 
     def f_sum(environment: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
+        if isinstance(iterable, (str, bytes)) and attribute is None:
+            # its items are characters, never numbers or sequences: refused below anyway, but a list of
+            # one-character strings costs 8 bytes each, 8 times the string's size
+            raise TemplateError("chat template sums values that are not numbers, lists or tuples")
         items = list(iterable)
         if attribute is not None:
             from jinja2.filters import make_attrgetter
