@@ -222,8 +222,7 @@ class NativeBackend(Backend):
         if not causal:
             return super().attention(q, kc, vc, p0, scale, window, softcap, causal=False, kv_types=kv_types)
         quantized = kv_types is not None and (kv_types[0] not in ("f32", "f16") or kv_types[1] not in ("f32", "f16"))
-        if kc.shape[:2] == vc.shape[:2] and kc.flags.c_contiguous and vc.flags.c_contiguous and (
-                kv_types is None or self._mod.kv_types_fit(kc, vc, kv_types, q.shape[-1])):
+        if self._native_cache(kc, vc, kv_types, q.shape[-1]):
             if n == 1:
                 return self._mod.attention_decode(q[0], kc, vc, p0 + 1, scale, window=window, softcap=softcap,
                                                   threads=self.threads, kv_types=kv_types).reshape(1, -1)
@@ -232,12 +231,16 @@ class NativeBackend(Backend):
                                                    softcap=softcap, threads=self.threads, kv_types=kv_types)
         return super().attention(q, kc, vc, p0, scale, window, softcap, kv_types)
 
+    def _native_cache(self, kc: np.ndarray, vc: np.ndarray, kv_types: tuple[str, str] | None, D: int) -> bool:
+        """Whether the native attention kernels can read one layer's cache (Hkv, n_ctx, width) as it is."""
+        return (kc.shape[:2] == vc.shape[:2] and kc.flags.c_contiguous and vc.flags.c_contiguous
+                and (kv_types is None or self._mod.kv_types_fit(kc, vc, kv_types, D)))
+
     def attention_sinks(self, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, p0: int, scale: float, window: int,
                         softcap: float, sinks: np.ndarray, kv_types: tuple[str, str] | None = None) -> np.ndarray:
         """:meth:`attention` with per-head sink logits (gpt-oss): the native single-query kernel for decode
         (the sinks join its merged denominator), the numpy version for several queries."""
-        if (q.shape[0] == 1 and kc.shape[:2] == vc.shape[:2] and kc.flags.c_contiguous and vc.flags.c_contiguous
-                and (kv_types is None or self._mod.kv_types_fit(kc, vc, kv_types, q.shape[-1]))):
+        if q.shape[0] == 1 and self._native_cache(kc, vc, kv_types, q.shape[-1]):
             return self._mod.attention_decode(q[0], kc, vc, p0 + 1, scale, window=window, softcap=softcap,
                                               threads=self.threads, kv_types=kv_types,
                                               sinks=np.ascontiguousarray(sinks, dtype=np.float32)).reshape(1, -1)

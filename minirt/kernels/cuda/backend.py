@@ -755,7 +755,7 @@ class CudaBackend(Backend):
                 for h in range(p.Hkv):
                     m.k[i][h, :p0].copy_to_device(np.ascontiguousarray(k16[h]))
                     m.v[i][h, :p0].copy_to_device(np.ascontiguousarray(v16[h]))
-            m.shadow[:p0] = cache._k[0][:, :p0, :].transpose(1, 0, 2).reshape(p0, -1)  # as the host holds it
+            self._shadow_from_host(m, cache, 0, p0)
             m.tokens[:p0] = cache.tokens[:p0]
         m.n_valid = p0
         m.graph = None
@@ -779,11 +779,16 @@ class CudaBackend(Backend):
                 for i, a in enumerate(dev):
                     for h in range(a.shape[0]):
                         host[i, h, lo:hi] = a[h, lo:hi].copy_to_host()
-            m.shadow[lo:hi] = cache._k[0][:, lo:hi, :].transpose(1, 0, 2).reshape(hi - lo, -1)
+            self._shadow_from_host(m, cache, lo, hi)
+
+    @staticmethod
+    def _shadow_from_host(m: _Mirror, cache: Any, lo: int, hi: int) -> None:
+        """What the device saw of positions lo..hi-1: layer 0's keys as the host holds them (the raw array:
+        KVCache.k would count another host access), the rows _mirror_current compares."""
+        m.shadow[lo:hi] = cache._k[0][:, lo:hi, :].transpose(1, 0, 2).reshape(hi - lo, -1)
 
     def _drop_mirror(self, cache: Any) -> None:
-        if cache.device_rows is not None:
-            self._flush(cache)
+        self._flush(cache)  # rows only the device holds go to the host first
         self._mirrors.pop(cache, None)
 
     def _evict(self, p: _Plan, cap: int, busy: set) -> None:
@@ -913,20 +918,20 @@ class CudaBackend(Backend):
                 self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
                              p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"],
                              L["sinks"] if L["sinks"] is not None else self._dummy_bias, int(L["sinks"] is not None))
-            self._scale(b.attn, T, p.H * p.Dv, L["res_scale"])
             self._residual(p, b, L, "wo", b.attn, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
             h = self._pre_norm(p, b, L["ffn_norm"], T, eps, ar)
             if "moe" in L:
                 self._moe(p, L, b, T, ar, h)
             else:
                 self._mlp(p, L, b, T, h)
-                self._scale(b.ff, T, L["F"], L["res_scale"])
                 self._residual(p, b, L, "down", b.ff, T, L["post_ffn_norm"], ar)
         if nrows:
             self._logits_chunk(p, b, nrows)
 
     def _residual(self, p: _Plan, b: _Buffers, L: dict, key: str, src: Any, T: int, post: Any, ar: Any) -> None:
-        """x += W·src, or x += norm(W·src) when the block has a post-norm there."""
+        """x += W·src, or x += norm(W·src) when the block has a post-norm there; src is first scaled by
+        the layer's residual multiplier (Granite: x += s·W·src, with no post-norm or bias there)."""
+        self._scale(src, T, L[key].cols, L["res_scale"])
         if post is None:
             self._mm(L[key], src, T, b.x, 0, L[key + ".bias"], acc=True)
             return

@@ -152,28 +152,26 @@ class Kernels:
         self._mvid: dict[tuple[str, int], Any] = {}
 
     # per-type kernels ------------------------------------------------------------------------
+    def _row_kernel(self, table: dict, make: Callable, qtype: str, K: int) -> Any:
+        """The kernel ``make`` builds for ``qtype`` with the threads per row that rows of K weights get,
+        compiled once per (type, layout) in ``table``."""
+        tpr = self.cfg.tpr(K)
+        k = table.get((qtype, tpr))
+        if k is None:
+            k = table[(qtype, tpr)] = make(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
+        return k
+
     def matvec(self, qtype: str, K: int) -> Any:
         """Matvec kernel for rows of K weights of ``qtype`` (block layout chosen by K)."""
-        tpr = self.cfg.tpr(K)
-        k = self._mv.get((qtype, tpr))
-        if k is None:
-            k = self._mv[(qtype, tpr)] = _make_matvec(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
-        return k
+        return self._row_kernel(self._mv, _make_matvec, qtype, K)
 
     def matvec_id(self, qtype: str, K: int) -> Any:
         """As :meth:`matvec` with each (token, slot) pair's rows chosen by an expert id."""
-        tpr = self.cfg.tpr(K)
-        k = self._mvid.get((qtype, tpr))
-        if k is None:
-            k = self._mvid[(qtype, tpr)] = _make_matvec_id(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
-        return k
+        return self._row_kernel(self._mvid, _make_matvec_id, qtype, K)
 
     def matvec_glu(self, qtype: str, K: int) -> Any:
-        tpr = self.cfg.tpr(K)
-        k = self._glu.get((qtype, tpr))
-        if k is None:
-            k = self._glu[(qtype, tpr)] = _make_matvec_glu(DEQUANTIZERS[qtype], self.cfg.mv_threads, tpr)
-        return k
+        """Gate, up and the gated activation of a dense MLP's decode in one pass."""
+        return self._row_kernel(self._glu, _make_matvec_glu, qtype, K)
 
     def gemm(self, qtype: str) -> Any:
         k = self._gemm.get(qtype)
