@@ -67,6 +67,22 @@ MR_INLINE __m512 scales16(const uint8_t *ws, const int BYTES, const int OFF, int
 
 MR_INLINE __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
+/* The e8m0 scales (byte 0) of blocks 0..n-1 (n <= 16) of BYTES bytes -> 16 floats, halved as
+ * mr_e8m0_half does (0 past n). One masked dword gather: each lane reads bytes 0..3 of its own
+ * block, so nothing past block n-1 is touched; a byte permute would need AVX512-VBMI. */
+MR_INLINE __m512 e8m0_scales16(const uint8_t *ws, const int BYTES, int64_t n) {
+    const __mmask16 k = mask16(n);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(BYTES));
+    const __m512i e = _mm512_and_si512(_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx, ws, 1),
+                                       _mm512_set1_epi32(0xff));
+    /* e >= 2: (e - 1) << 23 (a normal float); e < 2: the subnormals 0x00200000 << e */
+    __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    bits = _mm512_mask_sllv_epi32(bits, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)),
+                                  _mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(k, bits));
+}
+
 /* prefetch the bytes [lo, hi) of base, clipped to end */
 MR_INLINE void pf_range(const uint8_t *base, int64_t lo, int64_t hi, int64_t end) {
     if (hi > end) hi = end;
@@ -76,10 +92,12 @@ MR_INLINE void pf_range(const uint8_t *base, int64_t lo, int64_t hi, int64_t end
 /* ---------------------------------------------------------------- 32-element nibble types, in pairs
  * A pair of blocks a, b unpacks to lo = [a 0..15, b 0..15], hi = [a 16..31, b 16..31] (int16), the
  * order of xa->qp; int32 lanes 0..7 of the two dot products then belong to a, 8..15 to b. */
-enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_IQ4NL };
+enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_IQ4NL, K_MXFP4 };
 
-MR_INLINE __m512i iq4_lut16(__m256i nib) { /* int8 codebook lookup, widened to int16 */
-    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_iq4nl);
+/* the codebook types: IQ4_NL (f16 scale @0, codes @2), MXFP4 (e8m0 scale @0, codes @1) */
+#define CODEBOOK(KIND) ((KIND) == K_IQ4NL || (KIND) == K_MXFP4)
+MR_INLINE __m512i lut16(const int KIND, __m256i nib) { /* int8 codebook lookup, widened to int16 */
+    const __m128i t = _mm_loadu_si128((const __m128i *)(KIND == K_MXFP4 ? mr_kvalues_mxfp4 : mr_kvalues_iq4nl));
     return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib));
 }
 
@@ -101,22 +119,23 @@ MR_INLINE void unpack_pair(const int KIND, const uint8_t *a, const uint8_t *b, _
         *lo = _mm512_mask_add_epi16(*lo, kl, *lo, c16);
         *hi = _mm512_mask_add_epi16(*hi, kh, *hi, c16);
         break;
-    default: { /* IQ4_NL */
-        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 2))),
-                                                    _mm_loadu_si128((const __m128i *)(b + 2)), 1);
+    default: { /* IQ4_NL, MXFP4 */
+        const int q = KIND == K_MXFP4 ? 1 : 2;
+        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + q))),
+                                                    _mm_loadu_si128((const __m128i *)(b + q)), 1);
         const __m256i m4 = _mm256_set1_epi8(15);
-        *lo = iq4_lut16(_mm256_and_si256(raw, m4));
-        *hi = iq4_lut16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+        *lo = lut16(KIND, _mm256_and_si256(raw, m4));
+        *hi = lut16(KIND, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
     }
     }
 }
 
 /* one block in natural order (the odd last block of a row) */
 MR_INLINE __m512i unpack_one(const int KIND, const uint8_t *b) {
-    const int qoff = KIND == K_Q4_0 || KIND == K_IQ4NL ? 2 : KIND == K_Q4_1 ? 4 : KIND == K_Q5_0 ? 6 : 8;
+    const int qoff = KIND == K_MXFP4 ? 1 : KIND == K_Q4_0 || KIND == K_IQ4NL ? 2 : KIND == K_Q4_1 ? 4 : KIND == K_Q5_0 ? 6 : 8;
     const __m128i r = _mm_loadu_si128((const __m128i *)(b + qoff));
     const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
-    if (KIND == K_IQ4NL) return iq4_lut16(nib);
+    if (CODEBOOK(KIND)) return lut16(KIND, nib);
     __m512i v = _mm512_cvtepu8_epi16(nib);
     if (KIND == K_Q5_0)
         v = _mm512_mask_sub_epi16(v, (__mmask32)~mr_rd32(b + 2), v, _mm512_set1_epi16(16));
@@ -130,12 +149,13 @@ MR_INLINE __m512i unpack_one(const int KIND, const uint8_t *b) {
 /* Combined scales sc[r][t][i] = d_w(block s0+i of row r) * d_x(t, s0+i) of one segment of n <= 16
  * blocks, and the per-segment corrections (min * sum x, or d * sum xq for folded offsets). */
 MR_INLINE void seg_scales(const uint8_t *w, int64_t rb, int64_t s0, int64_t n, const mr_xact *xa, const int NT,
-                          const int R, const int BYTES, const int HAS_MIN, const int HAS_OFF, float sc[][MR_NT_INT][16],
+                          const int R, const int BYTES, const int E8M0, const int HAS_MIN, const int HAS_OFF,
+                          float sc[][MR_NT_INT][16],
                           __m512 cor[][MR_NT_INT]) {
     const __mmask16 k = mask16(n);
     for (int r = 0; r < R; r++) {
         const uint8_t *ws = w + r * rb + s0 * BYTES;
-        const __m512 dw = scales16(ws, BYTES, 0, n);
+        const __m512 dw = E8M0 ? e8m0_scales16(ws, BYTES, n) : scales16(ws, BYTES, 0, n);
         const __m512 mw = HAS_MIN ? scales16(ws, BYTES, 2, n) : dw;
         for (int t = 0; t < NT; t++) {
             const int64_t o = t * xa->bs + s0;
@@ -152,17 +172,17 @@ MR_INLINE void seg_scales(const uint8_t *w, int64_t rb, int64_t s0, int64_t n, c
  * a min add m * sum(x); Q4_0 subtracts 8 * d * sum(xq). */
 MR_INLINE void gemv_pair_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr_xact *xa, float *y, int64_t ys,
                               const int NT, const int R, const int BYTES, const int KIND) {
-    const int HAS_MIN = KIND == K_Q4_1 || KIND == K_Q5_1, HAS_OFF = KIND == K_Q4_0;
+    const int HAS_MIN = KIND == K_Q4_1 || KIND == K_Q5_1, HAS_OFF = KIND == K_Q4_0, E8M0 = KIND == K_MXFP4;
     __m512 acc[4][MR_NT_INT], cor[4][MR_NT_INT];
     float sc[2][4][MR_NT_INT][16] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r][t] = cor[r][t] = _mm512_setzero_ps();
-    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, BYTES, HAS_MIN, HAS_OFF, sc[0], cor);
+    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, BYTES, E8M0, HAS_MIN, HAS_OFF, sc[0], cor);
     int cur = 0;
     for (int64_t s0 = 0; s0 < nb; s0 += 16, cur ^= 1) {
         const int64_t n = nb - s0 < 16 ? nb - s0 : 16;
         if (s0 + 16 < nb)
-            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, BYTES, HAS_MIN, HAS_OFF,
+            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, BYTES, E8M0, HAS_MIN, HAS_OFF,
                        sc[cur ^ 1], cor);
         int64_t b = 0;
         for (; b + 2 <= n; b += 2) {
@@ -204,12 +224,12 @@ MR_INLINE void gemv_q8_0_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr
     float sc[2][4][MR_NT_INT][16] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
-    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, 34, 0, 0, sc[0], cor);
+    seg_scales(w, rb, 0, nb < 16 ? nb : 16, xa, NT, R, 34, 0, 0, 0, sc[0], cor);
     int cur = 0;
     for (int64_t s0 = 0; s0 < nb; s0 += 16, cur ^= 1) {
         const int64_t n = nb - s0 < 16 ? nb - s0 : 16;
         if (s0 + 16 < nb)
-            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, 34, 0, 0, sc[cur ^ 1], cor);
+            seg_scales(w, rb, s0 + 16, nb - s0 - 16 < 16 ? nb - s0 - 16 : 16, xa, NT, R, 34, 0, 0, 0, sc[cur ^ 1], cor);
         for (int64_t b = 0; b < n; b++) {
             for (int r = 0; r < R; r++) {
                 const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + r * rb + (s0 + b) * 34 + 2)));
@@ -226,7 +246,10 @@ MR_INLINE void gemv_q8_0_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr
 }
 
 /* ---------------------------------------------------------------- 256-element super-blocks */
-enum { K_Q4_K, K_Q5_K, K_Q6_K, K_IQ4XS };
+enum { K_Q4_K, K_Q5_K, K_Q6_K, K_IQ4XS, K_Q3_K, K_Q2_K };
+
+/* the kinds with one scale per 16 elements (and a per-16 correction through xa->sq16) */
+#define PER16(KIND) ((KIND) == K_Q6_K || (KIND) == K_Q3_K || (KIND) == K_Q2_K)
 
 /* Q4_K / Q5_K 6-bit scales and mins of one super-block as floats (ggml get_scale_min_k4, on words) */
 MR_INLINE void k4_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
@@ -238,6 +261,17 @@ MR_INLINE void k4_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
     m2[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u);
     *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)));
     *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m2)));
+}
+
+/* Q3_K's 16 6-bit per-16 scales (offset 32 not removed) as bytes, from the 12 packed bytes (ggml's
+ * layout, as mr_q3k_scales: low nibbles of bytes 0..7, their high nibbles, then 2-bit pairs in 8..11),
+ * four at a time in 32-bit words */
+MR_INLINE __m128i q3k_scales(const uint8_t *s12) {
+    const uint32_t a0 = mr_rd32(s12), a1 = mr_rd32(s12 + 4), a2 = mr_rd32(s12 + 8);
+    const uint32_t k4 = 0x0f0f0f0fu, k2 = 0x03030303u;
+    return _mm_setr_epi32((int)((a0 & k4) | ((a2 & k2) << 4)), (int)((a1 & k4) | (((a2 >> 2) & k2) << 4)),
+                          (int)(((a0 >> 4) & k4) | (((a2 >> 4) & k2) << 4)),
+                          (int)(((a1 >> 4) & k4) | (((a2 >> 6) & k2) << 4)));
 }
 
 /* 8 sub-blocks of int16 weights (sub-block j = elements 32j..32j+31) */
@@ -272,10 +306,26 @@ MR_INLINE void sb_unpack(const int KIND, const uint8_t *b, __m512i wv[8]) {
             wv[4 * h + 2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), Q, m30, 0xF8);
             wv[4 * h + 3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(Q, 2), m30, 0xF8);
         }
+    } else if (KIND == K_Q3_K || KIND == K_Q2_K) {
+        /* element 128h + 32s + l: bits 2s of byte l of the h-th 32 bytes of 2-bit codes; Q3_K adds 4
+         * where bit 4h + s of hmask[l] is set (unsigned 0..7 here; the -4 is folded out) */
+        const int qo = KIND == K_Q3_K ? 32 : 16;
+        const __m512i m3 = _mm512_set1_epi16(3), c4 = _mm512_set1_epi16(4);
+        const __m512i hm = KIND == K_Q3_K ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b)) : m3;
+        for (int h = 0; h < 2; h++) {
+            const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + qo + 32 * h)));
+            for (int s2 = 0; s2 < 4; s2++) {
+                const int j = 4 * h + s2;
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi16(Q, 2 * s2), m3);
+                wv[j] = KIND == K_Q3_K
+                    ? _mm512_mask_add_epi16(q, _mm512_test_epi16_mask(hm, _mm512_set1_epi16((short)(1 << j))), q, c4)
+                    : q;
+            }
+        }
     } else { /* IQ4_XS */
         for (int j = 0; j < 8; j++) {
             const __m128i r = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * j));
-            wv[j] = iq4_lut16(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15)));
+            wv[j] = lut16(K_IQ4NL, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15)));
         }
     }
 }
@@ -298,15 +348,30 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
         for (int r = 0; r < R; r++) {
             const uint8_t *b = w + r * rb + ib * BYTES;
             __m512i wv[8];
-            if (KIND == K_Q6_K) {
-                /* S0[g] = d * scale[g] for the 16 groups of 16 */
-                const __m512 S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
-                                                _mm512_set1_ps(f16s(b + 208)));
+            if (PER16(KIND)) {
+                /* S0[g] = d * scale[g] for the 16 groups of 16; C0[g] the weight of group g's sum of
+                 * x in the correction (Q6_K, Q3_K: S0, for the folded offset; Q2_K: dmin * min[g]) */
+                __m512 S0, C0;
+                if (KIND == K_Q6_K) {
+                    S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
+                                       _mm512_set1_ps(f16s(b + 208)));
+                    C0 = S0;
+                } else if (KIND == K_Q3_K) {
+                    S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(q3k_scales(b + 96)),
+                                                                           _mm512_set1_epi32(32))),
+                                       _mm512_set1_ps(f16s(b + 108)));
+                    C0 = S0;
+                } else {
+                    const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+                    S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))),
+                                       _mm512_set1_ps(f16s(b + 80)));
+                    C0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)), _mm512_set1_ps(f16s(b + 82)));
+                }
                 for (int t = 0; t < NT; t++) {
                     const int64_t o = t * xa->bs + 8 * ib;
                     const __m512 dx = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(xa->d + o)));
                     _mm512_store_ps(sc[t], _mm512_mul_ps(S0, dx));
-                    cor[r][t] = _mm512_fmadd_ps(S0, _mm512_loadu_ps(xa->sq16 + 2 * o), cor[r][t]);
+                    cor[r][t] = _mm512_fmadd_ps(C0, _mm512_loadu_ps(xa->sq16 + 2 * o), cor[r][t]);
                 }
             } else {
                 __m256 s8, m8;
@@ -334,7 +399,7 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
                 for (int j = 0; j < 8; j++) {
                     const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[j],
                                                           _mm512_loadu_si512((const void *)(xt + 32 * j)));
-                    const __m512 s = KIND == K_Q6_K ? _mm512_permutexvar_ps(PIDX(j), _mm512_load_ps(sc[t]))
+                    const __m512 s = PER16(KIND) ? _mm512_permutexvar_ps(PIDX(j), _mm512_load_ps(sc[t]))
                                                     : _mm512_set1_ps(sc[t][j]);
                     acc[r][t][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[r][t][j & 1]);
                 }
@@ -344,7 +409,8 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) {
             float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
-            if (KIND == K_Q6_K) v -= 32.0f * _mm512_reduce_add_ps(cor[r][t]);
+            if (PER16(KIND)) /* the folded offsets (Q6_K 32, Q3_K 4) or Q2_K's mins */
+                v -= (KIND == K_Q6_K ? 32.0f : KIND == K_Q3_K ? 4.0f : 1.0f) * _mm512_reduce_add_ps(cor[r][t]);
             else if (HAS_MIN) v += hsum8(corm[r][t]);
             y[t * ys + r] = v;
         }
@@ -766,22 +832,28 @@ static void pdq_q6_k(const uint8_t *tw, float *out, int64_t os) { pdqk_impl(P_Q6
 #define CALL_Q5_0(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 22, K_Q5_0)
 #define CALL_Q5_1(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 24, K_Q5_1)
 #define CALL_IQ4NL(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 18, K_IQ4NL)
+#define CALL_MXFP4(w, rb, nb, xa, y, ys, NT, R) gemv_pair_impl(w, rb, nb, xa, y, ys, NT, R, 17, K_MXFP4)
 #define CALL_Q8_0(w, rb, nb, xa, y, ys, NT, R) gemv_q8_0_impl(w, rb, nb, xa, y, ys, NT, R)
 #define CALL_Q4_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 144, K_Q4_K)
 #define CALL_Q5_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 176, K_Q5_K)
 #define CALL_Q6_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 210, K_Q6_K)
 #define CALL_IQ4XS(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 136, K_IQ4XS)
+#define CALL_Q3_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 110, K_Q3_K)
+#define CALL_Q2_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 84, K_Q2_K)
 
 GEMV_ENTRY(gemv_q4_0, CALL_Q4_0)
 GEMV_ENTRY(gemv_q4_1, CALL_Q4_1)
 GEMV_ENTRY(gemv_q5_0, CALL_Q5_0)
 GEMV_ENTRY(gemv_q5_1, CALL_Q5_1)
 GEMV_ENTRY(gemv_iq4_nl, CALL_IQ4NL)
+GEMV_ENTRY(gemv_mxfp4, CALL_MXFP4)
 GEMV_ENTRY(gemv_q8_0, CALL_Q8_0)
 GEMV_ENTRY(gemv_q4_k, CALL_Q4_K)
 GEMV_ENTRY(gemv_q5_k, CALL_Q5_K)
 GEMV_ENTRY(gemv_q6_k, CALL_Q6_K)
 GEMV_ENTRY(gemv_iq4_xs, CALL_IQ4XS)
+GEMV_ENTRY(gemv_q3_k, CALL_Q3_K)
+GEMV_ENTRY(gemv_q2_k, CALL_Q2_K)
 
 void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_Q4_0] = gemv_q4_0;
@@ -789,11 +861,14 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_Q5_0] = gemv_q5_0;
     k->gemv[GT_Q5_1] = gemv_q5_1;
     k->gemv[GT_IQ4_NL] = gemv_iq4_nl;
+    k->gemv[GT_MXFP4] = gemv_mxfp4;
     k->gemv[GT_Q8_0] = gemv_q8_0;
     k->gemv[GT_Q4_K] = gemv_q4_k;
     k->gemv[GT_Q5_K] = gemv_q5_k;
     k->gemv[GT_Q6_K] = gemv_q6_k;
     k->gemv[GT_IQ4_XS] = gemv_iq4_xs;
+    k->gemv[GT_Q3_K] = gemv_q3_k;
+    k->gemv[GT_Q2_K] = gemv_q2_k;
     k->pgemv[GT_Q4_0] = pgemv_q4_0;
     k->pgemv[GT_Q5_0] = pgemv_q5_0;
     k->pgemv[GT_Q8_0] = pgemv_q8_0;
@@ -805,7 +880,7 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->pdq[GT_Q4_K] = pdq_q4_k;
     k->pdq[GT_Q6_K] = pdq_q6_k;
     k->gemv_pair[GT_Q4_0] = k->gemv_pair[GT_Q4_1] = k->gemv_pair[GT_Q5_0] = k->gemv_pair[GT_Q5_1] =
-        k->gemv_pair[GT_IQ4_NL] = 1;
+        k->gemv_pair[GT_IQ4_NL] = k->gemv_pair[GT_MXFP4] = 1;
 }
 
 #if defined(__clang__)

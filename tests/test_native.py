@@ -127,13 +127,34 @@ def test_matmul_random_blocks(nat, qtype, isa):
 
 
 @pytest.mark.parametrize("isa", isas_to_test())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0", "F16"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0", "F16", "IQ4_NL", "MXFP4", "Q3_K", "Q2_K"])
 def test_matmul_chunk_boundaries(nat, qtype, isa):
     """Row counts that leave partial chunks / tiles, K spanning several tile chunks (> 1024)."""
     rng = np.random.default_rng(7)
     for rows, cols, nt in [(1001, 256, 1), (263, 1280, 4), (97, 2304, 6), (41, 512, 128), (75, 768, 29)]:
         for th in (1, 2, 3):
             check_matmul(rng, qtype, rows, cols, nt, th, isa)
+
+
+@pytest.mark.parametrize("isa", isas_to_test())
+def test_matmul_mxfp4_exponent_range(nat, isa):
+    """MXFP4 e8m0 scales on both sides of the float32 subnormal edge (bytes 0 and 1 decode to
+    subnormals, 2 and up to normals) and far from it, so every scale decoder (scalar, gathered,
+    table) is checked where the bit tricks differ."""
+    rng = np.random.default_rng(11)
+    regimes = [(np.array([0, 1, 2, 3], np.uint8), 1e30),             # tiny scales x huge activations
+               (np.array([0, 1, 2, 100, 127, 128, 140], np.uint8), 1.0)]
+    for exps, xscale in regimes:
+        for rows, nb, nt in [(9, 37, 1), (6, 17, 2), (5, 33, 4)]:
+            w = random_weights(rng, "MXFP4", rows, nb * 32).reshape(rows, nb, 17)
+            w[..., 0] = rng.choice(exps, size=(rows, nb))
+            w = np.ascontiguousarray(w.reshape(rows, nb * 17))
+            W = ref_weights(w, "MXFP4", nb * 32)
+            x = (rng.standard_normal((nt, nb * 32)) * xscale).astype(np.float32)
+            y = native.matmul(x, w, "MXFP4", threads=2, isa=isa)
+            ref = x.astype(np.float64) @ W.T
+            bound = error_bound(x, W, native.matmul_path("MXFP4", nt, isa=isa))
+            assert np.all(np.abs(y - ref) <= bound), (isa, exps, rows, nb, nt)
 
 
 def test_matmul_float_types_any_cols(nat):

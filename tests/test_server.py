@@ -19,6 +19,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -297,10 +298,19 @@ def test_request_that_can_never_fit_the_kv_budget_is_400(server_tiny_path):
 
 
 # -- disconnects ------------------------------------------------------------------------------------
-def test_stream_disconnect_cancels_generation(server, server_llm):
+def test_stream_disconnect_cancels_generation(server, server_llm, monkeypatch):
     state = server.state
     d0, max_tokens = state.disconnects, 115
     sched = server_llm.scheduler
+    # the tiny model can finish all its tokens before the client has read two of them; pacing the
+    # steps keeps the request running while the client reads and leaves
+    step = server_llm.engine.step
+
+    def paced_step(*a: object, **k: object) -> int:
+        time.sleep(0.05)
+        return step(*a, **k)
+
+    monkeypatch.setattr(server_llm.engine, "step", paced_step)
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
