@@ -246,7 +246,7 @@ MR_INLINE void gemv_q8_0_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr
 }
 
 /* ---------------------------------------------------------------- 256-element super-blocks */
-enum { K_Q4_K, K_Q5_K, K_Q6_K, K_IQ4XS, K_Q3_K, K_Q2_K };
+enum { K_Q4_K, K_Q5_K, K_Q6_K, K_IQ4XS, K_Q3_K, K_Q2_K, K_TQ2_0 };
 
 /* the kinds with one scale per 16 elements (and a per-16 correction through xa->sq16) */
 #define PER16(KIND) ((KIND) == K_Q6_K || (KIND) == K_Q3_K || (KIND) == K_Q2_K)
@@ -306,10 +306,11 @@ MR_INLINE void sb_unpack(const int KIND, const uint8_t *b, __m512i wv[8]) {
             wv[4 * h + 2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), Q, m30, 0xF8);
             wv[4 * h + 3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(Q, 2), m30, 0xF8);
         }
-    } else if (KIND == K_Q3_K || KIND == K_Q2_K) {
+    } else if (KIND == K_Q3_K || KIND == K_Q2_K || KIND == K_TQ2_0) {
         /* element 128h + 32s + l: bits 2s of byte l of the h-th 32 bytes of 2-bit codes; Q3_K adds 4
-         * where bit 4h + s of hmask[l] is set (unsigned 0..7 here; the -4 is folded out) */
-        const int qo = KIND == K_Q3_K ? 32 : 16;
+         * where bit 4h + s of hmask[l] is set (unsigned 0..7 here; the -4 is folded out; TQ2_0's -1
+         * is its "min") */
+        const int qo = KIND == K_Q3_K ? 32 : KIND == K_Q2_K ? 16 : 0;
         const __m512i m3 = _mm512_set1_epi16(3), c4 = _mm512_set1_epi16(4);
         const __m512i hm = KIND == K_Q3_K ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b)) : m3;
         for (int h = 0; h < 2; h++) {
@@ -332,7 +333,7 @@ MR_INLINE void sb_unpack(const int KIND, const uint8_t *b, __m512i wv[8]) {
 
 MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr_xact *xa, float *y, int64_t ys,
                             const int NT, const int R, const int BYTES, const int KIND) {
-    const int HAS_MIN = KIND == K_Q4_K || KIND == K_Q5_K;
+    const int HAS_MIN = KIND == K_Q4_K || KIND == K_Q5_K || KIND == K_TQ2_0;
     __m512 acc[4][MR_NT_INT][2], cor[4][MR_NT_INT];
     __m256 corm[4][MR_NT_INT];
     float sc[MR_NT_INT][16] __attribute__((aligned(64)));
@@ -382,6 +383,9 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
                         ls[j] = (float)((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
                     s8 = _mm256_mul_ps(_mm256_loadu_ps(ls), _mm256_set1_ps(f16s(b)));
                     m8 = _mm256_setzero_ps();
+                } else if (KIND == K_TQ2_0) { /* d * (q - 1): one scale, the -1 as a min */
+                    s8 = _mm256_set1_ps(f16s(b + 64));
+                    m8 = _mm256_sub_ps(_mm256_setzero_ps(), s8);
                 } else {
                     k4_scales(b, &s8, &m8);
                     s8 = _mm256_mul_ps(s8, _mm256_set1_ps(f16s(b)));
@@ -840,6 +844,7 @@ static void pdq_q6_k(const uint8_t *tw, float *out, int64_t os) { pdqk_impl(P_Q6
 #define CALL_IQ4XS(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 136, K_IQ4XS)
 #define CALL_Q3_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 110, K_Q3_K)
 #define CALL_Q2_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 84, K_Q2_K)
+#define CALL_TQ2_0(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 66, K_TQ2_0)
 
 GEMV_ENTRY(gemv_q4_0, CALL_Q4_0)
 GEMV_ENTRY(gemv_q4_1, CALL_Q4_1)
@@ -854,6 +859,7 @@ GEMV_ENTRY(gemv_q6_k, CALL_Q6_K)
 GEMV_ENTRY(gemv_iq4_xs, CALL_IQ4XS)
 GEMV_ENTRY(gemv_q3_k, CALL_Q3_K)
 GEMV_ENTRY(gemv_q2_k, CALL_Q2_K)
+GEMV_ENTRY(gemv_tq2_0, CALL_TQ2_0)
 
 void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_Q4_0] = gemv_q4_0;
@@ -869,6 +875,7 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_IQ4_XS] = gemv_iq4_xs;
     k->gemv[GT_Q3_K] = gemv_q3_k;
     k->gemv[GT_Q2_K] = gemv_q2_k;
+    k->gemv[GT_TQ2_0] = gemv_tq2_0;
     k->pgemv[GT_Q4_0] = pgemv_q4_0;
     k->pgemv[GT_Q5_0] = pgemv_q5_0;
     k->pgemv[GT_Q8_0] = pgemv_q8_0;

@@ -127,7 +127,7 @@ def test_matmul_random_blocks(nat, qtype, isa):
 
 
 @pytest.mark.parametrize("isa", isas_to_test())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0", "F16", "IQ4_NL", "MXFP4", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0", "F16", "IQ4_NL", "MXFP4", "Q3_K", "Q2_K", "TQ2_0"])
 def test_matmul_chunk_boundaries(nat, qtype, isa):
     """Row counts that leave partial chunks / tiles, K spanning several tile chunks (> 1024)."""
     rng = np.random.default_rng(7)
