@@ -178,8 +178,8 @@ unsigned long long mr_pool_generation(void);
 int mr_pool_quiescent(unsigned long long gen);
 
 /* Which code path mr_matmul takes for (qtype, n_tokens, isa): 1 = integer (int16 activations),
- * 2 = float row dots, 3 = float register tile, 4 = float transposed-panel outer products;
- * < 0 = error (unsupported qtype or ISA). */
+ * 2 = float row dots, 3 = float register tile, 4 = float transposed-panel outer products,
+ * 6 = integer (int8 activations per 256, MR_XL_Q8); < 0 = error (unsupported qtype or ISA). */
 int mr_matmul_path(int qtype, long long n_tokens, int isa);
 
 /* dst[i] = dequantized W row data (n elements, n a multiple of the block size). */

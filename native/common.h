@@ -206,7 +206,21 @@ typedef struct {
     int64_t qs, bs;
     mr_xp xp; /* the same activations as a GEMM panel (MR_XL_PANEL), else xp.q == NULL; by value: a
                * late worker of a finished job reads its own copy (see pool.c) */
+    /* MR_XL_Q8 (cols a multiple of 256): int8 per 256-element super-block, as llama.cpp's q8_K for
+     * the K-quants. Token t: q8 + t*qs (bytes; each super-block in the 2-bit order, see
+     * mr_q8_order), d8 + t*bs/8 (scale per super-block), s8 + 2*t*bs (per 16 elements in natural
+     * order: scale * integer sum of q8). NULL when no kernel of the call needs them. */
+    const int8_t *q8;
+    const float *d8, *s8;
 } mr_xact;
+
+/* The order of a super-block's 256 int8 activations in MR_XL_Q8: the 64 bytes of step s (0..3) are
+ * elements 32s..32s+31 then 128+32s..128+32s+31 — the elements that bits 2s of the 64 code bytes of
+ * Q2_K / Q3_K / TQ2_0 hold, so one shifted 64-byte load of codes meets one 64-byte load of x. */
+static inline int mr_q8_order(int i) { /* position i (0..255) -> element */
+    const int s = i / 64, k = i % 64;
+    return 32 * s + (k < 32 ? k : 128 + k - 32);
+}
 
 /* Multi-row integer kernel: y[t*ys + r] = dot(row r of w, x_t) for r < nrows, t < nt (nt <= MR_NT_INT);
  * rows have rb bytes, nb32 32-element blocks. The kernel prefetches its own rows ahead. */
@@ -235,6 +249,7 @@ typedef struct {
     /* Multi-row integer kernels (preferred over vint when set); gemv_pair: wants xa->qp. */
     mr_gemv_fn gemv[GT_COUNT];
     uint8_t gemv_pair[GT_COUNT];
+    uint8_t gemv_q8[GT_COUNT]; /* 1: the gemv kernel reads int8 activations (MR_XL_Q8) */
     /* Packed-layout integer kernels and tile dequantizers (NULL: portable fallback). */
     mr_pgemv_fn pgemv[GT_COUNT];
     void (*pdq[GT_COUNT])(const uint8_t *tile, float *out, int64_t os);
@@ -311,9 +326,9 @@ static inline int64_t mr_packed_row_bytes(int64_t tb, int64_t ntiles) { return t
 static inline int64_t mr_mat_row_bytes(const mr_mat *m) { return m->packed ? mr_packed_row_bytes(m->tb, m->ntiles) : m->rb; }
 
 /* Activation layouts (bit masks): natural order, pair-interleaved, packed permutations E / E6. */
-enum { MR_XL_NAT = 1, MR_XL_PAIR = 2, MR_XL_PERM = 4, MR_XL_PERM6 = 8, MR_XL_PANEL = 16 };
+enum { MR_XL_NAT = 1, MR_XL_PAIR = 2, MR_XL_PERM = 4, MR_XL_PERM6 = 8, MR_XL_PANEL = 16, MR_XL_Q8 = 32 };
 typedef struct {
-    mr_xact nat, pair, perm, perm6;
+    mr_xact nat, pair, perm, perm6, q8;
 } mr_xacts;
 /* The layout the integer kernels want for m (0: no integer kernel for it on this ISA). */
 int mr_mat_xlayout(const mr_kernels *K, const mr_mat *m);

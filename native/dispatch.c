@@ -284,26 +284,56 @@ static int prepare_panel(const mr_kernels *K, const float *x, int64_t nt, int64_
 
 /* activation scratch (int path), guarded by the call lock */
 static int16_t *xq_buf;
-static float *xf_buf;
-static size_t xq_cap, xf_cap;
+static float *xf_buf, *x8f_buf;
+static int8_t *x8_buf;
+static size_t xq_cap, xf_cap, x8_cap, x8f_cap;
 
 /* Grow-only and never freed: a worker descheduled in an old job may still read the old buffer
  * (its result is discarded, see pool.c). Doubling bounds what is kept to twice the largest need. */
+static int grow(void **buf, size_t *cap, size_t need, size_t elsize) {
+    if (need <= *cap) return MR_OK;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, need * 2 * elsize + 64) != 0) return MR_E_NOMEM;
+    *buf = p;
+    *cap = need * 2;
+    return MR_OK;
+}
+
 static int ensure_xq(size_t nq, size_t nf) {
-    if (nq > xq_cap) {
-        void *p = NULL;
-        const size_t cap = nq * 2;
-        if (posix_memalign(&p, 64, cap * 2 + 64) != 0) return MR_E_NOMEM;
-        xq_buf = (int16_t *)p;
-        xq_cap = cap;
-    }
-    if (nf > xf_cap) {
-        void *p = NULL;
-        const size_t cap = nf * 2;
-        if (posix_memalign(&p, 64, cap * 4 + 64) != 0) return MR_E_NOMEM;
-        xf_buf = (float *)p;
-        xf_cap = cap;
-    }
+    const int rc = grow((void **)&xq_buf, &xq_cap, nq, 2);
+    return rc != MR_OK ? rc : grow((void **)&xf_buf, &xf_cap, nf, 4);
+}
+
+/* MR_XL_Q8: each 256-element super-block of each token to int8 with one scale (max |x| -> 127,
+ * rounded to nearest, as llama.cpp's quantize_row_q8_K), stored in the mr_q8_order; per-16 sums. */
+static int prepare_q8(const float *x, int64_t nt, int64_t x_stride, int64_t cols, mr_xact *xa) {
+    const int64_t nsb = cols / 256, n16 = cols / 16;
+    int rc = grow((void **)&x8_buf, &x8_cap, (size_t)(nt * cols), 1);
+    if (rc == MR_OK) rc = grow((void **)&x8f_buf, &x8f_cap, (size_t)(nt * (nsb + n16)), 4);
+    if (rc != MR_OK) return rc;
+    float *d8 = x8f_buf, *s8 = d8 + nt * nsb;
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t ib = 0; ib < nsb; ib++) {
+            const float *xb = x + t * x_stride + 256 * ib;
+            int8_t *qb = x8_buf + t * cols + 256 * ib;
+            float amax = 0.0f;
+            for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+            int32_t sum[16] = {0};
+            for (int i = 0; i < 256; i++) {
+                const int e = mr_q8_order(i);
+                const int q = (int)lrintf(xb[e] * id);
+                qb[i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+                sum[e / 16] += qb[i];
+            }
+            d8[t * nsb + ib] = d;
+            for (int g = 0; g < 16; g++) s8[t * n16 + 16 * ib + g] = d * (float)sum[g];
+        }
+    xa->q8 = x8_buf;
+    xa->d8 = d8;
+    xa->s8 = s8;
+    xa->qs = cols;
+    xa->bs = cols / 32;
     return MR_OK;
 }
 
@@ -314,14 +344,21 @@ int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stri
     const int64_t nb = cols / 32;
     mr_xp xp;
     memset(&xp, 0, sizeof xp);
+    mr_xact q8 = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp, NULL, NULL, NULL};
+    if ((layouts & MR_XL_Q8) && cols % 256 == 0) {
+        const int qrc = prepare_q8(x, nt, x_stride, cols, &q8);
+        if (qrc != MR_OK) return qrc;
+    }
     if (layouts & MR_XL_PANEL) {
         const int prc = prepare_panel(K, x, nt, x_stride, cols, &xp);
         if (prc != MR_OK) return prc;
-        if (!(layouts & ~MR_XL_PANEL)) { /* the GEMM only */
-            const mr_xact only = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp};
-            xs->nat = xs->pair = xs->perm = xs->perm6 = only;
-            return MR_OK;
-        }
+        q8.xp = xp;
+    }
+    if (!(layouts & ~(MR_XL_PANEL | MR_XL_Q8))) { /* the GEMM and / or the int8 kernels only */
+        const mr_xact only = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp, NULL, NULL, NULL};
+        xs->nat = xs->pair = xs->perm = xs->perm6 = only;
+        xs->q8 = q8;
+        return MR_OK;
     }
     const int rc = ensure_xq((size_t)(nt * cols * 4), (size_t)(nt * nb * 5));
     if (rc != MR_OK) return rc;
@@ -359,8 +396,9 @@ int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stri
             if (b < nb) memcpy(pt + 32 * b, qt + 32 * b, 64);
         }
     }
-    const mr_xact base = {q, NULL, d, s, sq, sq16, cols, nb, xp};
+    const mr_xact base = {q, NULL, d, s, sq, sq16, cols, nb, xp, NULL, NULL, NULL};
     xs->nat = xs->pair = xs->perm = xs->perm6 = base;
+    xs->q8 = q8;
     xs->pair.qp = qpair;
     xs->perm.q = qperm;
     xs->perm6.q = qperm6;
@@ -372,6 +410,7 @@ const mr_xact *mr_xact_for(const mr_xacts *xs, int layout) {
     case MR_XL_PAIR: return &xs->pair;
     case MR_XL_PERM: return &xs->perm;
     case MR_XL_PERM6: return &xs->perm6;
+    case MR_XL_Q8: return &xs->q8;
     default: return &xs->nat;
     }
 }
@@ -379,7 +418,8 @@ const mr_xact *mr_xact_for(const mr_xacts *xs, int layout) {
 int mr_mat_xlayout(const mr_kernels *K, const mr_mat *m) {
     if (m->packed) return K->pgemv[m->qtype] ? (m->qtype == GT_Q6_K ? MR_XL_PERM6 : MR_XL_PERM) : 0;
     if (m->cols % 32) return 0;
-    if (K->gemv[m->qtype]) return K->gemv_pair[m->qtype] ? MR_XL_PAIR : MR_XL_NAT;
+    if (K->gemv[m->qtype] && K->gemv_q8[m->qtype] && m->cols % 256 == 0) return MR_XL_Q8;
+    if (K->gemv[m->qtype] && !K->gemv_q8[m->qtype]) return K->gemv_pair[m->qtype] ? MR_XL_PAIR : MR_XL_NAT;
     if (K->vint[m->qtype]) return K->xpair[m->qtype] ? MR_XL_PAIR : MR_XL_NAT;
     return 0;
 }
@@ -427,12 +467,19 @@ void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_
         for (int64_t t0 = 0; t0 < nt; t0 += MR_NT_INT) {
             const int n = (int)(nt - t0 < MR_NT_INT ? nt - t0 : MR_NT_INT);
             mr_xact x = *xa;
-            x.q += t0 * x.qs;
+            if (x.q) {
+                x.q += t0 * x.qs;
+                x.d += t0 * x.bs;
+                x.s += t0 * x.bs;
+                x.sq += t0 * x.bs;
+                x.sq16 += 2 * t0 * x.bs;
+            }
             if (x.qp) x.qp += t0 * x.qs;
-            x.d += t0 * x.bs;
-            x.s += t0 * x.bs;
-            x.sq += t0 * x.bs;
-            x.sq16 += 2 * t0 * x.bs;
+            if (x.q8) {
+                x.q8 += t0 * x.qs;
+                x.d8 += t0 * (x.bs / 8);
+                x.s8 += 2 * t0 * x.bs;
+            }
             g(m->w + r0 * m->rb, m->rb, r1 - r0, nb32, &x, n, yy + t0 * yys, yys);
         }
         return;
@@ -470,6 +517,7 @@ int mr_matmul_path(int qtype, long long n_tokens, int isa) {
     if (!K) return MR_E_ISA;
     if (!mr_type_ok(qtype)) return MR_E_QTYPE;
     const int p = choose_path(K, qtype, n_tokens);
+    if (p == PATH_INT && K->gemv[qtype] && K->gemv_q8[qtype]) return 6; /* int8 activations */
     if (p == PATH_FLOAT && K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4; /* float panel */
     return p == PATH_FLOAT && n_tokens > 2 ? 3 : p; /* 3: float tile, 2: float row dots */
 }

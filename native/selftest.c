@@ -105,7 +105,9 @@ static void test_matmul(int isa, const tinfo *t, int64_t rows, int64_t cols, int
     char what[160];
     snprintf(what, sizeof what, "matmul isa=%d %s rows=%lld cols=%lld nt=%lld threads=%d: rel err %.3g", isa,
              t->name, (long long)rows, (long long)cols, (long long)nt, threads, worst);
-    check(ok && worst < 1e-4, what);
+    /* int16 activations round to 1/65534 of a 32-block's max; int8 ones (path 6, q8_K-like) to 1/254
+     * of a 256-block's max: about 1e-3 of sum |W x| on these inputs */
+    check(ok && worst < (mr_matmul_path(t->id, nt, isa) == 6 ? 1e-2 : 1e-4), what);
     free(w); free(W); free(x); free(y);
 }
 

@@ -248,9 +248,6 @@ MR_INLINE void gemv_q8_0_impl(const uint8_t *w, int64_t rb, int64_t nb, const mr
 /* ---------------------------------------------------------------- 256-element super-blocks */
 enum { K_Q4_K, K_Q5_K, K_Q6_K, K_IQ4XS, K_Q3_K, K_Q2_K, K_TQ2_0 };
 
-/* the kinds with one scale per 16 elements (and a per-16 correction through xa->sq16) */
-#define PER16(KIND) ((KIND) == K_Q6_K || (KIND) == K_Q3_K || (KIND) == K_Q2_K)
-
 /* Q4_K / Q5_K 6-bit scales and mins of one super-block as floats (ggml get_scale_min_k4, on words) */
 MR_INLINE void k4_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
     uint32_t u[3], s[2], m2[2];
@@ -272,6 +269,28 @@ MR_INLINE __m128i q3k_scales(const uint8_t *s12) {
     return _mm_setr_epi32((int)((a0 & k4) | ((a2 & k2) << 4)), (int)((a1 & k4) | (((a2 >> 2) & k2) << 4)),
                           (int)(((a0 >> 4) & k4) | (((a2 >> 4) & k2) << 4)),
                           (int)(((a1 >> 4) & k4) | (((a2 >> 6) & k2) << 4)));
+}
+
+/* S0[g] = d * scale[g] for the 16 groups of 16 elements of a super-block; C0[g] the weight of group
+ * g's sum of x in the correction (Q6_K, Q3_K: S0, for the folded offset; Q2_K: dmin * min[g];
+ * TQ2_0: d, for its -1) */
+MR_INLINE void per16_scales(const int KIND, const uint8_t *b, __m512 *S0, __m512 *C0) {
+    if (KIND == K_Q6_K) {
+        *S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
+                            _mm512_set1_ps(f16s(b + 208)));
+        *C0 = *S0;
+    } else if (KIND == K_Q3_K) {
+        *S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(q3k_scales(b + 96)),
+                                                                _mm512_set1_epi32(32))),
+                            _mm512_set1_ps(f16s(b + 108)));
+        *C0 = *S0;
+    } else if (KIND == K_Q2_K) {
+        const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        *S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))), _mm512_set1_ps(f16s(b + 80)));
+        *C0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)), _mm512_set1_ps(f16s(b + 82)));
+    } else { /* TQ2_0 */
+        *S0 = *C0 = _mm512_set1_ps(f16s(b + 64));
+    }
 }
 
 /* 8 sub-blocks of int16 weights (sub-block j = elements 32j..32j+31) */
@@ -306,23 +325,6 @@ MR_INLINE void sb_unpack(const int KIND, const uint8_t *b, __m512i wv[8]) {
             wv[4 * h + 2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A, 4), Q, m30, 0xF8);
             wv[4 * h + 3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(B, 4), _mm512_srli_epi16(Q, 2), m30, 0xF8);
         }
-    } else if (KIND == K_Q3_K || KIND == K_Q2_K || KIND == K_TQ2_0) {
-        /* element 128h + 32s + l: bits 2s of byte l of the h-th 32 bytes of 2-bit codes; Q3_K adds 4
-         * where bit 4h + s of hmask[l] is set (unsigned 0..7 here; the -4 is folded out; TQ2_0's -1
-         * is its "min") */
-        const int qo = KIND == K_Q3_K ? 32 : KIND == K_Q2_K ? 16 : 0;
-        const __m512i m3 = _mm512_set1_epi16(3), c4 = _mm512_set1_epi16(4);
-        const __m512i hm = KIND == K_Q3_K ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b)) : m3;
-        for (int h = 0; h < 2; h++) {
-            const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + qo + 32 * h)));
-            for (int s2 = 0; s2 < 4; s2++) {
-                const int j = 4 * h + s2;
-                const __m512i q = _mm512_and_si512(_mm512_srli_epi16(Q, 2 * s2), m3);
-                wv[j] = KIND == K_Q3_K
-                    ? _mm512_mask_add_epi16(q, _mm512_test_epi16_mask(hm, _mm512_set1_epi16((short)(1 << j))), q, c4)
-                    : q;
-            }
-        }
     } else { /* IQ4_XS */
         for (int j = 0; j < 8; j++) {
             const __m128i r = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * j));
@@ -333,7 +335,7 @@ MR_INLINE void sb_unpack(const int KIND, const uint8_t *b, __m512i wv[8]) {
 
 MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr_xact *xa, float *y, int64_t ys,
                             const int NT, const int R, const int BYTES, const int KIND) {
-    const int HAS_MIN = KIND == K_Q4_K || KIND == K_Q5_K || KIND == K_TQ2_0;
+    const int HAS_MIN = KIND == K_Q4_K || KIND == K_Q5_K;
     __m512 acc[4][MR_NT_INT][2], cor[4][MR_NT_INT];
     __m256 corm[4][MR_NT_INT];
     float sc[MR_NT_INT][16] __attribute__((aligned(64)));
@@ -349,25 +351,9 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
         for (int r = 0; r < R; r++) {
             const uint8_t *b = w + r * rb + ib * BYTES;
             __m512i wv[8];
-            if (PER16(KIND)) {
-                /* S0[g] = d * scale[g] for the 16 groups of 16; C0[g] the weight of group g's sum of
-                 * x in the correction (Q6_K, Q3_K: S0, for the folded offset; Q2_K: dmin * min[g]) */
+            if (KIND == K_Q6_K) {
                 __m512 S0, C0;
-                if (KIND == K_Q6_K) {
-                    S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
-                                       _mm512_set1_ps(f16s(b + 208)));
-                    C0 = S0;
-                } else if (KIND == K_Q3_K) {
-                    S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepi8_epi32(q3k_scales(b + 96)),
-                                                                           _mm512_set1_epi32(32))),
-                                       _mm512_set1_ps(f16s(b + 108)));
-                    C0 = S0;
-                } else {
-                    const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-                    S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))),
-                                       _mm512_set1_ps(f16s(b + 80)));
-                    C0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)), _mm512_set1_ps(f16s(b + 82)));
-                }
+                per16_scales(KIND, b, &S0, &C0);
                 for (int t = 0; t < NT; t++) {
                     const int64_t o = t * xa->bs + 8 * ib;
                     const __m512 dx = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(xa->d + o)));
@@ -383,9 +369,6 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
                         ls[j] = (float)((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
                     s8 = _mm256_mul_ps(_mm256_loadu_ps(ls), _mm256_set1_ps(f16s(b)));
                     m8 = _mm256_setzero_ps();
-                } else if (KIND == K_TQ2_0) { /* d * (q - 1): one scale, the -1 as a min */
-                    s8 = _mm256_set1_ps(f16s(b + 64));
-                    m8 = _mm256_sub_ps(_mm256_setzero_ps(), s8);
                 } else {
                     k4_scales(b, &s8, &m8);
                     s8 = _mm256_mul_ps(s8, _mm256_set1_ps(f16s(b)));
@@ -403,7 +386,7 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
                 for (int j = 0; j < 8; j++) {
                     const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[j],
                                                           _mm512_loadu_si512((const void *)(xt + 32 * j)));
-                    const __m512 s = PER16(KIND) ? _mm512_permutexvar_ps(PIDX(j), _mm512_load_ps(sc[t]))
+                    const __m512 s = KIND == K_Q6_K ? _mm512_permutexvar_ps(PIDX(j), _mm512_load_ps(sc[t]))
                                                     : _mm512_set1_ps(sc[t][j]);
                     acc[r][t][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[r][t][j & 1]);
                 }
@@ -413,11 +396,72 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) {
             float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
-            if (PER16(KIND)) /* the folded offsets (Q6_K 32, Q3_K 4) or Q2_K's mins */
-                v -= (KIND == K_Q6_K ? 32.0f : KIND == K_Q3_K ? 4.0f : 1.0f) * _mm512_reduce_add_ps(cor[r][t]);
+            if (KIND == K_Q6_K) v -= 32.0f * _mm512_reduce_add_ps(cor[r][t]); /* the folded offset */
             else if (HAS_MIN) v += hsum8(corm[r][t]);
             y[t * ys + r] = v;
         }
+}
+
+/* ---------------------------------------------------------------- int8 activations (MR_XL_Q8)
+ * Q3_K, Q2_K, TQ2_0: the 64 code bytes of a super-block shifted by 2s hold, as unsigned bytes, the
+ * elements of step s of mr_q8_order (Q3_K adds 4 where its hmask bit is set), so each step is one
+ * vpdpbusd of 64 codes with 64 int8 activations; int32 lane k then sums 4 elements of group
+ * qgrp(s, k) and takes that group's float scale. The offsets (Q3_K's -4, TQ2_0's -1) and Q2_K's mins
+ * come out through the per-16 sums of the activations, as in the int16 kernels.
+ * Bounds: codes <= 7, |x| <= 127: |lane| <= 4 * 7 * 127, no overflow. */
+static const int32_t qgrp_tab[4][16] __attribute__((aligned(64))) = {
+    {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9},         {2, 2, 2, 2, 3, 3, 3, 3, 10, 10, 10, 10, 11, 11, 11, 11},
+    {4, 4, 4, 4, 5, 5, 5, 5, 12, 12, 12, 12, 13, 13, 13, 13}, {6, 6, 6, 6, 7, 7, 7, 7, 14, 14, 14, 14, 15, 15, 15, 15},
+};
+
+MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr_xact *xa, float *y, int64_t ys,
+                            const int NT, const int R, const int BYTES, const int KIND) {
+    const float off = KIND == K_Q3_K ? 4.0f : 1.0f;
+    const int qo = KIND == K_Q3_K ? 32 : KIND == K_Q2_K ? 16 : 0;
+    const int64_t nsb = nb32 / 8;
+    __m512 acc[4][MR_NT_INT], cor[4][MR_NT_INT];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = cor[r][t] = _mm512_setzero_ps();
+    const __m512i m3 = _mm512_set1_epi8(3), c4 = _mm512_set1_epi8(4);
+    for (int64_t ib = 0; ib < nsb; ib++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = w + r * rb + ib * BYTES;
+            __m512 S0, C0, Sv[4];
+            per16_scales(KIND, b, &S0, &C0);
+            const __m512i Q = _mm512_loadu_si512((const void *)(b + qo));
+            const __m512i hm = KIND == K_Q3_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b)) : Q;
+            __m512i W[4];
+            for (int s = 0; s < 4; s++) {
+                if (KIND != K_TQ2_0) Sv[s] = _mm512_permutexvar_ps(_mm512_load_si512((const void *)qgrp_tab[s]), S0);
+                W[s] = _mm512_and_si512(_mm512_srli_epi16(Q, 2 * s), m3);
+                if (KIND == K_Q3_K) { /* bytes 0..31: hmask bit s; 32..63: bit 4 + s */
+                    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << s)),
+                                                           _mm256_set1_epi8((char)(1 << (4 + s))), 1);
+                    W[s] = _mm512_mask_add_epi8(W[s], _mm512_test_epi8_mask(hm, bit), W[s], c4);
+                }
+            }
+            for (int t = 0; t < NT; t++) {
+                const int8_t *xt = xa->q8 + t * xa->qs + 256 * ib;
+                __m512 a = _mm512_setzero_ps();
+                if (KIND == K_TQ2_0) { /* one scale: the four steps sum in int32 */
+                    __m512i p = _mm512_setzero_si512();
+                    for (int s = 0; s < 4; s++) p = _mm512_dpbusd_epi32(p, W[s], _mm512_loadu_si512((const void *)(xt + 64 * s)));
+                    a = _mm512_mul_ps(_mm512_cvtepi32_ps(p), S0);
+                } else {
+                    for (int s = 0; s < 4; s++) {
+                        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[s],
+                                                              _mm512_loadu_si512((const void *)(xt + 64 * s)));
+                        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), Sv[s], a);
+                    }
+                }
+                acc[r][t] = _mm512_fmadd_ps(a, _mm512_set1_ps(xa->d8[t * (xa->bs / 8) + ib]), acc[r][t]);
+                cor[r][t] = _mm512_fmadd_ps(C0, _mm512_loadu_ps(xa->s8 + 2 * t * xa->bs + 16 * ib), cor[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++)
+            y[t * ys + r] = _mm512_reduce_add_ps(acc[r][t]) - off * _mm512_reduce_add_ps(cor[r][t]);
 }
 
 /* ---------------------------------------------------------------- packed layout (pack.c): 4 rows x 128 columns per tile */
@@ -842,9 +886,9 @@ static void pdq_q6_k(const uint8_t *tw, float *out, int64_t os) { pdqk_impl(P_Q6
 #define CALL_Q5_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 176, K_Q5_K)
 #define CALL_Q6_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 210, K_Q6_K)
 #define CALL_IQ4XS(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 136, K_IQ4XS)
-#define CALL_Q3_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 110, K_Q3_K)
-#define CALL_Q2_K(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 84, K_Q2_K)
-#define CALL_TQ2_0(w, rb, nb, xa, y, ys, NT, R) gemv_sb_impl(w, rb, nb, xa, y, ys, NT, R, 66, K_TQ2_0)
+#define CALL8_Q3_K(w, rb, nb, xa, y, ys, NT, R) gemv_q8_impl(w, rb, nb, xa, y, ys, NT, R, 110, K_Q3_K)
+#define CALL8_Q2_K(w, rb, nb, xa, y, ys, NT, R) gemv_q8_impl(w, rb, nb, xa, y, ys, NT, R, 84, K_Q2_K)
+#define CALL8_TQ2_0(w, rb, nb, xa, y, ys, NT, R) gemv_q8_impl(w, rb, nb, xa, y, ys, NT, R, 66, K_TQ2_0)
 
 GEMV_ENTRY(gemv_q4_0, CALL_Q4_0)
 GEMV_ENTRY(gemv_q4_1, CALL_Q4_1)
@@ -857,9 +901,9 @@ GEMV_ENTRY(gemv_q4_k, CALL_Q4_K)
 GEMV_ENTRY(gemv_q5_k, CALL_Q5_K)
 GEMV_ENTRY(gemv_q6_k, CALL_Q6_K)
 GEMV_ENTRY(gemv_iq4_xs, CALL_IQ4XS)
-GEMV_ENTRY(gemv_q3_k, CALL_Q3_K)
-GEMV_ENTRY(gemv_q2_k, CALL_Q2_K)
-GEMV_ENTRY(gemv_tq2_0, CALL_TQ2_0)
+GEMV_ENTRY(gemv8_q3_k, CALL8_Q3_K)
+GEMV_ENTRY(gemv8_q2_k, CALL8_Q2_K)
+GEMV_ENTRY(gemv8_tq2_0, CALL8_TQ2_0)
 
 void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_Q4_0] = gemv_q4_0;
@@ -873,9 +917,10 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_Q5_K] = gemv_q5_k;
     k->gemv[GT_Q6_K] = gemv_q6_k;
     k->gemv[GT_IQ4_XS] = gemv_iq4_xs;
-    k->gemv[GT_Q3_K] = gemv_q3_k;
-    k->gemv[GT_Q2_K] = gemv_q2_k;
-    k->gemv[GT_TQ2_0] = gemv_tq2_0;
+    k->gemv[GT_Q3_K] = gemv8_q3_k;
+    k->gemv[GT_Q2_K] = gemv8_q2_k;
+    k->gemv[GT_TQ2_0] = gemv8_tq2_0;
+    k->gemv_q8[GT_Q3_K] = k->gemv_q8[GT_Q2_K] = k->gemv_q8[GT_TQ2_0] = 1;
     k->pgemv[GT_Q4_0] = pgemv_q4_0;
     k->pgemv[GT_Q5_0] = pgemv_q5_0;
     k->pgemv[GT_Q8_0] = pgemv_q8_0;

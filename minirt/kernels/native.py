@@ -1650,15 +1650,16 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
 
 
 def matmul_path(qtype: str, n_tokens: int, isa: str | None = None, packed: bool = False) -> str:
-    """Which code path ``matmul`` takes: 'int16' or 'int16-gemm' (quantized activations), 'float-dot',
-    'float-tile' or 'float-panel' (the float ones dequantize the weights and compute in float32)."""
+    """Which code path ``matmul`` takes: 'int16', 'int16-gemm' or 'int8' (quantized activations: int16 per
+    32 elements, or int8 per 256 as llama.cpp's q8_K), 'float-dot', 'float-tile' or 'float-panel' (the
+    float ones dequantize the weights and compute in float32)."""
     ffi, lib = _lib()
     _, tid, _, _ = _qtype(qtype)
     if packed:
         rc = lib.mr_matmul_packed_path(tid, int(n_tokens), _isa_id(isa))
     else:
         rc = lib.mr_matmul_path(tid, int(n_tokens), _isa_id(isa))
-    return {1: "int16", 2: "float-dot", 3: "float-tile", 4: "float-panel", 5: "int16-gemm"}.get(rc, "none")
+    return {1: "int16", 2: "float-dot", 3: "float-tile", 4: "float-panel", 5: "int16-gemm", 6: "int8"}.get(rc, "none")
 
 
 def dequantize(w: np.ndarray, qtype: str, cols: int | None = None) -> np.ndarray:
