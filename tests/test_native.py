@@ -203,6 +203,9 @@ def test_paths(nat):
                 want = "int8" if isa == "avx512" and q in ("Q2_K", "Q3_K", "TQ2_0") else "int16"
                 assert native.matmul_path(q, 1, isa=isa) == want
                 assert native.matmul_path(q, 4, isa=isa) == want
+        if isa == "avx512":  # the int8 kernels run prefills up to 64 tokens, then the float panel
+            assert native.matmul_path("Q2_K", 64, isa=isa) == "int8"
+            assert native.matmul_path("Q2_K", 65, isa=isa) == "float-panel"
         assert native.matmul_path("Q4_K", 8, isa=isa) == "float-tile"
         assert native.matmul_path("Q4_K", 64, isa=isa) == ("float-panel" if isa == "avx512" else "float-tile")
 
