@@ -2,7 +2,8 @@
  * y[t, r] = W[r, :] . x_t.
  *
  * Same arithmetic as the single-row kernels of x86_avx512.c (weights unpacked to int16, int16
- * activations per 32-block, vpdpwssd, each block's int32 sums scaled in float32) organised for speed:
+ * activations per 32-block, vpdpwssd, each block's int32 sums scaled in float32) organised for speed
+ * (Q3_K, Q2_K and TQ2_0 instead take int8 activations per 256, see "int8 activations" below):
  *
  * - several rows per pass (4 for 1..2 tokens, 2 for 3..4): the activation loads, the loop and the
  *   final reductions are shared, and the rows' independent accumulators hide the FMA latency;
@@ -406,7 +407,7 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
  * Q3_K, Q2_K, TQ2_0: the 64 code bytes of a super-block shifted by 2s hold, as unsigned bytes, the
  * elements of step s of mr_q8_order (Q3_K adds 4 where its hmask bit is set), so each step is one
  * vpdpbusd of 64 codes with 64 int8 activations; int32 lane k then sums 4 elements of group
- * qgrp(s, k) and takes that group's float scale. The offsets (Q3_K's -4, TQ2_0's -1) and Q2_K's mins
+ * qgrp_tab[s][k] and takes that group's float scale. The offsets (Q3_K's -4, TQ2_0's -1) and Q2_K's mins
  * come out through the per-16 sums of the activations, as in the int16 kernels.
  * Bounds: codes <= 7, |x| <= 127: |lane| <= 4 * 7 * 127, no overflow. */
 static const int32_t qgrp_tab[4][16] __attribute__((aligned(64))) = {
