@@ -110,11 +110,7 @@ enum { PATH_NONE = 0, PATH_INT = 1, PATH_FLOAT = 2 };
 
 /* Tokens per pass of the integer path before the float tile path wins (measured on AVX-512 VNNI:
  * the tile path dequantizes each weight once for every token and runs at FMA peak). */
-#define MR_INT_MAX_TOKENS 4
-/* The same for the int8 kernels (MR_XL_Q8): they do twice the multiply-adds per instruction, and beat
- * the float panel up to here (Q2_K / Q3_K 1.1-1.2x, TQ2_0 2.6x at 64 tokens, 2 threads, Intel Xeon;
- * at 256 tokens the panel wins for Q2_K / Q3_K). */
-#define MR_INT8_MAX_TOKENS 64
+#define MR_INT_MAX_TOKENS 4 /* unless the ISA's table says otherwise for a type (int_tokens) */
 /* From this many tokens on, the panel path (when the ISA has one) beats the dot-product tile. */
 #define MR_PANEL_MIN_TOKENS 12
 /* From this many tokens on, packed matrices of the types with an integer GEMM take it instead of the
@@ -512,8 +508,8 @@ static int steals_rc(void) {
 
 static int choose_path(const mr_kernels *K, int qtype, int64_t nt) {
     if (!mr_type_ok(qtype) || !K->dq[qtype]) return PATH_NONE;
-    if ((K->vint[qtype] || K->gemv[qtype]) && nt <= MR_INT_MAX_TOKENS) return PATH_INT;
-    if (K->gemv[qtype] && K->gemv_q8[qtype] && nt <= MR_INT8_MAX_TOKENS) return PATH_INT;
+    const int64_t int_max = K->int_tokens[qtype] ? K->int_tokens[qtype] : MR_INT_MAX_TOKENS;
+    if ((K->vint[qtype] || K->gemv[qtype]) && nt <= int_max) return PATH_INT;
     return PATH_FLOAT;
 }
 

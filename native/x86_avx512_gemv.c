@@ -922,6 +922,11 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_Q2_K] = gemv8_q2_k;
     k->gemv[GT_TQ2_0] = gemv8_tq2_0;
     k->gemv_q8[GT_Q3_K] = k->gemv_q8[GT_Q2_K] = k->gemv_q8[GT_TQ2_0] = 1;
+    /* prefills these kernels take instead of the float tile / panel (Intel Xeon, 4096 x 14336): the int8
+     * ones up to 64 tokens (Q2_K / Q3_K 1.1-1.2x the panel, TQ2_0 2.6x at 64 tokens, 2 threads; the
+     * panel wins at 256 for Q2_K / Q3_K); MXFP4 / IQ4_NL up to 8 (1.6x the tile at 8, even at 16) */
+    k->int_tokens[GT_Q3_K] = k->int_tokens[GT_Q2_K] = k->int_tokens[GT_TQ2_0] = 64;
+    k->int_tokens[GT_MXFP4] = k->int_tokens[GT_IQ4_NL] = 8;
     k->pgemv[GT_Q4_0] = pgemv_q4_0;
     k->pgemv[GT_Q5_0] = pgemv_q5_0;
     k->pgemv[GT_Q8_0] = pgemv_q8_0;
