@@ -206,6 +206,11 @@ def test_paths(nat):
         if isa == "avx512":  # the int8 kernels run prefills up to 64 tokens, then the float panel
             assert native.matmul_path("Q2_K", 64, isa=isa) == "int8"
             assert native.matmul_path("Q2_K", 65, isa=isa) == "float-panel"
+            assert native.matmul_path("MXFP4", 8, isa=isa) == "int16"
+            assert native.matmul_path("MXFP4", 9, isa=isa) == "float-tile"
+        if isa in ("avx2", "avx512"):  # the i-quants' row kernels up to 16 tokens
+            assert native.matmul_path("IQ2_XXS", 16, isa=isa) == "int16"
+            assert native.matmul_path("IQ2_XXS", 17, isa=isa) != "int16"
         assert native.matmul_path("Q4_K", 8, isa=isa) == "float-tile"
         assert native.matmul_path("Q4_K", 64, isa=isa) == ("float-panel" if isa == "avx512" else "float-tile")
 
