@@ -317,12 +317,15 @@ static int prepare_q8(const float *x, int64_t nt, int64_t x_stride, int64_t cols
             const float *xb = x + t * x_stride + 256 * ib;
             int8_t *qb = x8_buf + t * cols + 256 * ib;
             float amax = 0.0f;
-            for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+            for (int i = 0; i < 256; i++) { /* a NaN or infinity makes the scale NaN / inf: it reaches y */
+                const float a = fabsf(xb[i]);
+                amax = a > amax || a != a ? (amax != amax ? amax : a) : amax;
+            }
+            const float id = amax > 0.0f && isfinite(amax) ? 127.0f / amax : 0.0f, d = amax / 127.0f;
             int32_t sum[16] = {0};
             for (int i = 0; i < 256; i++) {
                 const int e = mr_q8_order(i);
-                const int q = (int)lrintf(xb[e] * id);
+                const int q = id == 0.0f ? 0 : (int)lrintf(xb[e] * id);
                 qb[i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
                 sum[e / 16] += qb[i];
             }
@@ -462,7 +465,8 @@ void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_
         return;
     }
     const int64_t nb32 = m->cols / 32;
-    const mr_gemv_fn g = K->gemv[m->qtype];
+    /* an int8 gemv needs its layout (mr_mat_xlayout gives it whenever cols allow; else the row kernel) */
+    const mr_gemv_fn g = K->gemv_q8[m->qtype] && !xa->q8 ? NULL : K->gemv[m->qtype];
     if (g) {
         for (int64_t t0 = 0; t0 < nt; t0 += MR_NT_INT) {
             const int n = (int)(nt - t0 < MR_NT_INT ? nt - t0 : MR_NT_INT);

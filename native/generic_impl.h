@@ -234,7 +234,7 @@ static void MR_SFX(quant_x)(const float *x, int64_t n, int16_t *q, float *d, flo
             v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);
             q[32 * b + j] = (int16_t)lrintf(v);
         }
-        d[b] = db;
+        d[b] = isfinite(sum) ? db : NAN; /* a NaN / infinity reaches y */
         s[b] = sum;
     }
 }

@@ -629,8 +629,8 @@ static void hv_quant_x(const float *x, int64_t n, int16_t *q, float *d, float *s
         const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
         _mm256_storeu_si256((__m256i *)(q + 32 * b), p01);
         _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), p23);
-        d[b] = amax / 32767.0f;
         s[b] = hsum256(sm);
+        d[b] = isfinite(s[b]) ? amax / 32767.0f : NAN; /* a NaN / infinity (lost by max) reaches y */
     }
 }
 

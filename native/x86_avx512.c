@@ -698,8 +698,8 @@ static void hv_quant_x(const float *x, int64_t n, int16_t *q, float *d, float *s
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
         _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm512_cvtsepi32_epi16(q0));
         _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), _mm512_cvtsepi32_epi16(q1));
-        d[b] = amax / 32767.0f;
         s[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        d[b] = isfinite(s[b]) ? amax / 32767.0f : NAN; /* a NaN / infinity (lost by max) reaches y */
     }
 }
 

@@ -160,6 +160,22 @@ def test_matmul_mxfp4_exponent_range(nat, isa):
             assert np.all(np.abs(y - ref) <= bound), (isa, exps, rows, nb, nt)
 
 
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "TQ2_0", "Q4_K", "MXFP4"])
+def test_matmul_non_finite_activations_reach_the_output(nat, qtype):
+    """A NaN or an infinity in a token's activations makes that token's outputs non-finite (as the float
+    product would) on every path and ISA, the int8 activations included; the other tokens are untouched."""
+    rng = np.random.default_rng(13)
+    w = random_weights(rng, qtype, 9, 512)
+    for bad in (np.nan, np.inf):
+        for nt in (1, 3, 16):
+            x = rng.standard_normal((nt, 512)).astype(np.float32)
+            x[0, 300] = bad
+            for isa in isas_to_test():
+                y = native.matmul(x, w, qtype, threads=2, isa=isa)
+                assert not np.isfinite(y[0]).any(), (qtype, bad, nt, isa, native.matmul_path(qtype, nt, isa=isa))
+                assert np.isfinite(y[1:]).all(), (qtype, bad, nt, isa)
+
+
 def test_matmul_float_types_any_cols(nat):
     """F32/F16/BF16 rows need not be a multiple of 32."""
     rng = np.random.default_rng(3)
