@@ -316,12 +316,14 @@ static int prepare_q8(const float *x, int64_t nt, int64_t x_stride, int64_t cols
         for (int64_t ib = 0; ib < nsb; ib++) {
             const float *xb = x + t * x_stride + 256 * ib;
             int8_t *qb = x8_buf + t * cols + 256 * ib;
-            float amax = 0.0f;
-            for (int i = 0; i < 256; i++) { /* a NaN or infinity makes the scale NaN / inf: it reaches y */
-                const float a = fabsf(xb[i]);
-                amax = a > amax || a != a ? (amax != amax ? amax : a) : amax;
+            float amax = 0.0f, total = 0.0f;
+            for (int i = 0; i < 256; i++) {
+                amax = fmaxf(amax, fabsf(xb[i]));
+                total += xb[i];
             }
-            const float id = amax > 0.0f && isfinite(amax) ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+            /* as the int16 quantizers: a NaN or infinity (which the max may lose) gives a NaN scale */
+            const int finite = isfinite(total);
+            const float id = finite && amax > 0.0f ? 127.0f / amax : 0.0f, d = finite ? amax / 127.0f : NAN;
             int32_t sum[16] = {0};
             for (int i = 0; i < 256; i++) {
                 const int e = mr_q8_order(i);
@@ -334,9 +336,7 @@ static int prepare_q8(const float *x, int64_t nt, int64_t x_stride, int64_t cols
         }
     xa->q8 = x8_buf;
     xa->d8 = d8;
-    xa->s8 = s8;
-    xa->qs = cols;
-    xa->bs = cols / 32;
+    xa->s8 = s8; /* qs, bs: the caller's (cols, cols / 32) */
     return MR_OK;
 }
 

@@ -637,7 +637,7 @@ static void hv_quant_x(const float *x, int64_t n, int16_t *q, float *d, float *s
 static void hv_f16_to_f32(const uint16_t *src, float *dst, int64_t n) { hv_dq_f16((const uint8_t *)src, dst, n); }
 
 /* The row kernels of the low-bit types (they replace the portable multi-row kernels). The AVX-512
- * table takes them too, except Q2_K and TQ2_0: on an AMD EPYC (Zen 4) they beat 512-bit versions of
+ * table takes them too: on an AMD EPYC (Zen 4) they beat 512-bit versions of
  * the same algorithms for MXFP4 (1.9x), Q3_K (1.7x) and the i-quants (1.0-1.25x), 1 and 2 threads
  * (bench/kernels.py --shape 4096x14336). For MXFP4 (int16) and Q3_K, Q2_K, TQ2_0 (int8 activations)
  * the AVX-512 table has multi-row decode kernels (x86_avx512_gemv.c) that beat these. */

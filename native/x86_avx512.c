@@ -31,10 +31,6 @@ MR_INLINE __m256i nib32(const uint8_t *p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
 }
 
-MR_INLINE __m256i iq4_lut(__m256i nib) {
-    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_iq4nl);
-    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
-}
 
 /* dot of one 32-block of int16 weights with int16 activations, as 16 int32 lanes */
 MR_INLINE __m512i dp32(__m512i w, const int16_t *x) {
@@ -72,10 +68,6 @@ MR_INLINE __m512i up_q8_0(const uint8_t *b, float *d, float *m) {
 MR_INLINE __m512i up_iq4_nl(const uint8_t *b, float *d, float *m) {
     *d = f16s(b); *m = 0.0f;
     return _mm512_cvtepi8_epi16(iq4_lut(nib32(b + 2)));
-}
-MR_INLINE __m256i mxfp4_lut(__m256i nib) {
-    const __m128i t = _mm_loadu_si128((const __m128i *)mr_kvalues_mxfp4);
-    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
 }
 MR_INLINE __m512i up_mxfp4(const uint8_t *b, float *d, float *m) {
     *d = mr_e8m0_half(b[0]); *m = 0.0f;
@@ -380,47 +372,8 @@ DEF_VINT256(vint_iq4_xs, 136, sb_iq4_xs, 0)
 
 /* Q2_K (scales[16] @0 | qs[64] @16 | d @80 | dmin @82): value = d * sc_g * q - dmin * m_g per 16
  * elements g (sc_g, m_g the low / high nibble of scales[g]), q = bits 2s of qs[32h + l] for element
- * 128h + 32s + l. The 4-bit scales are folded into the int16 weights; the mins take a second dot
- * product of the activations with m_g broadcast over its 16 lanes. */
-MR_INLINE void q2k_groups(const uint8_t *b, __m512i *S, __m512i *M) {
-    const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
-    *S = _mm512_castsi256_si512(_mm256_and_si256(raw, _mm256_set1_epi16(15)));
-    *M = _mm512_castsi256_si512(_mm256_srli_epi16(raw, 4));
-}
+ * 128h + 32s + l. (Its decode kernel takes int8 activations: x86_avx512_gemv.c.) */
 MR_INLINE __m512i q2k_sub(const __m512i Q, int s) { return _mm512_and_si512(_mm512_srli_epi16(Q, 2 * s), _mm512_set1_epi16(3)); }
-MR_INLINE __m512i q2k_idx(int j) {
-    return _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
-}
-
-MR_INLINE void vint_q2_k_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
-                            int64_t xqs, int64_t xbs, const int NT, float *out) {
-    (void)xs;
-    __m512 acc[MR_NT_INT][2];
-    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
-        const uint8_t *b = w + 84 * ib;
-        const float d = f16s(b + 80), dmin = f16s(b + 82);
-        __m512i S, M;
-        q2k_groups(b, &S, &M);
-        for (int h = 0; h < 2; h++) {
-            const __m512i Q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h)));
-            for (int s = 0; s < 4; s++) {
-                const int j = 4 * h + s;
-                const __m512i idx = q2k_idx(j);
-                const __m512i wq = _mm512_mullo_epi16(q2k_sub(Q, s), _mm512_permutexvar_epi16(idx, S));
-                const __m512i wm = _mm512_permutexvar_epi16(idx, M);
-                for (int t = 0; t < NT; t++) {
-                    const int16_t *xt = xq + t * xqs + 256 * ib + 32 * j;
-                    const float xdt = xd[t * xbs + 8 * ib + j];
-                    acc[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp32(wq, xt)), _mm512_set1_ps(d * xdt), acc[t][0]);
-                    acc[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp32(wm, xt)), _mm512_set1_ps(dmin * xdt), acc[t][1]);
-                }
-            }
-        }
-    }
-    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(acc[t][0]) - _mm512_reduce_add_ps(acc[t][1]);
-}
-NT_SWITCH(vint_q2_k)
 
 /* dequantized exactly as the spec: (d * sc_g) * q - dmin * m_g, one rounding (the products are exact) */
 static void dqv_q2_k(const uint8_t *b, float *y, int64_t nb) {
@@ -444,31 +397,6 @@ static void dqv_q2_k(const uint8_t *b, float *y, int64_t nb) {
     }
 }
 
-/* ---------------- TQ2_0 (qs[64] @0 | d @64): weights ((qs[32j + l] >> 2s) & 3) - 1 for element
- * 128j + 32s + l, one scale d per block; group g = 4j + s is one zmm of 32 int16 weights. (The
- * i-quants use the AVX2 row kernels: x86_avx2.c says why.) */
-MR_INLINE void vint_tq2_0_nt(const uint8_t *w, int64_t nb32, const int16_t *xq, const float *xd, const float *xs,
-                             int64_t xqs, int64_t xbs, const int NT, float *out) {
-    (void)xs;
-    __m512 acc[MR_NT_INT][2];
-    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int64_t ib = 0; ib < nb32 / 8; ib++) {
-        const uint8_t *b = w + ib * 66;
-        const float d = f16s(b + 64);
-        for (int g = 0; g < 8; g++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * (g / 4)));
-            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * (g % 4)), _mm256_set1_epi8(3));
-            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, _mm256_set1_epi8(1)));
-            for (int t = 0; t < NT; t++) {
-                const __m512i p = dp32(wv, xq + t * xqs + 256 * ib + 32 * g);
-                acc[t][g & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * xd[t * xbs + 8 * ib + g]),
-                                                acc[t][g & 1]);
-            }
-        }
-    }
-    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
-}
-NT_SWITCH(vint_tq2_0)
 
 /* ---------------- float kernels ---------------- */
 
@@ -1032,9 +960,8 @@ void mr_init_avx512(mr_kernels *k) {
     k->dq[GT_MXFP4] = dqv_mxfp4;
     k->dq[GT_Q3_K] = dqv_q3_k;
     k->dq[GT_Q2_K] = dqv_q2_k;
-    mr_avx2_lowbit_rows(k); /* the low-bit types' row kernels, then the two that are faster here: */
-    k->vint[GT_Q2_K] = vint_q2_k;
-    k->vint[GT_TQ2_0] = vint_tq2_0;
+    mr_avx2_lowbit_rows(k); /* the low-bit types' row kernels (Q2_K, Q3_K, TQ2_0 and MXFP4 decode through
+                             * x86_avx512_gemv.c's kernels instead) */
     k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] = 1;
     k->quant_x = hv_quant_x;
     k->fwht = hv_fwht;

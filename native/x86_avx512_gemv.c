@@ -98,8 +98,7 @@ enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_IQ4NL, K_MXFP4 };
 /* the codebook types: IQ4_NL (f16 scale @0, codes @2), MXFP4 (e8m0 scale @0, codes @1) */
 #define CODEBOOK(KIND) ((KIND) == K_IQ4NL || (KIND) == K_MXFP4)
 MR_INLINE __m512i lut16(const int KIND, __m256i nib) { /* int8 codebook lookup, widened to int16 */
-    const __m128i t = _mm_loadu_si128((const __m128i *)(KIND == K_MXFP4 ? mr_kvalues_mxfp4 : mr_kvalues_iq4nl));
-    return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib));
+    return _mm512_cvtepi8_epi16(KIND == K_MXFP4 ? mxfp4_lut(nib) : iq4_lut(nib));
 }
 
 MR_INLINE void unpack_pair(const int KIND, const uint8_t *a, const uint8_t *b, __m512i *lo, __m512i *hi) {

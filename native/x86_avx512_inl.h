@@ -5,6 +5,14 @@
 
 MR_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(mr_rd16(p)); }
 
+/* 32 codes (0..15) -> their int8 values in a 16-entry codebook (IQ4_NL's, MXFP4's) */
+MR_INLINE __m256i codebook32(const int8_t *book, __m256i nib) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)book);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
+}
+MR_INLINE __m256i iq4_lut(__m256i nib) { return codebook32(mr_kvalues_iq4nl, nib); }
+MR_INLINE __m256i mxfp4_lut(__m256i nib) { return codebook32(mr_kvalues_mxfp4, nib); }
+
 /* horizontal sum of 8 floats */
 MR_INLINE float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
