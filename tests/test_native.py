@@ -973,13 +973,17 @@ def test_native_layers_real_models(model, request):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_attention_prefill(nat, dtype):
     """Causal grouped-query attention of many new queries against the numpy implementation of the
-    forward pass: windows (crossing the query blocks), softcap, caches holding older positions."""
+    forward pass: windows (crossing the query blocks), softcap, caches holding older positions, items of
+    one head or of several heads sharing a KV head."""
     from minirt.blocks import attention
 
     rng = np.random.default_rng(21)
     for n, n_head, n_kv, hd, p0, window, softcap in [(1, 4, 2, 32, 0, 0, 0.0), (17, 4, 2, 32, 5, 0, 0.0),
                                                      (40, 14, 2, 64, 100, 0, 0.0), (33, 4, 1, 256, 10, 8, 0.0),
-                                                     (20, 8, 2, 64, 3, 0, 30.0), (64, 4, 4, 16, 0, 5, 0.0)]:
+                                                     (20, 8, 2, 64, 3, 0, 30.0), (64, 4, 4, 16, 0, 5, 0.0),
+                                                     # enough query blocks that one item takes a whole group
+                                                     # of heads (each tile converted once for all of them)
+                                                     (130, 8, 2, 64, 7, 0, 0.0), (100, 4, 1, 256, 300, 40, 0.0)]:
         n_ctx = p0 + n + 3
         q = rng.standard_normal((n, n_head, hd)).astype(np.float32)
         k = rng.standard_normal((n_kv, n_ctx, hd)).astype(dtype)
