@@ -1,4 +1,4 @@
-"""The packed-weight cache ($MINIRT_HOME/packed): written on the first load, mapped by later ones,
+"""The packed-weight cache ($MINIRT_HOME/packed): written on the first load, read by later ones,
 never trusted when it does not match the model."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _no_repacking(monkeypatch):
     monkeypatch.setattr(native, "pack", refuse)
 
 
-def test_first_load_writes_the_cache_and_later_loads_map_it(packable, monkeypatch):
+def test_first_load_writes_the_cache_and_later_loads_read_it(packable, monkeypatch):
     path, cache_dir = packable
     first = _logits(path)
     files = list(cache_dir.glob("*.pack"))
@@ -81,7 +81,7 @@ def test_a_corrupt_cache_is_detected_and_replaced(packable, monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="minirt"):
         assert np.array_equal(_logits(path), good)
     assert "does not match the model's weights" in caplog.text
-    with monkeypatch.context() as m:  # rewritten: the next load maps it again
+    with monkeypatch.context() as m:  # rewritten: the next load reads it again
         _no_repacking(m)
         np.testing.assert_array_equal(_logits(path), good)
 

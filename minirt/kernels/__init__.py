@@ -131,10 +131,9 @@ class NativeBackend(Backend):
         cache = (mod.PackCache.for_model(path, [(lin.w, lin.qtype, n) for lin, n in unique.values()], total)
                  if path else None)
         packed: dict[int, Any] = {}
-        mapped = cache.open_mapped() if cache is not None else None
-        if mapped is not None:
+        arena = mod.PackArena(total)
+        if cache is not None and cache.read_into(arena):
             # the same sizes taken in the same order give the same offsets as when it was written
-            arena = mod.PackArena.over(mapped)
             for key, (lin, n) in unique.items():
                 packed[key] = mod.PackedMatrix(arena.take(n), lin.qtype, lin.out_features, lin.in_features)
             if all(mod.spot_check_packed(pm, unique[k][0].w) for k, pm in packed.items()):
@@ -143,14 +142,8 @@ class NativeBackend(Backend):
             else:
                 log.warning("pack cache %s does not match the model's weights; repacking", cache.path)
                 packed.clear()
-            watch = getattr(model.file, "watch", None)
-            if packed and watch is not None:  # a cache file truncated under the mapping: an error, not SIGBUS
-                watch(cache.fd, cache.HEADER + cache.size, f"pack cache {cache.path}", BackendError)
-            else:
-                os.close(cache.fd)
-            cache.fd = -1
+                arena = mod.PackArena(total)
         if not packed:
-            arena = mod.PackArena(total)
             for key, (lin, _) in unique.items():
                 # the file pages of the ggml copy are not read any more: released as packing goes,
                 # resident memory stays at one copy
