@@ -174,11 +174,6 @@ class GGUFFile:
             raise
         self._watched.append((fd, self.file_size, f"GGUF file {self.path}", GGUFError))
 
-    def watch(self, fd: int, need: int, what: str, error: type[Exception]) -> None:
-        """Also check, in :meth:`check_intact`, that another mapped file (open as ``fd``, which this
-        file now owns and closes) still holds ``need`` bytes; ``error`` is raised when it does not."""
-        self._watched.append((fd, need, what, error))
-
     def check_intact(self) -> None:
         """Raise (:class:`GGUFError` for this file) when a mapped file was truncated since it was
         opened: reading its pages past the new end would kill the process with SIGBUS.
