@@ -31,7 +31,6 @@ MR_INLINE __m256i nib32(const uint8_t *p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
 }
 
-
 /* dot of one 32-block of int16 weights with int16 activations, as 16 int32 lanes */
 MR_INLINE __m512i dp32(__m512i w, const int16_t *x) {
     return _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512((const void *)x));
@@ -396,7 +395,6 @@ static void dqv_q2_k(const uint8_t *b, float *y, int64_t nb) {
         }
     }
 }
-
 
 /* ---------------- float kernels ---------------- */
 
