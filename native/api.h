@@ -173,9 +173,11 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
 void mr_profile_enable(int on);
 int mr_profile_read(double *out, int n, int reset);
 
-/* Latest job generation of the pool; 1 when no worker is still inside a job of generation <= gen. */
+/* Latest job generation of the pool; 1 when no worker is still inside a job of generation <= gen.
+ * mr_pool_steals: items callers took over from descheduled workers since the process started. */
 unsigned long long mr_pool_generation(void);
 int mr_pool_quiescent(unsigned long long gen);
+unsigned long long mr_pool_steals(void);
 
 /* Which code path mr_matmul takes for (qtype, n_tokens, isa): 1 = integer (int16 activations),
  * 2 = float row dots, 3 = float register tile, 4 = float transposed-panel outer products,

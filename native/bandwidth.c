@@ -18,8 +18,6 @@
 #include <arm_neon.h>
 #endif
 
-void mr_call_lock(void);
-void mr_call_unlock(void);
 unsigned long long mr_pool_generation(void);
 int mr_pool_quiescent(unsigned long long gen);
 

@@ -10,9 +10,6 @@
 #include <sys/auxv.h>
 #endif
 
-void mr_call_lock(void);
-void mr_call_unlock(void);
-unsigned long long mr_pool_steals(void);
 #ifdef MR_X86
 void mr_init_avx2(mr_kernels *k);
 void mr_init_avx512(mr_kernels *k);
@@ -261,7 +258,7 @@ static void task_panel(const void *c_, int64_t item, int worker, float *buf) {
     }
 }
 
-/* GEMM activation panel, guarded by the call lock; grow-only like the buffers below */
+/* GEMM activation panel, guarded by the call lock; grown like the buffers below */
 static uint8_t *xp_panel_buf;
 static size_t xp_panel_cap;
 
@@ -272,6 +269,7 @@ static int prepare_panel(const mr_kernels *K, const float *x, int64_t nt, int64_
     if (need > xp_panel_cap) {
         void *p = NULL;
         if (posix_memalign(&p, 64, need * 2) != 0) return MR_E_NOMEM;
+        mr_defer_free(xp_panel_buf);
         xp_panel_buf = (uint8_t *)p;
         xp_panel_cap = need * 2;
     }
@@ -288,12 +286,13 @@ static float *xf_buf, *x8f_buf;
 static int8_t *x8_buf;
 static size_t xq_cap, xf_cap, x8_cap, x8f_cap;
 
-/* Grow-only and never freed: a worker descheduled in an old job may still read the old buffer
- * (its result is discarded, see pool.c). Doubling bounds what is kept to twice the largest need. */
+/* Grown to twice the need; the old buffer goes through mr_defer_free: a worker descheduled in an old
+ * job may still read it (its result is discarded, see pool.c). */
 static int grow(void **buf, size_t *cap, size_t need, size_t elsize) {
     if (need <= *cap) return MR_OK;
     void *p = NULL;
     if (posix_memalign(&p, 64, need * 2 * elsize + 64) != 0) return MR_E_NOMEM;
+    mr_defer_free(*buf);
     *buf = p;
     *cap = need * 2;
     return MR_OK;
@@ -504,9 +503,10 @@ void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_
     }
 }
 
-/* the success return of the matmul entry points: chunks the caller recomputed (see api.h), clamped */
-static int steals_rc(void) {
-    const unsigned long long st = mr_pool_steals();
+/* the success return of the entry points: chunks the caller recomputed since s0 = mr_pool_steals() was read
+ * under the call lock (see api.h), clamped */
+int mr_steals_since(unsigned long long s0) {
+    const unsigned long long st = mr_pool_steals() - s0;
     return st > 1000000ULL ? 1000000 : (int)st;
 }
 
@@ -573,6 +573,7 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
     const int path = choose_path(K, qtype, n_tokens);
     int rc = MR_OK;
     mr_call_lock();
+    const unsigned long long s0 = mr_pool_steals();
     if (path == PATH_INT) {
         c.nb32 = cols / 32;
         const mr_mat m = {qtype, 0, w, rows, cols, row_bytes, 0, 0};
@@ -587,7 +588,7 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
     } else {
         rc = run_float(&c, threads);
     }
-    if (rc == MR_OK) rc = steals_rc();
+    if (rc == MR_OK) rc = mr_steals_since(s0);
     mr_call_unlock();
     return rc;
 }
@@ -624,6 +625,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
     const int path = mr_matmul_packed_path(qtype, n_tokens, isa);
     int rc = MR_OK;
     mr_call_lock();
+    const unsigned long long s0 = mr_pool_steals();
     if (path == 1) {
         c.nb32 = cols / 32;
         const int lay = qtype == GT_Q6_K ? MR_XL_PERM6 : MR_XL_PERM;
@@ -650,7 +652,8 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
             void *p = NULL;
             if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
             else {
-                xp_buf = (float *)p; /* the old buffer is kept: late workers may read it (see ensure_xq) */
+                mr_defer_free(xp_buf); /* late workers may still read it (see grow) */
+                xp_buf = (float *)p;
                 xp_cap = need * 2;
             }
         }
@@ -664,7 +667,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
             rc = run_float(&c, threads);
         }
     }
-    if (rc == MR_OK) rc = steals_rc();
+    if (rc == MR_OK) rc = mr_steals_since(s0);
     mr_call_unlock();
     return rc;
 }

@@ -16,9 +16,6 @@
 #include <math.h>
 #include <stdlib.h>
 
-void mr_call_lock(void);
-void mr_call_unlock(void);
-unsigned long long mr_pool_steals(void);
 
 /* ---------------------------------------------------------------- multi-matrix jobs */
 
@@ -398,7 +395,7 @@ static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *
         }
         for (int64_t i = 0; i < B * d && rc == MR_OK; i++) out[i] += ye[i];
     }
-    free(buf);
+    mr_defer_free(buf); /* xe, g, ...: inputs of jobs a late worker may still be in */
     free(ids);
     return rc;
 }
@@ -779,13 +776,15 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
     }
     mr_call_lock();
     int rc = MR_OK;
-    unsigned long long steals = 0;
-    /* scratch: h, o, o2 (B x d), q, att (B x qd), k, v (B x kd), a (B x ff), g (B x gd); grow-only (late workers) */
+    const unsigned long long s0 = mr_pool_steals();
+    /* scratch: h, o, o2 (B x d), q, att (B x qd), k, v (B x kd), a (B x ff), g (B x gd); the old one freed deferred
+     * (late workers may read it) */
     const size_t need = (size_t)(B * (3 * d + 2 * qd + 2 * kd + ff + gd) + 64);
     if (need > lbuf_cap) {
         void *p = NULL;
         if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
         else {
+            mr_defer_free(lbuf);
             lbuf = (float *)p;
             lbuf_cap = need * 2;
         }
@@ -804,19 +803,16 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         const long long kvl = own_kv ? l : L->kv_layer; /* the layer whose cache attention reads */
         if (L->mixer == 1) {
             rc = short_conv(K, L, l, h, q, att, v, k, B, seqs, type_k, threads);
-            steals += mr_pool_steals();
             if (rc != MR_OK) break;
             PROF(2);
         } else if (L->mixer == 2) {
             rc = mamba2_step(K, L, l, &L->wq, h, q, att, k, B, seqs, threads);
-            steals += mr_pool_steals();
             if (rc != MR_OK) break;
             PROF(2);
         } else if (L->mixer == 3) {
             const int64_t HD = L->n_head * L->head_dim_k;
             rc = delta_net_step(K, L, l, h, q, att, k, g, g + B * HD, g + B * HD + B * 2 * L->n_head, B, seqs,
                                 threads);
-            steals += mr_pool_steals();
             if (rc != MR_OK) break;
             PROF(2);
         } else { /* attention */
@@ -825,7 +821,6 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                 const mr_weight *w[3] = {&L->wq, &L->wk, &L->wv};
                 float *y[3] = {q, k, v};
                 rc = run_mats(K, w, y, own_kv ? 3 : 1, -1, h, B, threads);
-                steals += mr_pool_steals();
             }
             if (rc != MR_OK) break;
             if (L->out_gate) /* per head its query then its gate: the gates to g, the queries packed in place
@@ -893,7 +888,6 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             const mr_weight *w[1] = {&L->wo};
             float *y[1] = {o};
             rc = run_mats(K, w, y, 1, -1, att, B, threads);
-            steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
         if (L->mixer == 4) { /* Falcon-H1: the Mamba-2 half on the same h, its output added to the attention's */
@@ -903,7 +897,6 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                 float *y[1] = {o2};
                 rc = run_mats(K, w, y, 1, -1, att, B, threads);
             }
-            steals += mr_pool_steals();
             if (rc != MR_OK) break;
             for (int64_t i = 0; i < B * d; i++) o[i] += o2[i];
         }
@@ -917,7 +910,6 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         PROF(3);
         if (L->moe) {
             rc = moe_ffn(K, L->moe, h, o2, B, d, L->n_ff, threads);
-            steals += mr_pool_steals();
             if (rc != MR_OK) break;
             residual(K, L, x, o2, L->post_ffn_norm, B, d);
         } else if (L->n_ff == 0) {
@@ -926,14 +918,12 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             const mr_weight *w[1] = {&L->up};
             float *y[1] = {a};
             rc = run_mats(K, w, y, 1, -1, h, B, threads);
-            steals += mr_pool_steals();
             if (rc == MR_OK && L->act == 2) xielu_rows(a, B * L->n_ff, L->act_params);
             if (rc == MR_OK && L->act == 3) mr_expert_act(K, a, a, B * L->n_ff, 4);
         } else {
             const mr_weight *w[2] = {&L->gate, &L->up};
             float *y[2] = {a, a};
             rc = run_mats(K, w, y, 2, L->act, h, B, threads);
-            steals += mr_pool_steals();
         }
         if (rc != MR_OK) break;
         PROF(4);
@@ -941,7 +931,6 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             const mr_weight *w[1] = {&L->down};
             float *y[1] = {o2};
             rc = run_mats(K, w, y, 1, -1, a, B, threads);
-            steals += mr_pool_steals();
             if (rc != MR_OK) break;
             if (L->parallel) {
                 if (L->post_ffn_norm) norm_rows(K, L, o2, L->post_ffn_norm, NULL, o2, B, d);
@@ -957,7 +946,6 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                 const mr_weight *w[1] = {&L->pl_gate};
                 float *y[1] = {a};
                 rc = run_mats(K, w, y, 1, -1, x, B, threads);
-                steals += mr_pool_steals();
             }
             if (rc != MR_OK) break;
             for (int64_t b = 0; b < B; b++) K->act_mul(a + b * E, pl_in + (b * n_layer + l) * E, a + b * E, E, L->pl_act);
@@ -965,7 +953,6 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
                 const mr_weight *w[1] = {&L->pl_proj};
                 float *y[1] = {o2};
                 rc = run_mats(K, w, y, 1, -1, a, B, threads);
-                steals += mr_pool_steals();
             }
             if (rc != MR_OK) break;
             if (L->pl_post_norm) norm_rows(K, L, o2, L->pl_post_norm, NULL, o2, B, d);
@@ -976,7 +963,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         PROF(5);
         if (prof_on) prof_ns[6] += 1.0;
     }
+    if (rc == MR_OK) rc = mr_steals_since(s0);
     mr_call_unlock();
-    if (rc != MR_OK) return rc;
-    return steals > 1000000ULL ? 1000000 : (int)steals;
+    return rc;
 }

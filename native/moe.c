@@ -107,7 +107,10 @@ int mr_moe_experts(const mr_weight *gate, const mr_weight *up, const mr_weight *
             for (int64_t c = 0; c < n_embd; c++) o[c] += wt * y[c];
         }
     }
-    free(buf);
+    /* xe and g are inputs of matmul jobs a late worker may still be in */
+    mr_call_lock();
+    mr_defer_free(buf);
+    mr_call_unlock();
     free(start);
     free(pair);
     if (rc < 0) return rc;

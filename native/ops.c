@@ -5,8 +5,6 @@
 
 #include <stdlib.h>
 
-void mr_call_lock(void);
-void mr_call_unlock(void);
 
 int mr_rmsnorm(const float *x, const float *weight, float eps, long long rows, long long n, float *out, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
@@ -334,7 +332,8 @@ int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, i
     if (need > ad_cap) {
         void *p = NULL;
         if (posix_memalign(&p, 64, need * 2 * 4) != 0) return MR_E_NOMEM;
-        ad_part = (float *)p; /* the old buffer stays: a late worker may still write to it */
+        mr_defer_free(ad_part);
+        ad_part = (float *)p;
         ad_cap = need * 2;
     }
     c.part = ad_part;

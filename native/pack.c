@@ -200,8 +200,6 @@ static void pack_task(const void *c_, int64_t g, int worker, float *buf) {
     }
 }
 
-void mr_call_lock(void);
-void mr_call_unlock(void);
 
 int mr_pack(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes, unsigned char *dst,
             int threads) {

@@ -10,9 +10,11 @@
  * waits a little (about twice its own average item time) and then recomputes any item still in
  * flight itself, straight into the output, after winning the same compare-and-swap. The late worker
  * then finds its item taken and drops its result. Everything a late worker may still read stays
- * valid: the job descriptor lives in a pool-owned ring, buffers only grow (old ones are kept), and
- * the Python wrapper keeps the caller's arrays alive until mr_pool_quiescent() says no worker is
- * left in that job. */
+ * valid: the job descriptor lives in a pool-owned ring; C buffers that jobs read are released with
+ * mr_defer_free(), which frees them only once no worker is left in a job that could read them; the
+ * entry points return how many items their callers took over (mr_pool_steals() counts them all,
+ * nested jobs included), and when that is > 0 the Python wrapper keeps the caller's arrays alive until
+ * mr_pool_quiescent() says no worker is left in that job. */
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* sched_getaffinity, CPU_SET */
 #endif
@@ -69,8 +71,9 @@ typedef struct {
     int default_threads;
     int spin_iters;
     double steal_patience_ns;       /* < 0: adaptive (twice the caller's mean item time + 5 us) */
+    double test_delay_ns;           /* testing knob: workers pause this long before each claimed item */
     uint64_t start_gen[MR_MAX_WORKERS + 1];
-    uint64_t last_steals;
+    uint64_t steals;                /* items callers took over since the start (under the call lock) */
 } mr_pool;
 
 static mr_pool P = {
@@ -154,6 +157,10 @@ static void worker_items(mr_job *j, uint64_t g, const mr_task_fn fn, const mr_co
         if (i >= n) break;
         uint64_t e = TAG(g, ST_FREE);
         if (!atomic_compare_exchange_strong(&st[i], &e, TAG(g, ST_CLAIMED))) continue; /* stale or taken */
+        if (P.test_delay_ns > 0.0) { /* as a worker descheduled right after its claim */
+            struct timespec ts = {(time_t)(P.test_delay_ns / 1e9), (long)((int64_t)P.test_delay_ns % 1000000000)};
+            nanosleep(&ts, NULL);
+        }
         if (commit) {
             fn(ctx, i, id, buf);
             e = TAG(g, ST_CLAIMED);
@@ -227,6 +234,9 @@ static void pool_init(void) {
     P.steal_patience_ns = -1.0;
     e = getenv("MINIRT_STEAL_PATIENCE_NS");
     if (e && *e) P.steal_patience_ns = atof(e);
+    /* testing knob: every worker sleeps this many ns after claiming an item (a late worker on demand) */
+    e = getenv("MINIRT_TEST_WORKER_DELAY_NS");
+    if (e && *e) P.test_delay_ns = atof(e);
     pthread_atfork(NULL, NULL, pool_reset_after_fork);
 }
 
@@ -273,12 +283,47 @@ int mr_pool_quiescent(unsigned long long gen) {
     return 1;
 }
 
-unsigned long long mr_pool_steals(void) { return (unsigned long long)P.last_steals; }
+unsigned long long mr_pool_steals(void) { return (unsigned long long)P.steals; }
+
+/* ---------------- deferred frees ---------------- */
+/* Buffers that jobs read, released while a late worker may still be inside one of those jobs: each is
+ * freed once the pool is quiescent up to the generation current when it was released. Guarded by the
+ * call lock. */
+#define DEFER_MAX 256
+static struct { void *p; uint64_t gen; } deferred[DEFER_MAX];
+static int n_deferred;
+
+static void reap_deferred(void) {
+    int k = 0;
+    for (int i = 0; i < n_deferred; i++) {
+        if (mr_pool_quiescent(deferred[i].gen)) free(deferred[i].p);
+        else deferred[k++] = deferred[i];
+    }
+    n_deferred = k;
+}
+
+void mr_defer_free(void *p) {
+    if (!p) return;
+    reap_deferred();
+    const uint64_t g = atomic_load(&P.ticket);
+    while (n_deferred == DEFER_MAX && !mr_pool_quiescent(g)) { /* full: wait for the late workers (rare) */
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    if (n_deferred == DEFER_MAX) reap_deferred();
+    if (mr_pool_quiescent(g)) {
+        free(p);
+        return;
+    }
+    deferred[n_deferred].p = p;
+    deferred[n_deferred].gen = g;
+    n_deferred++;
+}
 
 /* Caller must hold call_lock (mr_call_lock). */
 int mr_parallel_for(mr_task_fn fn, mr_commit_fn commit, const void *ctx, size_t ctx_size, int64_t n_items,
                     int64_t buf_floats, int threads) {
-    P.last_steals = 0;
+    if (n_deferred) reap_deferred();
     if (threads <= 0) threads = P.default_threads;
     if (threads > MR_MAX_WORKERS) threads = MR_MAX_WORKERS;
     if ((int64_t)threads > n_items) threads = (int)(n_items > 0 ? n_items : 1);
@@ -372,6 +417,6 @@ int mr_parallel_for(mr_task_fn fn, mr_commit_fn commit, const void *ctx, size_t 
             MR_PAUSE();
         }
     }
-    P.last_steals = steals;
+    P.steals += steals;
     return MR_OK;
 }

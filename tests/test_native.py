@@ -592,6 +592,55 @@ def test_steal_stress(nat):
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stdout + res.stderr
 
 
+LATE_WORKER_SCRIPT = r"""
+import sys
+import numpy as np
+sys.path.insert(0, {repo!r})
+from tests.arch_parity import ARCH_DIR, decode_logits
+from minirt.kernels import native
+import minirt
+out = {{}}
+for arch, quant in {cases!r}:
+    d = ARCH_DIR / arch
+    tokens = np.load(d / "ref.npz")["tokens"][:1, :14]
+    path = d / f"model-{{quant}}.gguf"
+    out[arch + "/" + quant] = decode_logits(path, tokens, 8)
+    for rep in range(4):
+        with minirt.load(str(path), n_ctx=64, backend="native") as llm:
+            ids = llm.generate(tokens[0, :8].tolist(), max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
+        lib = native._mod.lib
+        if not lib.mr_pool_quiescent(lib.mr_pool_generation()):
+            print("WORKER INSIDE A CLOSED MODEL'S JOB", arch, quant); sys.exit(1)
+    out[arch + "/" + quant + "/ids"] = np.array(ids)
+np.savez({dest!r}, steals=native._mod.lib.mr_pool_steals(), **out)
+print("ok")
+"""
+
+
+def test_late_workers_after_close(nat, tmp_path):
+    """Workers that stall right after claiming rows (a testing delay) while callers take their rows over at
+    once: the decode steps of mixtures of experts (fused and per-op experts), the recurrent mixers and a
+    dense model give the same logits as undisturbed runs, and when a model has closed no worker is still
+    inside one of its jobs (it would read freed weights: a segmentation fault)."""
+    cases = [("qwen3moe", "f16"), ("qwen3moe", "q4_k_m"), ("gemma4moe", "f16"), ("qwen35", "f16"),
+             ("granitehybrid", "f16"), ("lfm2", "f16"), ("llama", "q8_0")]
+    res = {}
+    for name, knobs in (("calm", {}), ("late", {"MINIRT_STEAL_PATIENCE_NS": "0",
+                                               "MINIRT_TEST_WORKER_DELAY_NS": "20000000"})):
+        dest = tmp_path / f"{name}.npz"
+        env = dict(os.environ, MINIRT_THREADS="2", PYTHONPATH=str(REPO), **knobs)
+        run = subprocess.run([sys.executable, "-c", LATE_WORKER_SCRIPT.format(repo=str(REPO), cases=cases,
+                                                                                dest=str(dest))],
+                             env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (name, run.returncode,
+                                                                            run.stdout[-2000:] + run.stderr[-3000:])
+        res[name] = np.load(dest)
+    assert int(res["late"]["steals"]) > 0  # the callers did take rows over
+    for arch, quant in cases:
+        for key in (f"{arch}/{quant}", f"{arch}/{quant}/ids"):
+            np.testing.assert_array_equal(res["late"][key], res["calm"][key], err_msg=key)
+
+
 def _import_build():
     import importlib.util
 

@@ -445,25 +445,36 @@ def _after_call(lib: Any, rc: int, what: str, a: Any, b: Any) -> None:
         _prune_keepalive(lib)
 
 
-def drain_keepalive(timeout: float = 1.0) -> int:
-    """Wait (up to ``timeout`` s) for late pool workers to leave the jobs whose arrays are kept
-    alive, then drop those references; returns how many are still held (workers still inside).
+def drain_keepalive(timeout: float = 10.0) -> int:
+    """Wait (up to ``timeout`` s) until no pool worker is inside a job published before this call, then
+    drop the arrays kept alive for late workers of those jobs; returns how many of them are still held
+    (0 unless it timed out).
 
-    Called when a model closes: without it the weight views of its last overtaken call would pin
-    the file mapping until some later native call happened to prune them."""
-    if _mod is None or not _keepalive:
+    Called when a model closes, before its weights and file mapping go: a worker overtaken in one of
+    the model's jobs (descheduled after claiming rows the caller then computed itself) may still be
+    reading them, whether or not that call was recorded in ``_keepalive``. Workers always finish an
+    item, so this only waits for the scheduler to run them again (about a time slice)."""
+    if _mod is None:
         return 0
     lib = _mod.lib
+    # the jobs published so far: later ones (other models still running) do not hold this up
+    gen = lib.mr_pool_generation()
     deadline = time.monotonic() + max(0.0, timeout)
-    while True:
-        _prune_keepalive(lib)
-        with _keepalive_lock:
-            left = len(_keepalive)
-        if not left or time.monotonic() >= deadline:
-            if left:
-                log.warning("%d native call(s) still have a worker inside after %.1f s", left, timeout)
-            return left
-        time.sleep(0.001)
+    warned = False
+    while not lib.mr_pool_quiescent(gen):
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if not warned and now >= deadline - timeout + 1.0:
+            log.warning("a native pool worker is still inside a job after 1 s; waiting for it")
+            warned = True
+        time.sleep(0.0005)
+    _prune_keepalive(lib)
+    with _keepalive_lock:
+        left = sum(1 for e in _keepalive if e[0] <= gen)
+    if left:
+        log.warning("%d native call(s) still have a worker inside after %.1f s", left, timeout)
+    return left
 
 
 class PackArena:
