@@ -124,6 +124,7 @@ MR_INLINE float mr_erf_as(float x) {
 
 MR_INLINE uint16_t mr_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 MR_INLINE uint32_t mr_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+MR_INLINE uint64_t mr_rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 MR_INLINE float mr_rdf16(const uint8_t *p) { return mr_f16_to_f32(mr_rd16(p)); }
 
 /* The 6-bit scale / min pair j (0..7) of a Q4_K / Q5_K super-block (ggml get_scale_min_k4). */

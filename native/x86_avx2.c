@@ -661,7 +661,8 @@ void mr_avx2_lowbit_rows(mr_kernels *k) {
         k->xpair[types[i]] = 0;   /* natural activation order */
     }
     /* the i-quants and TQ1_0 dequantize slowly: these row kernels beat the float tile / panel up to 16
-     * tokens (2x at 16, 0.6x at 64; Intel Xeon, AVX-512 table, 1 thread, 4096 x 14336) */
+     * tokens (2x at 16, 0.6x at 64; Intel Xeon, 1 thread, 4096 x 14336; the AVX-512 table then sets its
+     * int8 kernels' own limits) */
     const int slow_dq[] = {GT_IQ2_XXS, GT_IQ2_XS, GT_IQ2_S, GT_IQ3_XXS, GT_IQ3_S, GT_IQ1_S, GT_IQ1_M, GT_TQ1_0};
     for (size_t i = 0; i < sizeof slow_dq / sizeof slow_dq[0]; i++) k->int_tokens[slow_dq[i]] = 16;
 }

@@ -958,8 +958,8 @@ void mr_init_avx512(mr_kernels *k) {
     k->dq[GT_MXFP4] = dqv_mxfp4;
     k->dq[GT_Q3_K] = dqv_q3_k;
     k->dq[GT_Q2_K] = dqv_q2_k;
-    mr_avx2_lowbit_rows(k); /* the low-bit types' row kernels (Q2_K, Q3_K, TQ2_0 and MXFP4 decode through
-                             * x86_avx512_gemv.c's kernels instead) */
+    mr_avx2_lowbit_rows(k); /* the low-bit types' row kernels: the fallback where x86_avx512_gemv.c's
+                             * kernels (all of these types) lack their activation layout */
     k->xpair[GT_Q4_0] = k->xpair[GT_Q4_1] = k->xpair[GT_Q5_0] = k->xpair[GT_Q5_1] = k->xpair[GT_IQ4_NL] = 1;
     k->quant_x = hv_quant_x;
     k->fwht = hv_fwht;

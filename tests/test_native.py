@@ -215,8 +215,9 @@ def test_paths(nat):
             assert native.matmul_path("Q4_K", 1, isa=isa) == "float-dot"
         else:
             for q in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q2_K", "Q3_K", *LOWBIT):
-                # AVX-512 decodes the 2-bit-code super-block types with int8 activations (q8_K-like)
-                want = "int8" if isa == "avx512" and q in ("Q2_K", "Q3_K", "TQ2_0") else "int16"
+                # AVX-512 decodes the 2-bit-code super-block types, the i-quants and TQ1_0 with int8
+                # activations (q8_K-like)
+                want = "int8" if isa == "avx512" and q not in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "MXFP4") else "int16"
                 assert native.matmul_path(q, 1, isa=isa) == want
                 assert native.matmul_path(q, 4, isa=isa) == want
         if isa == "avx512":  # the int8 kernels run prefills up to 64 tokens, then the float panel
@@ -224,7 +225,11 @@ def test_paths(nat):
             assert native.matmul_path("Q2_K", 65, isa=isa) == "float-panel"
             assert native.matmul_path("MXFP4", 8, isa=isa) == "int16"
             assert native.matmul_path("MXFP4", 9, isa=isa) == "float-tile"
-        if isa in ("avx2", "avx512"):  # the i-quants' row kernels up to 16 tokens
+            assert native.matmul_path("IQ2_XXS", 64, isa=isa) == "int8"
+            assert native.matmul_path("IQ2_XXS", 65, isa=isa) == "float-panel"
+            assert native.matmul_path("IQ1_M", 48, isa=isa) == "int8"
+            assert native.matmul_path("IQ1_M", 49, isa=isa) == "float-panel"
+        if isa == "avx2":  # the i-quants' row kernels up to 16 tokens
             assert native.matmul_path("IQ2_XXS", 16, isa=isa) == "int16"
             assert native.matmul_path("IQ2_XXS", 17, isa=isa) != "int16"
         assert native.matmul_path("Q4_K", 8, isa=isa) == "float-tile"

@@ -36,8 +36,9 @@ def test_low_bit_gguf_files_match_llama_cpp():
 
 def test_low_bit_gguf_files_decode_like_llama_cpp():
     """The same files decoded one token at a time (the decode kernels: int8 activations for Q2_K / Q3_K /
-    TQ2_0 on AVX-512, as llama.cpp's q8_K; MXFP4's multi-row kernel) against llama.cpp's logits at the
-    same positions: minirt's error against transformers stays within 1% of llama.cpp's."""
+    TQ2_0, the i-quants and TQ1_0 on AVX-512, as llama.cpp's q8_K; MXFP4's multi-row kernel) against
+    llama.cpp's logits at the same positions: minirt's error against transformers stays within 1% of
+    llama.cpp's."""
     import sys
 
     import numpy as np
@@ -50,7 +51,8 @@ def test_low_bit_gguf_files_decode_like_llama_cpp():
     ref = np.load(qm.FIXTURE / "ref.npz")
     cpp = np.load(out / "llamacpp.npz")
     n0 = 4  # prefill 4 ids, then decode one at a time
-    for name in ("Q2_K", "Q3_K", "TQ2_0", "MXFP4"):
+    for name in ("Q2_K", "Q3_K", "TQ2_0", "MXFP4", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                 "TQ1_0"):
         mine = decode_logits(out / f"llama-{name}.gguf", ref["tokens"], n0)
         c, hf = cpp[name][:, n0 - 1:-1], ref["hf"][:, n0 - 1:-1]
         assert mine.shape == c.shape, (name, mine.shape, c.shape)
