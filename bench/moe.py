@@ -10,7 +10,8 @@ llama.cpp on it with ``bench/compare.py`` (decode and prefill, side by side in o
 The default shape is a Qwen3-MoE (``qwen3moe``) with hidden 2048, 16 layers, 32 experts of width
 768, top-4, 16 query / 4 KV heads of 128: 2.7 B parameters, about 1.6 GB at Q4_K_M. ``--shape
 lfm2-350m`` builds an LFM2 of LFM2-350M's proportions instead (the short-convolution hybrid), ``qwen35-0.8b`` a
-Qwen3.5 and ``granite-4.0-h-350m`` a Granite 4.0-H (the Mamba-2 hybrid) of those models' proportions. Weights are
+Qwen3.5 and ``granite-4.0-h-350m`` a Granite 4.0-H (the Mamba-2 hybrid) of those models' proportions,
+``gemma4-26b-a4b-mini`` a Gemma 4 MoE of 26B-A4B's layer proportions (fewer layers and experts). Weights are
 N(0, 0.02), seeded; the router is scaled so that routing is decisive. The files are cached in
 ``--work`` (made once per shape). Everything after ``--`` goes to bench/compare.py.
 """
@@ -46,6 +47,17 @@ _GPTOSS = dict(config="GptOssConfig", model="GptOssForCausalLM", tied=False, rou
                extra=dict(rms_norm_eps=1e-5, sliding_window=128, swiglu_limit=7.0),
                rope={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                      "original_max_position_embeddings": 4096, "rope_theta": 150000.0})
+# Gemma 4 MoE (26B-A4B): a dense GeGLU MLP beside the experts in every layer, sliding / global attention; the
+# router reads the RMS-normed residual times a scale vector and d^-0.5, so its weights need a larger spread
+# for decisive routing; SentencePiece-style tokenizer (the converter reads it through LlamaHfVocab)
+_GEMMA4 = dict(config="Gemma4TextConfig", model="Gemma4ForCausalLM", tied=True, tokenizer="hf_spm",
+               router="router.proj", router_sd=3.0,
+               extra=dict(rms_norm_eps=1e-6, sliding_window=1024, final_logit_softcapping=30.0,
+                          hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                          attention_k_eq_v=False, enable_moe_block=True),
+               rope={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 # name -> (family, transformers config sizes)
 SHAPES = {
     "default": (_QWEN3MOE, dict(hidden_size=2048, num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
@@ -82,6 +94,14 @@ SHAPES = {
     "gpt-oss-mini": (_GPTOSS, dict(hidden_size=1024, num_hidden_layers=12, num_local_experts=32, num_experts_per_tok=4,
                                    intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                                    layer_types=["sliding_attention", "full_attention"] * 6)),
+    # Gemma 4 26B-A4B's layer proportions (hidden 2816, 16 query / 8 KV heads of 256 on sliding layers, 512 on the
+    # global ones, 5 sliding : 1 global, a dense GeGLU MLP of 2112 beside experts of 704, top-8) with 12 of its 30
+    # layers and 32 of its 128 experts: 2.6 B parameters, about 1.5 GB at Q4_K_M
+    "gemma4-26b-a4b-mini": (_GEMMA4, dict(hidden_size=2816, num_hidden_layers=12, intermediate_size=2112,
+                                          num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                          global_head_dim=512, num_experts=32, top_k_experts=8,
+                                          moe_intermediate_size=704,
+                                          layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2)),
 }
 
 # Run by --ref-python: writes a seeded random checkpoint of the shape's family (bfloat16, parameters
@@ -91,10 +111,14 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch, transformers
-from make_fixtures import write_bpe
+from make_fixtures import GEMMA_SPECIALS, write_bpe, write_hf_spm
 out, shape, seed, fam = Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
 out.mkdir(parents=True, exist_ok=True)
-specials = write_bpe(out, 512)
+if fam.get("tokenizer") == "hf_spm":
+    write_hf_spm(out, 512, GEMMA_SPECIALS)
+    specials = GEMMA_SPECIALS
+else:
+    specials = write_bpe(out, 512)
 cfg = getattr(transformers, fam["config"])(vocab_size=512, max_position_embeddings=32768,
                                             tie_word_embeddings=fam["tied"], bos_token_id=specials["bos"],
                                             eos_token_id=specials["eos"], pad_token_id=specials["pad"],
@@ -109,8 +133,8 @@ gen = torch.Generator().manual_seed(seed)
 with torch.no_grad():
     for name, p in sorted(model.named_parameters()):
         if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.16 if fam.get("router", "mlp.gate") + ".weight" in name
-                                                            else 0.02))
+            router = fam.get("router", "mlp.gate") + ".weight" in name
+            p.copy_(torch.randn(p.shape, generator=gen) * (fam.get("router_sd", 0.16) if router else 0.02))
         else:
             p.fill_(1.0)
 model.save_pretrained(str(out), safe_serialization=True)

@@ -79,6 +79,7 @@ typedef struct {
     float alpha, limit;
     mr_weight sh_gate, sh_up, sh_down, sh_inp;
     int sh_act;
+    const float *expert_scale;  /* (n_expert) or NULL: a chosen expert's weight is multiplied by its entry (Gemma 4) */
 } mr_moe;
 
 typedef struct {
@@ -141,6 +142,10 @@ typedef struct {
     const mr_moe *moe;          /* non-NULL: the feed-forward is this mixture of experts (gate, up, down NULL;
                                    n_ff the widest expert or shared expert) */
     const float *sinks;         /* (n_head) attention-sink logits in each softmax's denominator, or NULL (gpt-oss) */
+    int moe_beside;             /* 1: moe runs beside the dense MLP (gate, up, down; n_ff its width) on the residual
+                                   x (Gemma 4): ffn = mlp_post(MLP(ffn_norm(x))) + moe_post(MoE(moe_pre(x))), then
+                                   post_ffn_norm; the router reads rmsnorm(x) * router_scale (no gains) */
+    const float *mlp_post_norm, *moe_pre_norm, *moe_post_norm, *router_scale; /* (n_embd) gains, scale */
 } mr_layer;
 
 typedef struct {

@@ -289,10 +289,18 @@ static int expert_down(const mr_kernels *K, const mr_moe *M, int64_t e, const fl
     return rc;
 }
 
-/* The mixture of experts of B tokens h (B x d) into out (B x d): router, routing, each chosen expert once
- * over the tokens that chose it (gathered; expert order, as the per-op path), then the shared expert. */
-static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *out, int64_t B, int64_t d, int64_t n_ff,
-                   int threads) {
+/* The widest expert or shared expert of M */
+static int64_t moe_width(const mr_moe *M) {
+    int64_t f = M->sh_up.data ? M->sh_up.rows : 0;
+    for (int64_t e = 0; e < M->n_expert; e++) f = M->up[e].rows > f ? M->up[e].rows : f;
+    return f;
+}
+
+/* The mixture of experts of B tokens h (B x d) into out (B x d): router (reading hr, B x d), routing, each
+ * chosen expert once over the tokens that chose it (gathered; expert order, as the per-op path), then the
+ * shared expert. n_ff >= moe_width(M). */
+static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, const float *hr, float *out, int64_t B,
+                   int64_t d, int64_t n_ff, int threads) {
     const int64_t E = M->n_expert, k = M->n_used;
     float *buf = (float *)malloc((size_t)(B * E + E + B * k + 2 * B * d + 2 * B * n_ff + B + 8 * n_ff) * 4);
     int64_t *ids = (int64_t *)malloc((size_t)(B * k) * sizeof(int64_t));
@@ -309,9 +317,11 @@ static int moe_ffn(const mr_kernels *K, const mr_moe *M, const float *h, float *
     {
         const mr_weight *ws[1] = {&M->router};
         float *ys[1] = {logits};
-        rc = run_mats(K, ws, ys, 1, -1, h, B, threads);
+        rc = run_mats(K, ws, ys, 1, -1, hr, B, threads);
     }
     for (int64_t b = 0; b < B && rc == MR_OK; b++) moe_route(M, logits + b * E, ids + b * k, w + b * k, p);
+    if (M->expert_scale)
+        for (int64_t i = 0; i < B * k; i++) w[i] *= M->expert_scale[ids[i]];
     memset(out, 0, (size_t)(B * d) * 4);
     if (rc == MR_OK && B == 1 && M->gate && k <= 4) { /* one token: all its experts' gate / up in one job */
         const mr_weight *ws[8];
@@ -408,12 +418,16 @@ int mr_layer_check(const mr_layer *L, int isa) {
     const int64_t rows[7] = {L->n_head * L->head_dim_k, L->n_head_kv * L->head_dim_k, L->n_head_kv * L->head_dim_v, d,
                              L->n_ff, L->n_ff, d};
     const int64_t cols[7] = {d, d, d, L->n_head * L->head_dim_v, d, d, L->n_ff};
-    const int gated = L->act != 2 && L->act != 3, ffn = L->n_ff != 0 && !L->moe;
+    if (L->moe_beside != 0 && (L->moe_beside != 1 || !L->moe || !L->mlp_post_norm || !L->moe_pre_norm ||
+                                !L->moe_post_norm || !L->router_scale || L->norm_kind != 0))
+        return MR_E_SHAPE;
+    const int gated = L->act != 2 && L->act != 3, ffn = L->n_ff != 0 && (!L->moe || L->moe_beside);
     if (ffn && gated != (L->gate.data != NULL)) return MR_E_SHAPE; /* xIELU, relu^2 without gate, the others with */
     if (L->moe) {
-        const int rc = moe_check(K, L->moe, d, L->n_ff);
+        const int rc = moe_check(K, L->moe, d, L->moe_beside ? moe_width(L->moe) : L->n_ff);
         if (rc != MR_OK) return rc;
-        if (L->gate.data || L->up.data || L->down.data || L->parallel || L->n_ff <= 0) return MR_E_SHAPE;
+        if ((!L->moe_beside && (L->gate.data || L->up.data || L->down.data)) || L->parallel || L->n_ff <= 0)
+            return MR_E_SHAPE;
     }
     if (!ffn && (L->gate.data || L->up.data || L->down.data || L->parallel)) return MR_E_SHAPE;
     if (L->kv_layer < -1 || (L->v_norm != 0 && L->v_norm != 1) || !(L->out_scale == L->out_scale)) return MR_E_SHAPE;
@@ -777,9 +791,9 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
     mr_call_lock();
     int rc = MR_OK;
     const unsigned long long s0 = mr_pool_steals();
-    /* scratch: h, o, o2 (B x d), q, att (B x qd), k, v (B x kd), a (B x ff), g (B x gd); the old one freed deferred
-     * (late workers may read it) */
-    const size_t need = (size_t)(B * (3 * d + 2 * qd + 2 * kd + ff + gd) + 64);
+    /* scratch: h, o, o2, r (B x d), q, att (B x qd), k, v (B x kd), a (B x ff), g (B x gd); the old one freed
+     * deferred (late workers may read it) */
+    const size_t need = (size_t)(B * (4 * d + 2 * qd + 2 * kd + ff + gd) + 64);
     if (need > lbuf_cap) {
         void *p = NULL;
         if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
@@ -790,7 +804,7 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         }
     }
     float *h = lbuf, *o = h + B * d, *o2 = o + B * d, *q = o2 + B * d, *att = q + B * qd, *k = att + B * qd,
-          *v = k + B * kd, *a = v + B * kd, *g = a + B * ff;
+          *v = k + B * kd, *a = v + B * kd, *g = a + B * ff, *r = g + B * gd;
     for (long long l = 0; l < n_layer && rc == MR_OK; l++) {
         const mr_layer *L = &layers[l];
         const int64_t H = L->n_head, Hkv = L->n_head_kv, D = L->head_dim_k, half = L->rope_dim / 2;
@@ -908,8 +922,8 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
             if (L->n_ff > 0) pre_norm(K, L, x, L->ffn_norm, L->ffn_norm_b, h, B, d);
         }
         PROF(3);
-        if (L->moe) {
-            rc = moe_ffn(K, L->moe, h, o2, B, d, L->n_ff, threads);
+        if (L->moe && !L->moe_beside) {
+            rc = moe_ffn(K, L->moe, h, h, o2, B, d, L->n_ff, threads);
             if (rc != MR_OK) break;
             residual(K, L, x, o2, L->post_ffn_norm, B, d);
         } else if (L->n_ff == 0) {
@@ -927,11 +941,20 @@ int mr_decode_layers(const mr_layer *layers, long long n_layer, float *x, long l
         }
         if (rc != MR_OK) break;
         PROF(4);
-        if (L->n_ff > 0 && !L->moe) {
+        if (L->n_ff > 0 && (!L->moe || L->moe_beside)) {
             const mr_weight *w[1] = {&L->down};
             float *y[1] = {o2};
             rc = run_mats(K, w, y, 1, -1, a, B, threads);
             if (rc != MR_OK) break;
+            if (L->moe_beside) { /* o2 = mlp_post(o2) + moe_post(MoE(moe_pre(x))), the router reading r */
+                norm_rows(K, L, o2, L->mlp_post_norm, NULL, o2, B, d);
+                norm_rows(K, L, x, L->moe_pre_norm, NULL, h, B, d);
+                for (int64_t b = 0; b < B; b++) K->rmsnorm(x + b * d, L->router_scale, L->eps, d, r + b * d);
+                rc = moe_ffn(K, L->moe, h, r, o, B, d, moe_width(L->moe), threads);
+                if (rc != MR_OK) break;
+                norm_rows(K, L, o, L->moe_post_norm, NULL, o, B, d);
+                for (int64_t i = 0; i < B * d; i++) o2[i] += o[i];
+            }
             if (L->parallel) {
                 if (L->post_ffn_norm) norm_rows(K, L, o2, L->post_ffn_norm, NULL, o2, B, d);
                 for (int64_t i = 0; i < B * d; i++) o2[i] += o[i];

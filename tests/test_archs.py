@@ -105,11 +105,11 @@ def test_decode_steps_run_fused_and_match(arch, quant):
     path = d / meta["files"][quant]["file"]
     if native.available():  # F16 matrices run there too (dequantized rows, float dots)
         with minirt.load(str(path), n_ctx=64, backend="native") as llm:
-            # everything runs in the fused step (mixtures of experts reading only the chosen experts, the
-            # recurrent mixers, gpt-oss' attention sinks) but Gemma 4's experts beside a dense MLP and
-            # Nemotron 3 Super's latent experts
-            per_op = any(isinstance(b.mlp, ParallelMoE) or getattr(b.mlp, "latent_down", None) is not None
-                         for b in llm.model.desc.blocks)
+            # everything runs in the fused step (mixtures of experts reading only the chosen experts, Gemma 4's
+            # beside a dense MLP, the recurrent mixers, gpt-oss' attention sinks) but Nemotron 3 Super's latent
+            # experts
+            mlps = [b.mlp.moe if isinstance(b.mlp, ParallelMoE) else b.mlp for b in llm.model.desc.blocks]
+            per_op = any(getattr(m, "latent_down", None) is not None for m in mlps)
             assert (llm.model.native_stack is None) == per_op, f"{arch}: fused decode step prepared: {not per_op}"
     ours = decode_logits(path, tokens, n0)  # (n_seq, T - n0, V): logits after positions n0-1 .. T-2
     hf = ref["hf"][:, n0 - 1:-1]

@@ -290,15 +290,51 @@ def test_native_experts_match_the_per_op_loop_and_skip_unchosen_experts(folder):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_step_checks_experts_beside_a_dense_mlp():
+    """Gemma 4's experts beside a dense MLP in the fused step: a router scale or per-expert scale of the wrong
+    length and a norm C does not compute are refused before C sees a pointer (typed errors, no crash)."""
+    import copy
+
+    from minirt.blocks import Norm, ParallelMoE
+    from minirt.errors import BackendError, InvalidRequestError
+    from minirt.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    with minirt.load(str(ARCH_DIR / "gemma4moe" / "model-q8_0.gguf"), n_ctx=64, backend="native") as llm:
+        blocks, m = llm.model.desc.blocks, llm.model
+        keys = [r.key() for r in m.ropes]
+        index = [keys.index(b.attn.rope.key()) if b.attn.rope is not None else -1 for b in blocks]
+        i = next(j for j, b in enumerate(blocks) if isinstance(b.mlp, ParallelMoE))
+        native.LayerStack(blocks, index)  # as loaded: accepted
+
+        def stack(mutate):
+            bs = list(blocks)
+            bs[i] = copy.deepcopy(blocks[i])
+            mutate(bs[i].mlp)
+            native.LayerStack(bs, index)
+
+        with pytest.raises(InvalidRequestError, match="router scale"):
+            stack(lambda p: setattr(p, "router_scale", p.router_scale[:-1]))
+        with pytest.raises(InvalidRequestError, match="expert scale"):
+            stack(lambda p: setattr(p, "expert_scale", np.ones(p.moe.n_expert + 1, np.float32)))
+        with pytest.raises(InvalidRequestError, match="post_2 norm weight"):
+            stack(lambda p: setattr(p.post_2, "weight", p.post_2.weight[:3]))
+        with pytest.raises(BackendError, match="beside a dense MLP"):
+            stack(lambda p: setattr(p, "router_norm", Norm(np.ones(blocks[i].attn.wo.out_features, np.float32),
+                                                           p.router_norm.eps)))
+
+
 @pytest.mark.parametrize("folder", ["qwen3moe", "qwen2moe", "olmoe", "granitemoe", "lfm2moe", "nemotron_h_moe",
-                                    "granitehybrid"])
+                                    "granitehybrid", "gemma4moe"])
 def test_fused_decode_step_runs_the_experts(folder):
     """Mixtures of experts decode in the fused native step (``mr_decode_layers`` with ``mr_layer.moe``: router,
     routing in C, the chosen experts' rows only, shared expert and its gate): softmax (qwen3moe, olmoe,
     granitemoe) and sigmoid routing with a selection bias (lfm2moe, nemotron_h_moe: also squared-ReLU experts
     and shared expert, scaled weights), gated shared experts (qwen2moe), Mamba-2 layers around them
-    (granitehybrid); two sequences step together and match the per-op reference (routers here are decisive,
-    so both pick the same experts)."""
+    (granitehybrid), Gemma 4's experts beside a dense MLP (``mr_layer.moe_beside``: own norms, a router reading
+    the scaled RMS-normed residual, per-expert output scales); two sequences step together and match the
+    per-op reference (routers here are decisive, so both pick the same experts)."""
     from minirt.kernels import native
 
     if not native.available():

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import GatedDeltaNet, Mamba2, MoE, ParallelMixer, ShortConv
+from ..blocks import GatedDeltaNet, Mamba2, MoE, ParallelMixer, ParallelMoE, ShortConv
 from ..errors import BackendError, InvalidRequestError, UnsupportedQuantError
 
 log = logging.getLogger(__name__)
@@ -964,10 +964,14 @@ def _ffn_width(m: Any) -> int:
         return 0
     if isinstance(m, MoE):
         return max([int(lin.in_features) for lin in m.down] + ([int(m.shared.down.in_features)] if m.shared else []))
+    if isinstance(m, ParallelMoE):  # mr_layer.n_ff: the dense MLP's (the experts size their own scratch)
+        return int(m.mlp.down.in_features)
     return int(m.down.in_features)
 
 
 def _ffn_out(m: Any) -> int:
+    if isinstance(m, ParallelMoE):
+        m = m.mlp
     return int(m.down[0].out_features if isinstance(m, MoE) else m.down.out_features)
 
 
@@ -1008,6 +1012,8 @@ def _block_weights(b: Any) -> dict[str, Any]:
     a, m, g = _mixer(b), b.mlp, b.per_layer
     if isinstance(m, MoE):  # its matrices go in mr_layer.moe
         m = None
+    elif isinstance(m, ParallelMoE):  # the dense MLP's; the experts' go in mr_layer.moe
+        m = m.mlp
     dn, beside = getattr(a, "dn", None), getattr(a, "ssm_beside", False)
     return {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "gate": m.gate if m is not None else None,
             "up": m.up if m is not None else None, "down": m.down if m is not None else None,
@@ -1034,20 +1040,22 @@ def layer_unsupported(b: Any) -> str | None:
     if c is not None and (c.weight.dtype != np.float32 or c.weight.ndim != 2 or not 2 <= c.taps <= 64
                           or c.n_embd % c.cache_heads):
         return "a short convolution of other than 2..64 float32 taps per channel"
+    beside_norms: list[Any] = []
+    if isinstance(m, ParallelMoE):  # Gemma 4: the experts beside a dense MLP, each with its norms
+        beside_norms = [m.pre_1, m.post_1, m.pre_2, m.post_2, m.router_norm]
+        if any(n is None or n.kind != "rms" or n.bias is not None for n in beside_norms) \
+                or m.router_norm.weight is not None:
+            return "experts beside a dense MLP with other than RMSNorms (a router norm without gains)"
+        why = _moe_why(m.moe)
+        if why is not None:
+            return f"a mixture-of-experts feed-forward with {why}"
+        m = m.mlp  # the dense half: as any MLP below
     if isinstance(m, MoE):
-        why = moe_unsupported(m)
-        if why is None and m.latent_down is not None:  # the layer-by-layer path runs them
-            why = "latent expert projections"
-        if why is None and m.router.gating not in _GATINGS:
-            why = f"router gating {m.router.gating!r}"
-        sh = m.shared
-        if why is None and sh is not None and (sh.act not in _SHARED_ACTS or (sh.act == "relu2") != (sh.gate is None)
-                                               or any(lin.bias is not None for lin in sh.linears())):
-            why = f"a shared expert with activation {sh.act!r} or biases"
+        why = _moe_why(m)
         if why is not None:
             return f"a mixture-of-experts feed-forward with {why}"
     elif m is not None and (not hasattr(m, "down") or isinstance(m.down, list)):
-        return "a mixture-of-experts feed-forward beside a dense MLP (decode runs it layer by layer)"
+        return f"a feed-forward of kind {type(m).__name__}"
     elif m is not None and (m.gate is None) != (m.act in ("xielu", "relu2")):
         return f"an MLP {'without' if m.gate is None else 'with'} gate and activation {m.act!r}"
     elif m is not None and m.act not in _LAYER_ACTS:
@@ -1072,9 +1080,23 @@ def layer_unsupported(b: Any) -> str | None:
                       s.norm if s is not None else None, d.norm if d is not None else None) if n is not None]
     if any(n.kind != "rms" or n.bias is not None for n in qk):
         return "LayerNorm q/k norms"
-    if len({float(n.eps) for n in block_norms + qk}) > 1:
+    if len({float(n.eps) for n in block_norms + qk + beside_norms}) > 1:
         return "norms with different eps in one block"
     return None
+
+
+def _moe_why(m: Any) -> str | None:
+    """Why the fused decode step cannot run the mixture of experts ``m``; None if it can."""
+    why = moe_unsupported(m)
+    if why is None and m.latent_down is not None:  # the layer-by-layer path runs them
+        why = "latent expert projections"
+    if why is None and m.router.gating not in _GATINGS:
+        why = f"router gating {m.router.gating!r}"
+    sh = m.shared
+    if why is None and sh is not None and (sh.act not in _SHARED_ACTS or (sh.act == "relu2") != (sh.gate is None)
+                                           or any(lin.bias is not None for lin in sh.linears())):
+        why = f"a shared expert with activation {sh.act!r} or biases"
+    return why
 
 
 class LayerStack:
@@ -1136,9 +1158,11 @@ class LayerStack:
             L.eps = float(norms[0].eps) if norms else 1e-6
             L.attn_scale, L.softcap, L.residual_scale = float(a.scale), float(a.softcap), float(b.residual_scale)
             L.rope_neox = int(bool(a.rope.neox)) if a.rope is not None else 0
-            dense = m is not None and not isinstance(m, MoE)
-            L.act = _LAYER_ACTS[m.act] if dense else 0
-            for j, v in enumerate(m.act_params[:4] if dense else ()):
+            pm = m if isinstance(m, ParallelMoE) else None
+            dm = pm.mlp if pm is not None else m  # the dense MLP, if any
+            dense = dm is not None and not isinstance(dm, MoE)
+            L.act = _LAYER_ACTS[dm.act] if dense else 0
+            for j, v in enumerate(dm.act_params[:4] if dense else ()):
                 L.act_params[j] = float(v)
             L.qk_norm_after_rope = int(bool(a.qk_norm_after_rope))
             L.sinks = self._f32(ffi, a.sinks) if a.sinks is not None else ffi.NULL
@@ -1200,6 +1224,17 @@ class LayerStack:
             for k, lin in _block_weights(b).items():
                 self._fill_weight(ffi, getattr(L, k), lin)
             L.moe = self._moe(ffi, m) if isinstance(m, MoE) else ffi.NULL
+            L.moe_beside = int(pm is not None)
+            L.mlp_post_norm = L.moe_pre_norm = L.moe_post_norm = L.router_scale = ffi.NULL
+            if pm is not None:  # the dense MLP reads ffn_norm = pre_1; the experts their own norms
+                ones = np.ones(self._n_embd, _F32)  # a norm without gains still normalizes
+                L.ffn_norm, L.mlp_post_norm, L.moe_pre_norm, L.moe_post_norm = (
+                    self._f32(ffi, n.weight if n.weight is not None else ones)
+                    for n in (pm.pre_1, pm.post_1, pm.pre_2, pm.post_2))
+                L.router_scale = self._f32(ffi, pm.router_scale)
+                mo = self._moe(ffi, pm.moe)
+                mo.expert_scale = self._f32(ffi, pm.expert_scale)
+                L.moe = mo
             rc = lib.mr_layer_check(ffi.addressof(self._layers, i), self._isa)
             if rc != 0:
                 raise BackendError(f"layer {i} cannot run in the native decode step (code {rc})")
@@ -1242,6 +1277,7 @@ class LayerStack:
                        ("sh_down", s.down if s else None), ("sh_inp", m.shared_gate)):
             self._fill_weight(ffi, getattr(mo, k), lin)
         mo.sh_act = _SHARED_ACTS[s.act] if s is not None else 0
+        mo.expert_scale = ffi.NULL
         return mo
 
     def _check_block(self, i: int, b: Any) -> None:
@@ -1317,6 +1353,14 @@ class LayerStack:
                 vec(n.bias, width, f"{k} bias")
         if b.per_layer is not None:
             vec(b.per_layer.post_norm.weight, d, "per-layer post norm weight")
+        if isinstance(m, ParallelMoE):
+            for what, n in (("pre_1", m.pre_1), ("post_1", m.post_1), ("pre_2", m.pre_2), ("post_2", m.post_2)):
+                vec(n.weight, d, f"{what} norm weight")
+            for what, arr, n in (("router scale", m.router_scale, d), ("expert scale", m.expert_scale,
+                                                                      m.moe.n_expert)):
+                if arr is None:
+                    raise InvalidRequestError(f"layer {i}: {what} missing")
+                vec(arr, n, what)
         c = getattr(a, "conv", None)
         if c is not None and (c.weight.shape != (d, c.taps) or c.cache_heads * hk != d):
             raise InvalidRequestError(f"layer {i}: convolution taps of shape {c.weight.shape} for n_embd {d} "
