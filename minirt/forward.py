@@ -36,7 +36,6 @@ from .blocks import (
     l2_normalize,
     route,
     sigmoid,
-    silu,
 )
 from .errors import ContextOverflowError
 from .kv_cache import KVCache
@@ -298,7 +297,7 @@ class Transformer:
             n = seg.n_tokens
             conv_state, S = seg.cache.state(i)
             rows = np.concatenate([conv_state, mixed[s0:s0 + n]])  # (taps − 1 + n, conv_dim)
-            x = silu(self.backend.causal_conv(rows, g.conv))
+            x = self.backend.activation(self.backend.causal_conv(rows, g.conv), "silu")  # (n, conv_dim)
             q = l2_normalize(x[:, :Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
             k = l2_normalize(x[:, Hk * Dk:2 * Hk * Dk].reshape(n, Hk, Dk), g.norm.eps)
             v = x[:, 2 * Hk * Dk:].reshape(n, Hv, Dv)
@@ -310,8 +309,10 @@ class Transformer:
             dr, bt = decay[s0:s0 + n], beta[s0:s0 + n]
             o[s0:s0 + n] = _recur(seg.cache, i, p0, rows, L, S, self.backend.delta_rule, (q, k, v, dr, bt))
             conv_state[:] = rows[n:]
-        y = self.norm(o, g.norm) * silu(z)
-        return self.mm(g.out_proj, y.reshape(T, Hv * Dv))
+        # silu(z) * norm(o) through the backend's gated activation (numpy's silu took ~10 % of a prefill)
+        y = self.backend.act_mul(np.ascontiguousarray(z.reshape(T, Hv * Dv)), self.norm(o, g.norm).reshape(T, Hv * Dv),
+                                 "silu")
+        return self.mm(g.out_proj, y)
 
     def mamba2(self, i: int, m: Mamba2, h: np.ndarray, ctx: ForwardContext) -> np.ndarray:
         """Mamba-2's mixer of the normed input h (T, d) → (T, d): each segment continues from the convolution

@@ -297,6 +297,9 @@ typedef struct {
      * y_p = S_p . C. */
     void (*ssm_rows)(float *S, const float *x, const float *B, const float *C, float dA, float dt, int64_t P,
                      int64_t N, float *y);
+    /* One token of the gated delta rule for one value head (mr_delta_step below, compiled for the ISA). */
+    void (*delta_step)(float *S, const float *q, const float *k, const float *v, float decay, float beta, float *o,
+                       int64_t Dk, int64_t Dv, float *kv, float *delta);
     /* Sampler statistics of one row (mr_logit_stats in api.h); returns how many top entries. */
     int (*logit_stats)(const float *x, int64_t n, int k, float *out_max, double *out_lse, int64_t *ti, float *tv,
                        void (*vexp)(float *, int64_t));

@@ -492,6 +492,12 @@ static void MR_SFX(act_mul)(const float *g, const float *u, float *out, int64_t 
     }
 }
 
+/* mr_delta_step (common.h) compiled for this unit's ISA: its loops over Dv vectorize at the unit's width */
+static void MR_SFX(delta_step)(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                               float *o, int64_t Dk, int64_t Dv, float *kv, float *delta) {
+    mr_delta_step(S, q, k, v, decay, beta, o, Dk, Dv, kv, delta);
+}
+
 static void MR_SFX(ssm_rows)(float *S, const float *x, const float *B, const float *C, float dA, float dt, int64_t P,
                              int64_t N, float *y) {
     for (int64_t p = 0; p < P; p++) {
@@ -549,6 +555,7 @@ void MR_SFX(mr_fill_generic)(mr_kernels *k) {
     k->act_mul = MR_SFX(act_mul);
     k->vexp = MR_SFX(vexp);
     k->ssm_rows = MR_SFX(ssm_rows);
+    k->delta_step = MR_SFX(delta_step);
     k->logit_stats = MR_SFX(logit_stats);
     k->attn_block = MR_SFX(attn_block);
     /* integer kernels where the unit targets a SIMD ISA (the scalar build dots in float) */

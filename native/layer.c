@@ -668,6 +668,7 @@ static int mamba2_step(const mr_kernels *K, const mr_layer *L, long long l, cons
  * S = decay S; S += k (x) beta (v - S^T k); o = S^T q) writes y (B x Hv Dv), then y = rmsnorm(y per head) *
  * gains * silu(z): the operations of the per-op path. */
 typedef struct {
+    const mr_kernels *K;
     const mr_layer *L;
     const float *xs, *bi, *ai;
     float *y;
@@ -696,8 +697,8 @@ static void dn_task(const void *c_, int64_t item, int worker, float *buf) {
     const float beta = 0.5f * tanhf(0.5f * bin) + 0.5f; /* sigmoid, as the per-op path writes it */
     const float decay = expf(L->ssm_a[j] * mr_softplus(ain + L->ssm_dt_b[j]));
     float kv[MR_DR_MAX_DV], delta[MR_DR_MAX_DV];
-    mr_delta_step(c->seqs[b].state[2 * c->l + 1] + j * Dk * Dv, q, k, v, decay, beta, c->y + (b * c->Hv + j) * Dv, Dk,
-                  Dv, kv, delta);
+    c->K->delta_step(c->seqs[b].state[2 * c->l + 1] + j * Dk * Dv, q, k, v, decay, beta, c->y + (b * c->Hv + j) * Dv,
+                     Dk, Dv, kv, delta);
 }
 
 static int delta_net_step(const mr_kernels *K, const mr_layer *L, long long l, const float *h, float *mixed, float *y,
@@ -722,7 +723,7 @@ static int delta_net_step(const mr_kernels *K, const mr_layer *L, long long l, c
             for (int64_t i = 0; i < Dk; i++) r[i] *= sc;
         }
     }
-    const dn_ctx c = {L, xs, bi, ai, y, seqs, l, Hv, Hk, Dk, Dv, cd, ba};
+    const dn_ctx c = {K, L, xs, bi, ai, y, seqs, l, Hv, Hk, Dk, Dv, cd, ba};
     int rc = mr_parallel_for(dn_task, NULL, &c, sizeof c, B * Hv, 0, threads);
     if (rc < 0) return rc;
     for (int64_t b = 0; b < B; b++)

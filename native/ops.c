@@ -382,6 +382,7 @@ int mr_attention_decode_batch(const mr_kernels *K, const float *q, float *out, i
 /* ---------------------------------------------------------------- gated delta rule (Qwen3.5's linear attention) */
 
 typedef struct {
+    const mr_kernels *K;
     const float *q, *k, *v, *decay, *beta;
     float *S, *o;
     int64_t n, H, Dk, Dv;
@@ -399,7 +400,7 @@ static void dr_task(const void *c_, int64_t h, int worker, float *buf) {
     for (int64_t t = 0; t < c->n; t++) {
         const float *q = c->q + (t * H + h) * Dk, *k = c->k + (t * H + h) * Dk, *v = c->v + (t * H + h) * Dv;
         const float d = c->decay[t * H + h], b = c->beta[t * H + h];
-        mr_delta_step(S, q, k, v, d, b, c->o + (t * H + h) * Dv, Dk, Dv, kv, delta);
+        c->K->delta_step(S, q, k, v, d, b, c->o + (t * H + h) * Dv, Dk, Dv, kv, delta);
     }
 }
 
@@ -407,7 +408,9 @@ int mr_delta_rule(float *S, const float *q, const float *k, const float *v, cons
                   float *o, long long n, long long n_head, long long dk, long long dv, int threads) {
     if (n < 0 || n_head <= 0 || dk <= 0 || dv <= 0 || dv > MR_DR_MAX_DV) return MR_E_SHAPE;
     if (n == 0) return MR_OK;
-    const dr_ctx c = {q, k, v, decay, beta, S, o, n, n_head, dk, dv};
+    const mr_kernels *K = mr_get_kernels(-1);
+    if (!K) return MR_E_ISA;
+    const dr_ctx c = {K, q, k, v, decay, beta, S, o, n, n_head, dk, dv};
     mr_call_lock();
     const int rc = mr_parallel_for(dr_task, NULL, &c, sizeof c, n_head, 0, threads);
     mr_call_unlock();

@@ -162,8 +162,9 @@ def test_context_shift_is_refused_with_a_clear_error(q8_path):
 
 
 def test_native_delta_rule_matches_numpy_and_checks_shapes():
-    """The C kernel gives the numpy rule's outputs and state (one value head per thread item); shapes C
-    would read through bare pointers are refused before the call."""
+    """The C kernel gives the numpy rule's outputs and state (one value head per thread item), as close to a
+    float64 evaluation as numpy's float32 one (the kernel's loops are compiled per ISA: fused multiply-adds
+    round differently); shapes C would read through bare pointers are refused before the call."""
     from minirt.kernels import native
 
     if not native.available():
@@ -177,8 +178,16 @@ def test_native_delta_rule_matches_numpy_and_checks_shapes():
     S1, S2 = S0.copy(), S0.copy()
     want = delta_rule(S1, q, k, v, decay, beta)
     got = native.delta_rule(S2, q, k, v, decay, beta, threads=2)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(S2, S1, rtol=2e-5, atol=2e-5)
+    S64 = S0.astype(np.float64)
+    exact = delta_rule(S64, *(a.astype(np.float64) for a in (q, k, v, decay, beta)))
+
+    def rel(a, b):
+        return float(np.sqrt(((a - b) ** 2).mean() / (b ** 2).mean()))
+
+    assert rel(got, exact) <= 1.5 * rel(want, exact), (rel(got, exact), rel(want, exact))
+    assert rel(S2, S64) <= 1.5 * rel(S1, S64), (rel(S2, S64), rel(S1, S64))
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(S2, S1, rtol=1e-3, atol=1e-3)
     with pytest.raises(minirt.InvalidRequestError, match="do not match"):
         native.delta_rule(S2, q[:, :4].copy(), k, v, decay, beta)
     with pytest.raises(minirt.InvalidRequestError, match="decay"):
