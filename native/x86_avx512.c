@@ -931,8 +931,42 @@ static void hv_fwht(float *x, int64_t len, int64_t n) {
     }
 }
 
+/* K->ssm_rows (Mamba-2's scan, one token of one head; see generic_impl.h) with R rows at a time: each chunk
+ * of B and C is loaded once for the R rows and the rows' accumulators are independent (one row alone waits
+ * on the FMA latency: 0.26 s of Granite 4.0-H-350M's 1.5 s pp512 before), one 4-way reduction per 4 rows. */
+MR_INLINE void ssm_rows_r(const int R, float *S, const float *x, const float *B, const float *C, float dA, float dt,
+                          int64_t N, float *y) {
+    __m512 acc[4], xd[4];
+    const __m512 a = _mm512_set1_ps(dA);
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        xd[r] = _mm512_set1_ps(x[r] * dt);
+    }
+    for (int64_t i = 0; i < N; i += 16) {
+        const __mmask16 m = N - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - i)) - 1);
+        const __m512 b = _mm512_maskz_loadu_ps(m, B + i), c = _mm512_maskz_loadu_ps(m, C + i);
+        for (int r = 0; r < R; r++) {
+            float *s = S + r * N + i;
+            const __m512 v = _mm512_fmadd_ps(xd[r], b, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s), a));
+            _mm512_mask_storeu_ps(s, m, v);
+            acc[r] = _mm512_fmadd_ps(v, c, acc[r]);
+        }
+    }
+    if (R == 4) _mm_storeu_ps(y, reduce4(acc[0], acc[1], acc[2], acc[3]));
+    else
+        for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static void ssm_rows4(float *S, const float *x, const float *B, const float *C, float dA, float dt, int64_t P,
+                      int64_t N, float *y) {
+    int64_t p = 0;
+    for (; p + 4 <= P; p += 4) ssm_rows_r(4, S + p * N, x + p, B, C, dA, dt, N, y + p);
+    for (; p < P; p++) ssm_rows_r(1, S + p * N, x + p, B, C, dA, dt, N, y + p);
+}
+
 void mr_init_avx512(mr_kernels *k) {
     mr_fill_generic_avx512(k);
+    k->ssm_rows = ssm_rows4;
     k->dq[GT_F16] = hv_dq_f16;
     k->dq[GT_BF16] = hv_dq_bf16;
     k->dq[GT_Q4_0] = dqv_q4_0;

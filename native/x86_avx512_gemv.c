@@ -700,16 +700,6 @@ static const int32_t ridx_tab[4][16] __attribute__((aligned(64))) = {
     {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15},
 };
 
-/* the sums of 4 vectors */
-MR_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 /* 64 bytes of packed nibbles -> the 4 int16 vectors of one quad (both packed layouts) */
 MR_INLINE void pk_nib(const uint8_t *nb, __m512i v[4]) {
     const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb));
