@@ -793,10 +793,11 @@ def test_packed_gemm_matches_each_token(nat, qtype):
     then gets what it gets alone from the decode kernels up to float32 summation order (the same
     int16 activations and integer block sums; only the float accumulation of the blocks differs),
     padding tokens of a last group of 16 change nothing, and more rows than one group of 8 with a
-    last partial 4-row group are all written."""
+    last partial 4-row group are all written. 16384 columns: the rows go in blocks of one 8-row group and
+    the tokens in slices of two groups of 16 (what stays in L2), a last slice of one group."""
     rng = np.random.default_rng(11 + PACKABLE.index(qtype))
     unit = _pack_unit(qtype)
-    for rows, nq in [(37, 3), (9, 2)]:
+    for rows, nq in [(37, 3), (9, 2), (21, 16384 // unit)]:
         cols = nq * unit
         w = random_weights(rng, qtype, rows, cols)
         W = ref_weights(w, qtype, cols)
