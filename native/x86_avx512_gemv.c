@@ -520,9 +520,10 @@ MR_INLINE __m512i tq1_digits512(__m512i q, __m512i p) {
     return _mm512_or_si512(de, _mm512_slli_epi16(dod, 8));
 }
 
-/* Types whose decoders give unsigned weights w + o (TQ1_0's digits, IQ1_S's grid + 1) instead of signs:
+/* Types whose decoders give unsigned weights w + o (TQ1_0's digits, IQ1_S's grid + 1, IQ1_M's w + 9) instead of
+ * signs:
  * the offset comes out through the activations' per-16 sums, with the weight C0 per 16-group. */
-#define LB8_OFFSET(TYPE) ((TYPE) == GT_TQ1_0 || (TYPE) == GT_IQ1_S)
+#define LB8_OFFSET(TYPE) ((TYPE) == GT_TQ1_0 || (TYPE) == GT_IQ1_S || (TYPE) == GT_IQ1_M)
 
 MR_INLINE void lb8_block(const int TYPE, const uint8_t *b, __m512i A[4], __mmask64 N[4], __m512 *S0, __m512 *C0) {
     if (TYPE == GT_IQ2_XXS || TYPE == GT_IQ3_XXS) {
@@ -600,7 +601,8 @@ MR_INLINE void lb8_block(const int TYPE, const uint8_t *b, __m512i A[4], __mmask
         /* IQ1_S: d | qs[32] @2 | qh u16[8] @34 (3 high bits per index, scale, delta sign per group);
          * IQ1_M: qs[32] @0 | qh[16] @32 (a nibble per index: 3 high bits, delta sign) | scales @48.
          * w = 8 grid + delta (grid bytes -1, 0, 1; delta +-1). IQ1_S, one delta per group: A = grid + 1,
-         * the dot scaled by 8 and (delta - 8) per group through the sums; IQ1_M, a delta per 8: signs */
+         * the dot scaled by 8 and (delta - 8) per group through the sums; IQ1_M, a delta per 8: A = w + 9 =
+         * 8 (grid + 1) + (delta + 1) in 0..18, the 9 through the sums (no sign masks, no negated x) */
         const uint8_t *qs = b + (TYPE == GT_IQ1_S ? 2 : 0);
         if (TYPE == GT_IQ1_S) {
             const __m512i h = _mm512_cvtepu16_epi32(_mm256_permutexvar_epi16(
@@ -617,6 +619,7 @@ MR_INLINE void lb8_block(const int TYPE, const uint8_t *b, __m512i A[4], __mmask
             const __m512i v = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_set_epi32(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0)),
                                                _mm512_set1_epi32(7));
             *S0 = odd_scales(v, mr_iq1m_d(b) * 0.125f);
+            *C0 = _mm512_mul_ps(*S0, _mm512_set1_ps(9.0f));
         }
         const __m512i one = _mm512_set1_epi8(1);
         for (int s = 0; s < 4; s++) {
@@ -639,11 +642,12 @@ MR_INLINE void lb8_block(const int TYPE, const uint8_t *b, __m512i A[4], __mmask
                 N[s] = 0;
                 continue;
             }
+            /* delta + 1: 0 where the index's delta bit (3) is set (delta -1), else 2; (grid + 1) * 8 <= 16 stays
+             * inside its byte under the 16-bit shift */
             const __mmask8 kn = _mm512_test_epi64_mask(neg, _mm512_set1_epi64(8));
-            const __m512i off = _mm512_mask_blend_epi64(kn, one, _mm512_set1_epi8(-1));
-            const __m512i v = _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(g, 3), _mm512_set1_epi8((char)0xF8)), off);
-            N[s] = _mm512_movepi8_mask(v);
-            A[s] = _mm512_abs_epi8(v);
+            const __m512i d1 = _mm512_mask_blend_epi64(kn, _mm512_set1_epi8(2), _mm512_setzero_si512());
+            A[s] = _mm512_add_epi8(_mm512_slli_epi16(_mm512_add_epi8(g, one), 3), d1);
+            N[s] = 0;
         }
     } else if (TYPE == GT_TQ1_0) { /* qs[48] | qh[4] @48 | d @52: digits 0..2, the offset -1 through the sums */
         const __m256i X = _mm256_loadu_si256((const __m256i *)b);
