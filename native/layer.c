@@ -16,7 +16,6 @@
 #include <math.h>
 #include <stdlib.h>
 
-
 /* ---------------------------------------------------------------- multi-matrix jobs */
 
 typedef struct {

@@ -5,7 +5,6 @@
 
 #include <stdlib.h>
 
-
 int mr_rmsnorm(const float *x, const float *weight, float eps, long long rows, long long n, float *out, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;

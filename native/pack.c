@@ -200,7 +200,6 @@ static void pack_task(const void *c_, int64_t g, int worker, float *buf) {
     }
 }
 
-
 int mr_pack(int qtype, const unsigned char *w, long long rows, long long cols, long long row_bytes, unsigned char *dst,
             int threads) {
     if (!mr_pack_supported(qtype, rows, cols)) return MR_E_SHAPE;
