@@ -18,8 +18,6 @@
 #include <arm_neon.h>
 #endif
 
-unsigned long long mr_pool_generation(void);
-int mr_pool_quiescent(unsigned long long gen);
 
 typedef uint64_t (*rb_fn)(const uint8_t *p, int64_t n_words);
 

@@ -408,16 +408,14 @@ typedef void (*mr_commit_fn)(const void *ctx, int64_t item, const float *buf);
 int mr_parallel_for(mr_task_fn fn, mr_commit_fn commit, const void *ctx, size_t ctx_size, int64_t n_items,
                     int64_t buf_floats, int threads);
 int mr_pool_threads_default(void);
-/* Items callers have taken over from descheduled workers since the process started (see pool.c): an entry
- * point returns the difference over its call, so that nested jobs count too. Caller holds the call lock. */
-unsigned long long mr_pool_steals(void);
 /* The call lock: one caller of the pool at a time (the caller is worker 0 and owns the shared scratch). */
 void mr_call_lock(void);
 void mr_call_unlock(void);
 /* free(p) once no worker can still be inside a job that reads p (a late worker of a stolen item). Caller
  * holds the call lock. */
 void mr_defer_free(void *p);
-/* An entry point's success return: mr_pool_steals() - s0, clamped to 1000000. */
+/* An entry point's success return: mr_pool_steals() (api.h) - s0, s0 read under the call lock when the call
+ * began, so that the steals of nested jobs count too; clamped to 1000000. */
 int mr_steals_since(unsigned long long s0);
 
 /* gpt-oss' clamped SwiGLU, as ggml's swiglu_oai, in place in g: g' = min(g, limit), g' * sigmoid(alpha g') *

@@ -520,9 +520,8 @@ MR_INLINE __m512i tq1_digits512(__m512i q, __m512i p) {
     return _mm512_or_si512(de, _mm512_slli_epi16(dod, 8));
 }
 
-/* Types whose decoders give unsigned weights w + o (TQ1_0's digits, IQ1_S's grid + 1, IQ1_M's w + 9) instead of
- * signs:
- * the offset comes out through the activations' per-16 sums, with the weight C0 per 16-group. */
+/* Types whose decoders give unsigned weights w + o (TQ1_0's digits, IQ1_S's grid + 1, IQ1_M's w + 9) instead
+ * of signs: the offset comes out through the activations' per-16 sums, with the weight C0 per 16-group. */
 #define LB8_OFFSET(TYPE) ((TYPE) == GT_TQ1_0 || (TYPE) == GT_IQ1_S || (TYPE) == GT_IQ1_M)
 
 MR_INLINE void lb8_block(const int TYPE, const uint8_t *b, __m512i A[4], __mmask64 N[4], __m512 *S0, __m512 *C0) {

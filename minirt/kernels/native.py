@@ -459,13 +459,13 @@ def drain_keepalive(timeout: float = 10.0) -> int:
     lib = _mod.lib
     # the jobs published so far: later ones (other models still running) do not hold this up
     gen = lib.mr_pool_generation()
-    deadline = time.monotonic() + max(0.0, timeout)
+    start = time.monotonic()
     warned = False
     while not lib.mr_pool_quiescent(gen):
-        now = time.monotonic()
-        if now >= deadline:
+        waited = time.monotonic() - start
+        if waited >= timeout:
             break
-        if not warned and now >= deadline - timeout + 1.0:
+        if not warned and waited >= 1.0:
             log.warning("a native pool worker is still inside a job after 1 s; waiting for it")
             warned = True
         time.sleep(0.0005)
@@ -1232,9 +1232,7 @@ class LayerStack:
                     self._f32(ffi, n.weight if n.weight is not None else ones)
                     for n in (pm.pre_1, pm.post_1, pm.pre_2, pm.post_2))
                 L.router_scale = self._f32(ffi, pm.router_scale)
-                mo = self._moe(ffi, pm.moe)
-                mo.expert_scale = self._f32(ffi, pm.expert_scale)
-                L.moe = mo
+                L.moe = self._moe(ffi, pm.moe, pm.expert_scale)
             rc = lib.mr_layer_check(ffi.addressof(self._layers, i), self._isa)
             if rc != 0:
                 raise BackendError(f"layer {i} cannot run in the native decode step (code {rc})")
@@ -1258,9 +1256,9 @@ class LayerStack:
             W.data = self._ptr(ffi, "unsigned char[]", np.ascontiguousarray(w))
         W.bias = ffi.NULL if lin.bias is None else self._f32(ffi, lin.bias)
 
-    def _moe(self, ffi: Any, m: Any) -> Any:
+    def _moe(self, ffi: Any, m: Any, expert_scale: np.ndarray | None = None) -> Any:
         """The ``mr_moe`` of a mixture of experts: router, routing rule, the experts as :class:`ExpertSet` holds
-        them, the shared expert and its gate."""
+        them, the shared expert and its gate; ``expert_scale`` (n_expert,) multiplies each chosen expert's weight."""
         es = ExpertSet(m)
         self._keep.append(es)
         r = m.router
@@ -1277,7 +1275,7 @@ class LayerStack:
                        ("sh_down", s.down if s else None), ("sh_inp", m.shared_gate)):
             self._fill_weight(ffi, getattr(mo, k), lin)
         mo.sh_act = _SHARED_ACTS[s.act] if s is not None else 0
-        mo.expert_scale = ffi.NULL
+        mo.expert_scale = ffi.NULL if expert_scale is None else self._f32(ffi, expert_scale)
         return mo
 
     def _check_block(self, i: int, b: Any) -> None:
