@@ -213,6 +213,7 @@ typedef struct {
      * order: scale * integer sum of q8). NULL when no kernel of the call needs them. */
     const int8_t *q8;
     const float *d8, *s8;
+    const int32_t *i8; /* MR_XL_Q8: i8 + t*bs/8: integer sum of q8 per super-block (TQ2_0's offset) */
 } mr_xact;
 
 /* The order of a super-block's 256 int8 activations in MR_XL_Q8: the 64 bytes of step s (0..3) are

@@ -308,9 +308,10 @@ static int ensure_xq(size_t nq, size_t nf) {
 static int prepare_q8(const float *x, int64_t nt, int64_t x_stride, int64_t cols, mr_xact *xa) {
     const int64_t nsb = cols / 256, n16 = cols / 16;
     int rc = grow((void **)&x8_buf, &x8_cap, (size_t)(nt * cols), 1);
-    if (rc == MR_OK) rc = grow((void **)&x8f_buf, &x8f_cap, (size_t)(nt * (nsb + n16)), 4);
+    if (rc == MR_OK) rc = grow((void **)&x8f_buf, &x8f_cap, (size_t)(nt * (2 * nsb + n16)), 4);
     if (rc != MR_OK) return rc;
     float *d8 = x8f_buf, *s8 = d8 + nt * nsb;
+    int32_t *i8 = (int32_t *)(void *)(s8 + nt * n16); /* the same allocation, only ever read as int32 */
     for (int64_t t = 0; t < nt; t++)
         for (int64_t ib = 0; ib < nsb; ib++) {
             const float *xb = x + t * x_stride + 256 * ib;
@@ -331,11 +332,17 @@ static int prepare_q8(const float *x, int64_t nt, int64_t x_stride, int64_t cols
                 sum[e / 16] += qb[i];
             }
             d8[t * nsb + ib] = d;
-            for (int g = 0; g < 16; g++) s8[t * n16 + 16 * ib + g] = d * (float)sum[g];
+            int32_t total_q = 0;
+            for (int g = 0; g < 16; g++) {
+                s8[t * n16 + 16 * ib + g] = d * (float)sum[g];
+                total_q += sum[g];
+            }
+            i8[t * nsb + ib] = total_q;
         }
     xa->q8 = x8_buf;
     xa->d8 = d8;
     xa->s8 = s8; /* qs, bs: the caller's (cols, cols / 32) */
+    xa->i8 = i8;
     return MR_OK;
 }
 
@@ -346,7 +353,7 @@ int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stri
     const int64_t nb = cols / 32;
     mr_xp xp;
     memset(&xp, 0, sizeof xp);
-    mr_xact q8 = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp, NULL, NULL, NULL};
+    mr_xact q8 = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp, NULL, NULL, NULL, NULL};
     if ((layouts & MR_XL_Q8) && cols % 256 == 0) {
         const int qrc = prepare_q8(x, nt, x_stride, cols, &q8);
         if (qrc != MR_OK) return qrc;
@@ -357,7 +364,7 @@ int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stri
         q8.xp = xp;
     }
     if (!(layouts & ~(MR_XL_PANEL | MR_XL_Q8))) { /* the GEMM and / or the int8 kernels only */
-        const mr_xact only = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp, NULL, NULL, NULL};
+        const mr_xact only = {NULL, NULL, NULL, NULL, NULL, NULL, cols, nb, xp, NULL, NULL, NULL, NULL};
         xs->nat = xs->pair = xs->perm = xs->perm6 = only;
         xs->q8 = q8;
         return MR_OK;
@@ -398,7 +405,7 @@ int mr_prepare_x(const mr_kernels *K, const float *x, int64_t nt, int64_t x_stri
             if (b < nb) memcpy(pt + 32 * b, qt + 32 * b, 64);
         }
     }
-    const mr_xact base = {q, NULL, d, s, sq, sq16, cols, nb, xp, NULL, NULL, NULL};
+    const mr_xact base = {q, NULL, d, s, sq, sq16, cols, nb, xp, NULL, NULL, NULL, NULL};
     xs->nat = xs->pair = xs->perm = xs->perm6 = base;
     xs->q8 = q8;
     xs->pair.qp = qpair;
@@ -506,6 +513,7 @@ void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_
                 x.q8 += t0 * x.qs;
                 x.d8 += t0 * (x.bs / 8);
                 x.s8 += 2 * t0 * x.bs;
+                x.i8 += t0 * (x.bs / 8);
             }
             g(m->w + r0 * m->rb, m->rb, r1 - r0, nb32, &x, n, yy + t0 * yys, yys);
         }

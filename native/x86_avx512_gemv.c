@@ -428,6 +428,7 @@ MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
             const uint8_t *b = w + r * rb + ib * BYTES;
             __m512 S0, C0, Sv[4];
             per16_scales(KIND, b, &S0, &C0);
+            const float dw = KIND == K_TQ2_0 ? f16s(b + 64) : 0.0f;
             const __m512i Q = _mm512_loadu_si512((const void *)(b + qo));
             const __m512i hm = KIND == K_Q3_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b)) : Q;
             __m512i W[4];
@@ -443,10 +444,14 @@ MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
             for (int t = 0; t < NT; t++) {
                 const int8_t *xt = xa->q8 + t * xa->qs + 256 * ib;
                 __m512 a = _mm512_setzero_ps();
-                if (KIND == K_TQ2_0) { /* one scale: the four steps sum in int32 */
-                    __m512i p = _mm512_setzero_si512();
+                if (KIND == K_TQ2_0) {
+                    /* one scale: the four steps sum in int32, from the offset -1 * (sum of the block's q8) in lane 0 (the
+                     * lanes are summed at the end), and the weight and activation scales multiply once */
+                    __m512i p = _mm512_maskz_set1_epi32(1, -xa->i8[t * (xa->bs / 8) + ib]);
                     for (int s = 0; s < 4; s++) p = _mm512_dpbusd_epi32(p, W[s], _mm512_loadu_si512((const void *)(xt + 64 * s)));
-                    a = _mm512_mul_ps(_mm512_cvtepi32_ps(p), S0);
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dw * xa->d8[t * (xa->bs / 8) + ib]),
+                                                acc[r][t]);
+                    continue;
                 } else {
                     for (int s = 0; s < 4; s++) {
                         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[s],
