@@ -406,12 +406,25 @@ MR_INLINE void gemv_sb_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
  * Q3_K, Q2_K, TQ2_0: the 64 code bytes of a super-block shifted by 2s hold, as unsigned bytes, the
  * elements of step s of mr_q8_order (Q3_K adds 4 where its hmask bit is set), so each step is one
  * vpdpbusd of 64 codes with 64 int8 activations; int32 lane k then sums 4 elements of group
- * qgrp_tab[s][k] and takes that group's float scale. The offsets (Q3_K's -4, TQ2_0's -1) and Q2_K's mins
- * come out through the per-16 sums of the activations, as in the int16 kernels.
- * Bounds: codes <= 7, |x| <= 127: |lane| <= 4 * 7 * 127, no overflow. */
+ * qgrp_tab[s][k] and takes that group's float scale (Q3_K); Q2_K's codes are first multiplied by their
+ * groups' 4-bit scales and TQ2_0 has one scale, so their four steps sum in one int32 lane. Q3_K's offset -4
+ * and Q2_K's mins come out through the per-16 sums of the activations, as in the int16 kernels; TQ2_0's -1
+ * through the block's integer activation sum.
+ * Bounds: |x| <= 127 and byte weights <= 7 (Q3_K, one step) or <= 45 (Q2_K, four steps): |lane| <= 91440. */
 static const int32_t qgrp_tab[4][16] __attribute__((aligned(64))) = {
     {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9},         {2, 2, 2, 2, 3, 3, 3, 3, 10, 10, 10, 10, 11, 11, 11, 11},
     {4, 4, 4, 4, 5, 5, 5, 5, 12, 12, 12, 12, 13, 13, 13, 13}, {6, 6, 6, 6, 7, 7, 7, 7, 14, 14, 14, 14, 15, 15, 15, 15},
+};
+
+/* Q2_K: vpshufb indices that put, in each 128-bit lane L of step s, the 4-bit scale of its group
+ * (qgrp_tab[s][4L]) into the low byte of every 16-bit word (high bytes 0x80: zero) */
+static const uint8_t q2k_sidx[4][64] __attribute__((aligned(64))) = {
+#define Q2K_LANE(g) g, 0x80, g, 0x80, g, 0x80, g, 0x80, g, 0x80, g, 0x80, g, 0x80, g, 0x80
+    {Q2K_LANE(0), Q2K_LANE(1), Q2K_LANE(8), Q2K_LANE(9)},
+    {Q2K_LANE(2), Q2K_LANE(3), Q2K_LANE(10), Q2K_LANE(11)},
+    {Q2K_LANE(4), Q2K_LANE(5), Q2K_LANE(12), Q2K_LANE(13)},
+    {Q2K_LANE(6), Q2K_LANE(7), Q2K_LANE(14), Q2K_LANE(15)},
+#undef Q2K_LANE
 };
 
 MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr_xact *xa, float *y, int64_t ys,
@@ -428,13 +441,21 @@ MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
             const uint8_t *b = w + r * rb + ib * BYTES;
             __m512 S0, C0, Sv[4];
             per16_scales(KIND, b, &S0, &C0);
-            const float dw = KIND == K_TQ2_0 ? f16s(b + 64) : 0.0f;
+            const float dw = KIND == K_TQ2_0 ? f16s(b + 64) : KIND == K_Q2_K ? f16s(b + 80) : 0.0f;
             const __m512i Q = _mm512_loadu_si512((const void *)(b + qo));
             const __m512i hm = KIND == K_Q3_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b)) : Q;
+            /* Q2_K: the 4-bit scales as bytes in every 128-bit lane */
+            const __m512i sc4 = KIND == K_Q2_K ? _mm512_and_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)b)),
+                                                                  _mm512_set1_epi8(15))
+                                               : Q;
             __m512i W[4];
             for (int s = 0; s < 4; s++) {
-                if (KIND != K_TQ2_0) Sv[s] = _mm512_permutexvar_ps(_mm512_load_si512((const void *)qgrp_tab[s]), S0);
+                if (KIND == K_Q3_K) Sv[s] = _mm512_permutexvar_ps(_mm512_load_si512((const void *)qgrp_tab[s]), S0);
                 W[s] = _mm512_and_si512(_mm512_srli_epi16(Q, 2 * s), m3);
+                /* Q2_K: each code times its group's scale (<= 3 * 15: the byte products cannot carry into the
+                 * word's high byte), so the four steps sum in one int32 accumulator with the block's d only */
+                if (KIND == K_Q2_K)
+                    W[s] = _mm512_mullo_epi16(W[s], _mm512_shuffle_epi8(sc4, _mm512_load_si512((const void *)q2k_sidx[s])));
                 if (KIND == K_Q3_K) { /* bytes 0..31: hmask bit s; 32..63: bit 4 + s */
                     const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << s)),
                                                            _mm256_set1_epi8((char)(1 << (4 + s))), 1);
@@ -443,24 +464,25 @@ MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
             }
             for (int t = 0; t < NT; t++) {
                 const int8_t *xt = xa->q8 + t * xa->qs + 256 * ib;
-                __m512 a = _mm512_setzero_ps();
-                if (KIND == K_TQ2_0) {
-                    /* one scale: the four steps sum in int32, from the offset -1 * (sum of the block's q8) in lane 0 (the
-                     * lanes are summed at the end), and the weight and activation scales multiply once */
-                    __m512i p = _mm512_maskz_set1_epi32(1, -xa->i8[t * (xa->bs / 8) + ib]);
+                if (KIND == K_TQ2_0 || KIND == K_Q2_K) {
+                    /* one scale: the four steps sum in int32 (TQ2_0: from the offset -1 * (sum of the block's q8) in
+                     * lane 0, the lanes are summed at the end), and the weight and activation scales multiply once */
+                    __m512i p = KIND == K_TQ2_0 ? _mm512_maskz_set1_epi32(1, -xa->i8[t * (xa->bs / 8) + ib])
+                                                : _mm512_setzero_si512();
                     for (int s = 0; s < 4; s++) p = _mm512_dpbusd_epi32(p, W[s], _mm512_loadu_si512((const void *)(xt + 64 * s)));
                     acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dw * xa->d8[t * (xa->bs / 8) + ib]),
                                                 acc[r][t]);
-                    continue;
                 } else {
+                    __m512 a = _mm512_setzero_ps();
                     for (int s = 0; s < 4; s++) {
                         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[s],
                                                               _mm512_loadu_si512((const void *)(xt + 64 * s)));
                         a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), Sv[s], a);
                     }
+                    acc[r][t] = _mm512_fmadd_ps(a, _mm512_set1_ps(xa->d8[t * (xa->bs / 8) + ib]), acc[r][t]);
                 }
-                acc[r][t] = _mm512_fmadd_ps(a, _mm512_set1_ps(xa->d8[t * (xa->bs / 8) + ib]), acc[r][t]);
-                cor[r][t] = _mm512_fmadd_ps(C0, _mm512_loadu_ps(xa->s8 + 2 * t * xa->bs + 16 * ib), cor[r][t]);
+                if (KIND != K_TQ2_0) /* offsets (Q3_K) and mins (Q2_K) */
+                    cor[r][t] = _mm512_fmadd_ps(C0, _mm512_loadu_ps(xa->s8 + 2 * t * xa->bs + 16 * ib), cor[r][t]);
             }
         }
     }
