@@ -253,7 +253,7 @@ typedef struct {
     uint8_t gemv_pair[GT_COUNT];
     uint8_t gemv_q8[GT_COUNT]; /* 1: the gemv kernel reads int8 activations (MR_XL_Q8) */
     /* Tokens up to which this type's integer kernels beat the float paths (0: the default, 4) */
-    uint8_t int_tokens[GT_COUNT];
+    uint16_t int_tokens[GT_COUNT];
     /* Packed-layout integer kernels and tile dequantizers (NULL: portable fallback). */
     mr_pgemv_fn pgemv[GT_COUNT];
     void (*pdq[GT_COUNT])(const uint8_t *tile, float *out, int64_t os);

@@ -1194,10 +1194,12 @@ void mr_init_avx512_gemv(mr_kernels *k) {
     k->gemv[GT_TQ1_0] = gemv8_tq1_0;
     k->gemv_q8[GT_IQ2_XXS] = k->gemv_q8[GT_IQ2_XS] = k->gemv_q8[GT_IQ2_S] = k->gemv_q8[GT_IQ3_XXS] =
         k->gemv_q8[GT_IQ3_S] = k->gemv_q8[GT_IQ1_S] = k->gemv_q8[GT_IQ1_M] = k->gemv_q8[GT_TQ1_0] = 1;
-    /* prefills these kernels take instead of the float tile / panel (Intel Xeon, 4096 x 14336): the int8
-     * ones up to 64 tokens (Q2_K / Q3_K 1.1-1.2x the panel, TQ2_0 2.6x at 64 tokens, 2 threads; the
-     * panel wins at 256 for Q2_K / Q3_K); MXFP4 / IQ4_NL up to 8 (1.6x the tile at 8, even at 16) */
-    k->int_tokens[GT_Q3_K] = k->int_tokens[GT_Q2_K] = k->int_tokens[GT_TQ2_0] = 64;
+    /* prefills these kernels take instead of the float tile / panel (Intel Xeon, 4096 x 14336, 2 threads): Q2_K
+     * and TQ2_0 at any count (one int32 sum per super-block: 292 / 392 GFLOP/s at 512 tokens against the panel's
+     * 272 / 253), Q3_K up to 64 tokens (1.1-1.2x the panel there; the panel wins at 256); MXFP4 / IQ4_NL up to
+     * 8 (1.6x the tile at 8, even at 16) */
+    k->int_tokens[GT_Q3_K] = 64;
+    k->int_tokens[GT_Q2_K] = k->int_tokens[GT_TQ2_0] = 65535;
     k->int_tokens[GT_MXFP4] = k->int_tokens[GT_IQ4_NL] = 8;
     /* the i-quants and TQ1_0 (int8, 4096 x 4096, 2 threads): 0.17-0.27 ms per token at any count, the
      * float panel (slow dequantizers) 0.26-0.35 at 64 tokens, 0.19-0.23 at 128; IQ1_M's crosses at ~50 */

@@ -220,9 +220,13 @@ def test_paths(nat):
                 want = "int8" if isa == "avx512" and q not in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "MXFP4") else "int16"
                 assert native.matmul_path(q, 1, isa=isa) == want
                 assert native.matmul_path(q, 4, isa=isa) == want
-        if isa == "avx512":  # the int8 kernels run prefills up to 64 tokens, then the float panel
-            assert native.matmul_path("Q2_K", 64, isa=isa) == "int8"
-            assert native.matmul_path("Q2_K", 65, isa=isa) == "float-panel"
+        if isa == "avx512":  # the int8 kernels run prefills up to 64 tokens, then the float panel (Q2_K and
+            # TQ2_0, one int32 sum per super-block, at any count)
+            for q in ("Q2_K", "TQ2_0"):
+                assert native.matmul_path(q, 512, isa=isa) == "int8"
+                assert native.matmul_path(q, 4096, isa=isa) == "int8"
+            assert native.matmul_path("Q3_K", 64, isa=isa) == "int8"
+            assert native.matmul_path("Q3_K", 65, isa=isa) == "float-panel"
             assert native.matmul_path("MXFP4", 8, isa=isa) == "int16"
             assert native.matmul_path("MXFP4", 9, isa=isa) == "float-tile"
             assert native.matmul_path("IQ2_XXS", 64, isa=isa) == "int8"
