@@ -468,8 +468,8 @@ static void gemm_rows(const mr_kernels *K, const mr_mat *m, const mr_xp *xp, int
                 const int nr = (int)(b1 - p < 8 ? b1 - p : 8);
                 const int16_t *wu = buf + (p - b0) / 8 * gstride;
                 const float *wd = (const float *)(wu + 8 * cols), *wm = wd + 8 * nb;
-                K->gemm_rows(wu, wd, K->gw_min[m->qtype] ? wm : NULL, nr, cols, &sl, nt - 16 * g0,
-                             yy + 16 * g0 * yys + (p - r0), yys);
+                K->gemm_rows(wu, wd, K->gw_min[m->qtype] == 1 ? wm : NULL, nr, cols, &sl, nt - 16 * g0,
+                             yy + 16 * g0 * yys + (p - r0), yys, K->gw_min[m->qtype] == 2);
             }
         }
     }

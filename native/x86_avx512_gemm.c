@@ -15,12 +15,13 @@
  *
  * Shapes at the boundary:
  *   weights:  a row group is unpacked once per pass (gw[type]) into wu (nr <= 8 rows x cols, int16,
- *             natural column order, value = wd * wu - wm per 32-block; wm only for gw_min types),
- *             wd and wm (nr x cols/32 floats);
+ *             natural column order, value = wd * wu - wm per 32-block; wm only for gw_min 1 types),
+ *             wd and wm (nr x cols/32 floats); Q6_K (gw_min 2): value = wd * wu per 16 columns, wd
+ *             (nr x cols/16 floats), no wm;
  *   activations: mr_xp (common.h): tokens in groups of 16, q (groups, blocks, 16 pairs, 16 tokens,
  *             2 int16), d and ds (groups, blocks, 16): scale and scale * integer sum of q.
  *
- * Bounds: |w| <= 128, |x| <= 32767: a vpdpwssd adds 2 products < 2^22.1 per lane, a block 32 products,
+ * Bounds: |w| <= 128 (Q6_K's q - 32: 32), |x| <= 32767: a vpdpwssd adds 2 products < 2^22.1 per lane, a block 32 products,
  * < 2^27.1: far inside int32. */
 #include "common.h"
 
@@ -175,11 +176,67 @@ static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64
         }
 }
 
+/* Q6_K (tiles of 4 rows x 256 columns, pack.c): q - 32 as int16 in natural order, and the per-16 scales d * sc
+ * (wd, 2 * cols / 32 per row). Quad Q of row r unpacks as the decode kernels do (vector k, lane j: element
+ * E6(k, j)); two rounds of word permutes put them in column order: A = vectors 0, 1 and B = 2, 3 split by lane
+ * halves (j < 16 | j >= 16), then natural vector m takes its 32 columns from A and B (q6_nat). */
+static int16_t q6_idx[8][32] __attribute__((aligned(64)));
+
+static void q6_init(void) {
+    for (int p = 0; p < 32; p++) {
+        q6_idx[0][p] = (int16_t)(p < 16 ? p : 32 + p - 16); /* lanes 0..15 of both sources */
+        q6_idx[1][p] = (int16_t)(p < 16 ? 16 + p : 32 + p); /* lanes 16..31 */
+    }
+    for (int m = 0; m < 4; m++)
+        for (int i = 0; i < 32; i++) {
+            const int c = 32 * m + i, k = (c % 8) / 2, j = 4 * (c / 16) + 2 * ((c % 16) / 8) + c % 2;
+            q6_idx[2 + m][i] = (int16_t)((k < 2 ? 0 : 32) + (k % 2) * 16 + j % 16);
+        }
+}
+
+static void gw_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                    float *wm) {
+    (void)wm;
+    const int64_t nb = cols / 32;
+    const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), c32 = _mm512_set1_epi16(32);
+    const __m512i i0 = _mm512_load_si512((const void *)q6_idx[0]), i1 = _mm512_load_si512((const void *)q6_idx[1]);
+    for (int g = 0; g < ng; g++)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
+            for (int r = 0; r < 4; r++) {
+                const int64_t row = 4 * g + r;
+                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 8 + 16 * r)))),
+                                               _mm512_set1_ps(f16s(tile + 2 * r)));
+                _mm512_storeu_ps(wd + row * 2 * nb + 16 * t, s);
+                for (int Q = 0; Q < 2; Q++) {
+                    const uint8_t *nb8 = tile + 72 + 128 * r + 64 * Q;
+                    const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb8));
+                    const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb8 + 32)));
+                    const __m512i H = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tile + 584 + 64 * r + 32 * Q)));
+                    /* vector k: nibble | bits 2k, 2k+1 of H as bits 4, 5 (ternary logic 0xF8: a | (b & c)) */
+                    const __m512i v0 = _mm512_ternarylogic_epi32(_mm512_and_si512(h0, m4), _mm512_slli_epi16(H, 4), m30, 0xF8);
+                    const __m512i v1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(h0, 4), _mm512_slli_epi16(H, 2), m30, 0xF8);
+                    const __m512i v2 = _mm512_ternarylogic_epi32(_mm512_and_si512(h1, m4), H, m30, 0xF8);
+                    const __m512i v3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(h1, 4), _mm512_srli_epi16(H, 2), m30, 0xF8);
+                    const __m512i alo = _mm512_permutex2var_epi16(v0, i0, v1), ahi = _mm512_permutex2var_epi16(v0, i1, v1);
+                    const __m512i blo = _mm512_permutex2var_epi16(v2, i0, v3), bhi = _mm512_permutex2var_epi16(v2, i1, v3);
+                    int16_t *o = wu + row * cols + 256 * t + 128 * Q;
+                    for (int m = 0; m < 4; m++) {
+                        const __m512i im = _mm512_load_si512((const void *)q6_idx[2 + m]);
+                        const __m512i n = m < 2 ? _mm512_permutex2var_epi16(alo, im, blo) : _mm512_permutex2var_epi16(ahi, im, bhi);
+                        _mm512_storeu_si512((void *)(o + 32 * m), _mm512_sub_epi16(n, c32));
+                    }
+                }
+            }
+        }
+}
+
 /* ---------------------------------------------------------------- the kernel */
 
 /* R rows x V groups of 16 tokens (groups g, g+1): y[(16 (g + v) + j) * ys + r] for r < nr, tokens < nt */
+/* S16: wd holds a scale per 16 columns (row stride 2 nb): each half of a 32-block is scaled on its own */
 MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const float *wm, const mr_xp *x, int64_t g,
-                         int64_t nt, int nr, float *y, int64_t ys, const int R, const int V, const int MIN) {
+                         int64_t nt, int nr, float *y, int64_t ys, const int R, const int V, const int MIN, const int S16) {
     const int64_t nb = x->nb;
     __m512 f[8][2];
     for (int r = 0; r < R; r++)
@@ -190,6 +247,11 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
             for (int v = 0; v < V; v++) a[r][v] = _mm512_setzero_si512();
         const int16_t *xq = x->q + (g * nb + b) * 512;
         const int16_t *wb = wu + 32 * b;
+        __m512 dx[2], ds[2];
+        for (int v = 0; v < V; v++) {
+            dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
+            if (MIN) ds[v] = _mm512_loadu_ps(x->ds + ((g + v) * nb + b) * 16);
+        }
         for (int u = 0; u < 16; u++) {
             __m512i xv[2];
             for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_si512((const void *)(xq + v * nb * 512 + 32 * u));
@@ -197,14 +259,17 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
                 const __m512i w = _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(wb + r * cols + 2 * u)));
                 for (int v = 0; v < V; v++) a[r][v] = _mm512_dpwssd_epi32(a[r][v], w, xv[v]);
             }
-        }
-        __m512 dx[2], ds[2];
-        for (int v = 0; v < V; v++) {
-            dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
-            if (MIN) ds[v] = _mm512_loadu_ps(x->ds + ((g + v) * nb + b) * 16);
+            if (S16 && u == 7) /* columns 0..15 of the block: their own scale */
+                for (int r = 0; r < R; r++) {
+                    const __m512 sw = _mm512_set1_ps(wd[r * 2 * nb + 2 * b]);
+                    for (int v = 0; v < V; v++) {
+                        f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), _mm512_mul_ps(dx[v], sw), f[r][v]);
+                        a[r][v] = _mm512_setzero_si512();
+                    }
+                }
         }
         for (int r = 0; r < R; r++) {
-            const __m512 sw = _mm512_set1_ps(wd[r * nb + b]);
+            const __m512 sw = _mm512_set1_ps(S16 ? wd[r * 2 * nb + 2 * b + 1] : wd[r * nb + b]);
             for (int v = 0; v < V; v++)
                 f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), _mm512_mul_ps(dx[v], sw), f[r][v]);
             if (MIN) {
@@ -224,27 +289,30 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
     }
 }
 
-#define GEMM_ROWS(MIN)                                                                                             \
+#define GEMM_ROWS(MIN, S16)                                                                                        \
     do {                                                                                                           \
+        const int64_t ws = S16 ? 2 * nb : nb; /* scales per row */                                                  \
         int64_t g = 0;                                                                                             \
         for (; g + 2 <= ng; g += 2) {                                                                              \
-            gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 2, MIN);                                           \
-            if (nr > 4) gemm_tile(wu + 4 * cols, cols, wd + 4 * nb, wm + 4 * nb, x, g, nt, nr - 4, y + 4, ys, 4, 2, MIN); \
+            gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 2, MIN, S16);                                      \
+            if (nr > 4)                                                                                            \
+                gemm_tile(wu + 4 * cols, cols, wd + 4 * ws, wm + 4 * nb, x, g, nt, nr - 4, y + 4, ys, 4, 2, MIN, S16); \
         }                                                                                                          \
         if (g < ng) {                                                                                              \
-            if (nr > 4) gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 8, 1, MIN);                               \
-            else gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 1, MIN);                                      \
+            if (nr > 4) gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 8, 1, MIN, S16);                          \
+            else gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 1, MIN, S16);                                 \
         }                                                                                                          \
     } while (0)
 
-/* nr <= 8 unpacked rows (wu, wd, wm as gw_* wrote them; wm NULL: no min) x all nt tokens of x */
+/* nr <= 8 unpacked rows (wu, wd, wm as gw_* wrote them; wm NULL: no min; s16: wd per 16) x all nt tokens of x */
 static void gemm_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
-                      int64_t nt, float *y, int64_t ys) {
+                      int64_t nt, float *y, int64_t ys, int s16) {
     const int64_t nb = x->nb, ng = x->ng;
-    if (wm) GEMM_ROWS(1);
+    if (wm) GEMM_ROWS(1, 0);
     else {
         wm = wd; /* not read */
-        GEMM_ROWS(0);
+        if (s16) GEMM_ROWS(0, 1);
+        else GEMM_ROWS(0, 0);
     }
 }
 
@@ -256,6 +324,9 @@ void mr_init_avx512_gemm(mr_kernels *k) {
     k->gw[GT_Q8_0] = gw_q8_0;
     k->gw[GT_Q4_K] = gw_q4_k;
     k->gw_min[GT_Q4_K] = 1;
+    q6_init();
+    k->gw[GT_Q6_K] = gw_q6_k;
+    k->gw_min[GT_Q6_K] = 2;
 }
 
 #if defined(__clang__)
