@@ -248,10 +248,8 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
         const int16_t *xq = x->q + (g * nb + b) * 512;
         const int16_t *wb = wu + 32 * b;
         __m512 dx[2], ds[2];
-        for (int v = 0; v < V; v++) {
-            dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
-            if (MIN) ds[v] = _mm512_loadu_ps(x->ds + ((g + v) * nb + b) * 16);
-        }
+        if (S16) /* needed half way (loaded after the loop otherwise: fewer registers live in it) */
+            for (int v = 0; v < V; v++) dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
         for (int u = 0; u < 16; u++) {
             __m512i xv[2];
             for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_si512((const void *)(xq + v * nb * 512 + 32 * u));
@@ -267,6 +265,10 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
                         a[r][v] = _mm512_setzero_si512();
                     }
                 }
+        }
+        for (int v = 0; v < V; v++) {
+            if (!S16) dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
+            if (MIN) ds[v] = _mm512_loadu_ps(x->ds + ((g + v) * nb + b) * 16);
         }
         for (int r = 0; r < R; r++) {
             const __m512 sw = _mm512_set1_ps(S16 ? wd[r * 2 * nb + 2 * b + 1] : wd[r * nb + b]);
