@@ -119,6 +119,9 @@ def llama_decode_seconds(binary: Path, qtype: str, rows: int, cols: int) -> floa
     return None
 
 
+WARMUP_CALLS = 3  # untimed calls before each series of timed ones (see main)
+
+
 def time_calls(fn: Callable[[], Any], reps: int) -> list[float]:
     ts = []
     for _ in range(reps):
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backend: {desc}; {os.cpu_count()} CPUs; load average at start: "
           f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"medians (and best) of {args.rounds} x {args.reps} decode / {args.rounds} x {prefill_reps} "
-          "prefill calls; GB/s = quantized W bytes per second")
+          f"prefill calls, each series after {WARMUP_CALLS} untimed ones; GB/s = quantized W bytes per second")
 
     # cases: (qtype, rows, cols, w, [(n_tokens, x, out, times)])
     from minirt.errors import UnsupportedQuantError
@@ -212,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             for n_tok, x, out, times in runs:
                 reps = args.reps if n_tok == 1 else prefill_reps
                 call = lambda x=x, w=w, q=q, out=out: matmul(x, w, q, out=out)  # noqa: E731
+                # untimed calls first: the other cases of the round (and llama.cpp's process) pushed this matrix
+                # and the kernel's tables out of the caches, and the first 2-3 calls after such a switch measured
+                # up to 2x slower; llama.cpp's perf mode, the comparison, times a warm loop of the same op
+                for _ in range(WARMUP_CALLS):
+                    call()
                 times.extend(time_calls(call, reps))
             if llama_bin is not None and not qtype.endswith("*"):
                 s = llama_decode_seconds(llama_bin, q, rows, cols)
