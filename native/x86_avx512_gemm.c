@@ -177,9 +177,10 @@ static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64
 }
 
 /* Q6_K (tiles of 4 rows x 256 columns, pack.c): q - 32 as int16 in natural order, and the per-16 scales d * sc
- * (wd, 2 * cols / 32 per row). Quad Q of row r unpacks as the decode kernels do (vector k, lane j: element
- * E6(k, j)); two rounds of word permutes put them in column order: A = vectors 0, 1 and B = 2, 3 split by lane
- * halves (j < 16 | j >= 16), then natural vector m takes its 32 columns from A and B (q6_nat). */
+ * (wd, 2 * cols / 32 per row). Quad Q of row r unpacks as the decode kernels do (pk_q6k_quad: vector k, lane j
+ * holds element E6(k, j)); two rounds of word permutes put it in column order: A = vectors 0, 1 and B = 2, 3
+ * split by lane halves (j < 16 | j >= 16, q6_idx[0..1]), then natural vector m takes its 32 columns from A and B
+ * (q6_idx[2 + m]). */
 static int16_t q6_idx[8][32] __attribute__((aligned(64)));
 
 static void q6_init(void) {
@@ -198,7 +199,7 @@ static void gw_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64
                     float *wm) {
     (void)wm;
     const int64_t nb = cols / 32;
-    const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), c32 = _mm512_set1_epi16(32);
+    const __m512i c32 = _mm512_set1_epi16(32);
     const __m512i i0 = _mm512_load_si512((const void *)q6_idx[0]), i1 = _mm512_load_si512((const void *)q6_idx[1]);
     for (int g = 0; g < ng; g++)
         for (int64_t t = 0; t < ntiles; t++) {
@@ -209,17 +210,10 @@ static void gw_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64
                                                _mm512_set1_ps(f16s(tile + 2 * r)));
                 _mm512_storeu_ps(wd + row * 2 * nb + 16 * t, s);
                 for (int Q = 0; Q < 2; Q++) {
-                    const uint8_t *nb8 = tile + 72 + 128 * r + 64 * Q;
-                    const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb8));
-                    const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb8 + 32)));
-                    const __m512i H = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tile + 584 + 64 * r + 32 * Q)));
-                    /* vector k: nibble | bits 2k, 2k+1 of H as bits 4, 5 (ternary logic 0xF8: a | (b & c)) */
-                    const __m512i v0 = _mm512_ternarylogic_epi32(_mm512_and_si512(h0, m4), _mm512_slli_epi16(H, 4), m30, 0xF8);
-                    const __m512i v1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(h0, 4), _mm512_slli_epi16(H, 2), m30, 0xF8);
-                    const __m512i v2 = _mm512_ternarylogic_epi32(_mm512_and_si512(h1, m4), H, m30, 0xF8);
-                    const __m512i v3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(h1, 4), _mm512_srli_epi16(H, 2), m30, 0xF8);
-                    const __m512i alo = _mm512_permutex2var_epi16(v0, i0, v1), ahi = _mm512_permutex2var_epi16(v0, i1, v1);
-                    const __m512i blo = _mm512_permutex2var_epi16(v2, i0, v3), bhi = _mm512_permutex2var_epi16(v2, i1, v3);
+                    __m512i v[4];
+                    pk_q6k_quad(tile, r, Q, v);
+                    const __m512i alo = _mm512_permutex2var_epi16(v[0], i0, v[1]), ahi = _mm512_permutex2var_epi16(v[0], i1, v[1]);
+                    const __m512i blo = _mm512_permutex2var_epi16(v[2], i0, v[3]), bhi = _mm512_permutex2var_epi16(v[2], i1, v[3]);
                     int16_t *o = wu + row * cols + 256 * t + 128 * Q;
                     for (int m = 0; m < 4; m++) {
                         const __m512i im = _mm512_load_si512((const void *)q6_idx[2 + m]);

@@ -271,9 +271,10 @@ MR_INLINE __m128i q3k_scales(const uint8_t *s12) {
                           (int)(((a1 >> 4) & k4) | (((a2 >> 6) & k2) << 4)));
 }
 
-/* S0[g] = d * scale[g] for the 16 groups of 16 elements of a super-block; C0[g] the weight of group
- * g's sum of x in the correction (Q6_K, Q3_K: S0, for the folded offset; Q2_K: dmin * min[g];
- * TQ2_0: d, for its -1) */
+/* S0[g] = d * scale[g] for the 16 groups of 16 elements of a super-block (Q2_K, TQ2_0: d in every lane, Q2_K's
+ * codes carry their group scales, see gemv_q8_impl); C0[g] the weight of group g's sum of x in the correction
+ * (Q6_K, Q3_K: S0, for the folded offset; Q2_K: dmin * min[g]; TQ2_0: none, its -1 goes through the integer
+ * sums) */
 MR_INLINE void per16_scales(const int KIND, const uint8_t *b, __m512 *S0, __m512 *C0) {
     if (KIND == K_Q6_K) {
         *S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
@@ -286,10 +287,11 @@ MR_INLINE void per16_scales(const int KIND, const uint8_t *b, __m512 *S0, __m512
         *C0 = *S0;
     } else if (KIND == K_Q2_K) {
         const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-        *S0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))), _mm512_set1_ps(f16s(b + 80)));
+        *S0 = _mm512_set1_ps(f16s(b + 80));
         *C0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)), _mm512_set1_ps(f16s(b + 82)));
     } else { /* TQ2_0 */
-        *S0 = *C0 = _mm512_set1_ps(f16s(b + 64));
+        *S0 = _mm512_set1_ps(f16s(b + 64));
+        *C0 = _mm512_setzero_ps();
     }
 }
 
@@ -441,7 +443,6 @@ MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
             const uint8_t *b = w + r * rb + ib * BYTES;
             __m512 S0, C0, Sv[4];
             per16_scales(KIND, b, &S0, &C0);
-            const float dw = KIND == K_TQ2_0 ? f16s(b + 64) : KIND == K_Q2_K ? f16s(b + 80) : 0.0f;
             const __m512i Q = _mm512_loadu_si512((const void *)(b + qo));
             const __m512i hm = KIND == K_Q3_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b)) : Q;
             /* Q2_K: the 4-bit scales as bytes in every 128-bit lane */
@@ -470,8 +471,8 @@ MR_INLINE void gemv_q8_impl(const uint8_t *w, int64_t rb, int64_t nb32, const mr
                     __m512i p = KIND == K_TQ2_0 ? _mm512_maskz_set1_epi32(1, -xa->i8[t * (xa->bs / 8) + ib])
                                                 : _mm512_setzero_si512();
                     for (int s = 0; s < 4; s++) p = _mm512_dpbusd_epi32(p, W[s], _mm512_loadu_si512((const void *)(xt + 64 * s)));
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dw * xa->d8[t * (xa->bs / 8) + ib]),
-                                                acc[r][t]);
+                    const __m512 sd = _mm512_mul_ps(S0, _mm512_set1_ps(xa->d8[t * (xa->bs / 8) + ib]));
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sd, acc[r][t]);
                 } else {
                     __m512 a = _mm512_setzero_ps();
                     for (int s = 0; s < 4; s++) {
@@ -730,17 +731,6 @@ static const int32_t ridx_tab[4][16] __attribute__((aligned(64))) = {
     {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15},
 };
 
-/* 64 bytes of packed nibbles -> the 4 int16 vectors of one quad (both packed layouts) */
-MR_INLINE void pk_nib(const uint8_t *nb, __m512i v[4]) {
-    const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb));
-    const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb + 32)));
-    const __m512i m4 = _mm512_set1_epi16(15);
-    v[0] = _mm512_and_si512(h0, m4);
-    v[1] = _mm512_srli_epi16(h0, 4);
-    v[2] = _mm512_and_si512(h1, m4);
-    v[3] = _mm512_srli_epi16(h1, 4);
-}
-
 /* the 4 int16 weight vectors of row r of a tile (vector k holds elements E(k, j), see pack.c) */
 MR_INLINE void p_unpack(const int KIND, const uint8_t *tw, int r, __m512i v[4]) {
     if (KIND == P_Q8_0) {
@@ -818,14 +808,7 @@ MR_INLINE void pk_unpack(const int KIND, const uint8_t *tw, int r, int Q, __m512
         pk_nib(tw + 80 + 128 * r + 64 * Q, v);
         return;
     }
-    pk_nib(tw + 72 + 128 * r + 64 * Q, v);
-    const __m512i H = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tw + 584 + 64 * r + 32 * Q)));
-    const __m512i m30 = _mm512_set1_epi16(0x30);
-    /* ternary logic 0xF8: a | (b & c) -- bits 2k, 2k+1 of H become bits 4, 5 of vector k */
-    v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(H, 4), m30, 0xF8);
-    v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(H, 2), m30, 0xF8);
-    v[2] = _mm512_ternarylogic_epi32(v[2], H, m30, 0xF8);
-    v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srli_epi16(H, 2), m30, 0xF8);
+    pk_q6k_quad(tw, r, Q, v);
 }
 
 /* per-row scales of a k-quant tile: Q4_K s8 = d * scale_j, m8 = -dmin * min_j (8 sub-blocks);

@@ -1,4 +1,4 @@
-/* Small AVX-512 helpers shared by x86_avx512.c and x86_avx512_gemv.c. Include after the target
+/* Small AVX-512 helpers shared by x86_avx512.c, x86_avx512_gemv.c and x86_avx512_gemm.c. Include after the target
  * pragma of the including file (the functions take its instruction set) and after immintrin.h. */
 #ifndef MR_X86_AVX512_INL_H
 #define MR_X86_AVX512_INL_H
@@ -61,6 +61,31 @@ MR_INLINE void transpose16(__m512 r[16]) {
         t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
     }
     for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* 64 bytes of P4 nibbles (pack.c) -> the 4 int16 vectors of one quad: half h, byte j holds elements
+ * P(2h, j) (low nibble) and P(2h + 1, j) (high) */
+MR_INLINE void pk_nib(const uint8_t *nb, __m512i v[4]) {
+    const __m512i h0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)nb));
+    const __m512i h1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(nb + 32)));
+    const __m512i m4 = _mm512_set1_epi16(15);
+    v[0] = _mm512_and_si512(h0, m4);
+    v[1] = _mm512_srli_epi16(h0, 4);
+    v[2] = _mm512_and_si512(h1, m4);
+    v[3] = _mm512_srli_epi16(h1, 4);
+}
+
+/* quad Q (0, 1) of row r of a P4 Q6_K tile -> its 4 int16 vectors (vector k, lane j: element E6(k, j)), the
+ * unsigned 6-bit values 0..63 (the -32 not applied) */
+MR_INLINE void pk_q6k_quad(const uint8_t *tw, int r, int Q, __m512i v[4]) {
+    pk_nib(tw + 72 + 128 * r + 64 * Q, v);
+    const __m512i H = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tw + 584 + 64 * r + 32 * Q)));
+    const __m512i m30 = _mm512_set1_epi16(0x30);
+    /* ternary logic 0xF8: a | (b & c) -- bits 2k, 2k+1 of H become bits 4, 5 of vector k */
+    v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(H, 4), m30, 0xF8);
+    v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(H, 2), m30, 0xF8);
+    v[2] = _mm512_ternarylogic_epi32(v[2], H, m30, 0xF8);
+    v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srli_epi16(H, 2), m30, 0xF8);
 }
 
 /* the sums of 4 vectors */
