@@ -135,9 +135,11 @@ class KVCache:
         # the host rows of positions device_rows[0]..device_rows[1]-1 are then stale until ``device_sync``
         # copies them back (and clears device_rows), which every host access (k, v, layer) does first.
         # host_epoch counts those accesses: the device knows whether the host rows may have changed since
-        # it last looked at them
+        # it last looked at them. ``device_state``: the device holds the live recurrent state (hybrid models),
+        # the host's copy is stale until ``device_sync`` brings it back, which every host access to it does first
         self.device_sync: Callable[[KVCache], None] | None = None
         self.device_rows: tuple[int, int] | None = None
+        self.device_state = False
         self.host_epoch = 0
         self.layers = None if layers is None else list(layers)
         self._views: list[tuple[np.ndarray, np.ndarray] | None] | None = None
@@ -179,8 +181,8 @@ class KVCache:
         self.tokens = np.zeros(n_ctx, dtype=np.int32)
 
     def _host(self) -> None:
-        """Before the host reads or writes rows: bring back what only the device holds."""
-        if self.device_rows is not None and self.device_sync is not None:
+        """Before the host reads or writes rows or recurrent state: bring back what only the device holds."""
+        if (self.device_rows is not None or self.device_state) and self.device_sync is not None:
             self.device_sync(self)
         self.host_epoch += 1
 
@@ -448,6 +450,7 @@ class KVCache:
         st = self._state[i]
         if st is None:
             raise ValueError(f"layer {i} keeps no recurrent state")
+        self._host()
         if self._state_pos != self.n_past:
             raise ValueError(f"the recurrent state is not at position {self.n_past} (a step failed); "
                              "the cache must be cleared")
@@ -479,6 +482,7 @@ class KVCache:
         # the live state for a kept prefix of n positions: the live one, the snapshot's, or zeros at 0
         if not self.has_state or n == self._state_pos:
             return
+        self._host()
         if n == self._snap_pos and self._snap_whole():
             for live, snap in zip(self._state, self._snap, strict=True):
                 if live is not None:
@@ -504,6 +508,7 @@ class KVCache:
         files); raises ValueError when it is not at n_past (a failed step)."""
         if self._state_pos != self.n_past:
             raise ValueError(f"the recurrent state is not at position {self.n_past} (a step failed)")
+        self._host()
         parts = [a.reshape(-1) for st in self._state for a in (st or ())]
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
@@ -511,6 +516,7 @@ class KVCache:
         """Set the live recurrent state from :meth:`export_state`'s layout, as the state after n positions."""
         if flat.shape != (self.state_size(),):
             raise ValueError(f"recurrent state of {flat.shape} values, expected ({self.state_size()},)")
+        self._host()
         j = 0
         for st in self._state:
             for a in st or ():
@@ -574,6 +580,8 @@ class KVCache:
         if n > self.n_ctx or n > other.n_past:
             raise ValueError(f"cannot copy {n} positions (source has {other.n_past}, room {self.n_ctx})")
         if other.has_state:
+            other._host()
+            self._host()
             src = (other._state if n == other._state_pos else other._snap if n == other._snap_pos else
                    None if n else [None if s is None else tuple(np.zeros_like(a) for a in s) for s in other._state])
             if src is None:
@@ -597,7 +605,8 @@ class KVCache:
         """Drop the arrays so their memory returns to the OS now rather than at garbage collection."""
         empty = np.zeros((self.n_layer, 0, 0, 0), dtype=self._k.dtype)
         self.k = self.v = empty
-        self.device_sync, self.device_rows = None, None  # what only the device held goes with the positions
+        # what only the device held goes with the positions
+        self.device_sync, self.device_rows, self.device_state = None, None, False
         self._state = [None] * self.n_layer
         self._snap = [None] * self.n_layer
         if self._views is not None:

@@ -118,7 +118,9 @@ _LAUNCHED: set = set()
 
 def _kernel_key(k, kern):
     for name in ("rmsnorm", "rope", "kv_store", "attention", "act_mul", "bias_add", "softcap", "argmax", "route",
-                 "pairs_gather", "pairs_scatter", "moe_combine", "scale_rows"):
+                 "pairs_gather", "pairs_scatter", "moe_combine", "scale_rows", "act", "split_gate", "sigmoid_mul",
+                 "l2norm", "short_conv", "short_conv_store", "rconv", "rconv_state", "dn_gates", "delta_scan",
+                 "ssm_scan"):
         if getattr(k, name) is kern:
             return ("attr", name)
     for table in ("_mv", "_mvid", "_glu", "_gemm", "_deq"):
@@ -227,6 +229,8 @@ def test_layer_kernels_match_numpy():
     checks += selfcheck.check_rmsnorm(be, 3, 24, 2, 8, rng)
     checks += selfcheck.check_rope(be, 3, 2, 8, 6, rng)  # rope_dim < head_dim: the tail is untouched
     checks += selfcheck.check_argmax_softcap(be, 3, 50, rng)
+    for n in (1, 3):  # decode and a prefill segment: hybrid mixers' convolution, scans, gates, norms
+        checks += selfcheck.check_recurrent(be, n, rng)
     bad = [str(c) for c in checks if not c.ok]
     assert not bad, bad
     # Granite's residual multiplier: rows 0..1, columns 0..4 of a wider buffer scaled in place

@@ -6,8 +6,9 @@ Two ways in:
 - :meth:`CudaBackend.matmul` ``(x, lin)`` — the per-op contract every backend has: host float32
   in, host float32 out, weight already in VRAM. Used for architectures without a device forward.
 - :meth:`CudaBackend.forward` ``(model, tokens, segments)`` — the whole decoder on the device for
-  the descriptions :meth:`CudaBackend._unsupported` accepts (attention blocks with dense or
-  mixture-of-experts feed-forwards): embeddings, every layer, final norm and output
+  the descriptions :meth:`CudaBackend._unsupported` accepts (attention, short-convolution, gated
+  delta-net or Mamba-2 mixers; dense, ungated or mixture-of-experts feed-forwards): embeddings, every layer,
+  final norm and output
   projection run as kernels over device buffers; per call one host→device copy of the token ids
   and positions and one device→host copy of the requested logits.
   Returns ``None`` for a model it does not handle, so the caller can use the host path.
@@ -25,6 +26,13 @@ device last saw, and re-uploads the cache once after a context shift, a prefix c
 load changed it. Mirrors grow by doubling (copied on the device) and are evicted
 least-recently-used beyond a VRAM budget, after their rows are copied back to the host: the host
 arrays hold a sequence only when VRAM does not.
+
+Recurrent state (the delta-net's and Mamba-2's convolution inputs and scan state): the same rule. A mirror
+holds each such layer's state in float32; a forward updates it there and sets ``KVCache.device_state``;
+every host access to the state (``KVCache.state``, export / import, prefix copy, truncation to a snapshot)
+first has ``_flush`` copy it back, and bumps ``host_epoch``, after which the next forward uploads the host's
+state again. The snapshot a prefill leaves (the state before its last token, which the prefix cache
+continues from) is copied to the host as it is taken.
 
 Launch overhead: a single-sequence decode step (one token, the case that dominates generation)
 is captured once per mirror into a CUDA graph through CuPy and replayed, since its kernels read
@@ -46,7 +54,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ...blocks import GatedDeltaNet, Mamba2, MoE, ParallelMixer, ParallelMoE, ShortConv
+from ...blocks import Attention, GatedDeltaNet, Mamba2, MoE, ParallelMixer, ParallelMoE, ShortConv
 from ...errors import BackendError
 from ...forward import batch_spans, logit_rows, split_logits
 from ..base import Backend
@@ -98,6 +106,9 @@ class _Buffers:
     lrows: Any
     rchunk: int  # most logits rows per output-projection chunk
     moe: Any = None  # _MoEBuffers of a model with mixture-of-experts layers
+    mix: Any = None  # _MixBuffers of a model with short-convolution, delta-net or Mamba-2 layers
+    qg: Any = None  # (tcap, H*(Dk+Dv)) queries and output gates of gated attention (Qwen3.5)
+    og: Any = None  # (tcap, H*Dv) those output gates
     hrows: Any = None  # (rows, d), rows <= rchunk, grown on demand
     logits: Any = None  # (rows, V)
     logits_host: Any = None
@@ -124,12 +135,24 @@ class _MoEBuffers:
 
 
 @dataclass
+class _MixBuffers:
+    """Scratch of the mixers that take attention's place (see :meth:`CudaBackend._mixer`)."""
+
+    proj: Any  # (tcap, widest input projection) what in_proj (or the delta-net's projections) give
+    conv: Any  # (tcap, widest convolution) the convolution's output
+    out: Any  # (tcap, widest out_proj input)
+    gates: Any  # (tcap, 2 Hv) the delta-net's decay | beta
+
+
+@dataclass
 class _Mirror:
     """The device copy (float16) of one KVCache plus what is needed to check it is still current."""
 
     cap: int
-    k: list  # per layer (Hkv, cap, Dk) float16
-    v: list
+    k: list  # per layer (Hkv, cap, Dk) float16; None for a layer without rows (a recurrent state instead)
+    v: list  # per layer (Hkv, cap, Dv) float16; None also for LFM2's convolution rows (keys only)
+    state: list = field(default_factory=list)  # per layer None or its recurrent state arrays (float32)
+    shadow_layer: int = -1  # the layer whose newest key row ``shadow`` keeps (the plan's shadow_layer)
     n_valid: int = 0
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     shadow: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # layer-0 keys, host form
@@ -162,11 +185,21 @@ class _Plan:
     embed_scale: np.float32
     qkvw: int
     moe: tuple[int, int, int] = (0, 0, 0)  # largest (experts, experts per token, expert width); 0: no MoE
+    kv_shapes: list = field(default_factory=list)  # per layer (heads, Dk, Dv) of its cache rows, or None
+    states: list = field(default_factory=list)  # per layer the shapes of its recurrent state, or None
+    shadow_layer: int = -1  # the first layer with cache rows (_mirror_current compares its newest row)
+    mix: tuple[int, int, int, int] = (0, 0, 0, 0)  # widest mixer projection, convolution, out_proj input, gates
+    out_gate: bool = False  # some attention layer gates its output (Qwen3.5)
+
+    @property
+    def has_state(self) -> bool:
+        return any(s is not None for s in self.states)
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
 _GATING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 _EXPERT_ACTS = {**_ACTS, "swiglu_oai": 2}  # act_mul's kinds (the fused dense GLU kernel has the first two)
+_UNGATED_ACTS = {**_ACTS, "relu2": 3}  # the activation kernel's kinds: down(act(up(x))) MLPs (Nemotron-H)
 _NO_PARAM = np.float32(0.0)
 
 
@@ -471,15 +504,22 @@ class CudaBackend(Backend):
         if tok is None or out is None:
             log.info("the embedding or output matrix stays on the host; using per-op CUDA matmuls")
             return None
+        attns = [b.attn for b in desc.blocks if isinstance(b.attn, Attention)]
+        a0 = attns[0] if attns else None
+        H, Hkv, Dk, Dv = (a0.n_head, a0.n_head_kv, a0.head_dim_k, a0.head_dim_v) if a0 is not None else (0, 0, 0, 0)
         layers = []
-        widths, moe_dims = [0], [(0, 0, 0)]
+        widths, moe_dims, mix_dims = [0], [(0, 0, 0)], [(0, 0, 0, 0)]
         for blk in desc.blocks:
             a, m = blk.attn, blk.mlp
             L: dict[str, Any] = {}
             dense = m.shared if isinstance(m, MoE) else m  # the MLP run by _mlp (a MoE's shared expert)
-            mats = [("wq", a.wq), ("wk", a.wk), ("wv", a.wv), ("wo", a.wo)]
+            if isinstance(a, Attention):
+                mats = [("wq", a.wq), ("wk", a.wk), ("wv", a.wv), ("wo", a.wo)]
+            else:
+                mats, dims = self._mixer_plan(a, L)
+                mix_dims.append(dims)
             if dense is not None:
-                mats += [("gate", dense.gate), ("up", dense.up), ("down", dense.down)]
+                mats += [("up", dense.up), ("down", dense.down)] + ([("gate", dense.gate)] if dense.gate else [])
                 widths.append(dense.n_ff)
             if isinstance(m, MoE):
                 L["moe"] = self._moe_plan(m)
@@ -493,46 +533,80 @@ class CudaBackend(Backend):
                     return None
                 L[key] = dw
                 L[key + ".bias"] = self._vector(lin.bias) if lin.bias is not None else None
-            for key, n in (("attn_norm", blk.attn_norm), ("q_norm", a.q_norm), ("k_norm", a.k_norm),
-                           ("post_attn_norm", blk.post_attn_norm), ("ffn_norm", blk.ffn_norm),
-                           ("post_ffn_norm", blk.post_ffn_norm)):
+            for key, n in (("attn_norm", blk.attn_norm), ("q_norm", getattr(a, "q_norm", None)),
+                           ("k_norm", getattr(a, "k_norm", None)), ("post_attn_norm", blk.post_attn_norm),
+                           ("ffn_norm", blk.ffn_norm), ("post_ffn_norm", blk.post_ffn_norm)):
                 L[key] = self._vector(n.weight) if n is not None else None
-            # q/k norms over each head (Dk) or over the whole projection (one "head" of H·Dk)
-            L["qk_heads"] = (a.n_head, a.n_head_kv, a.head_dim_k) if a.qk_norm_per_head else (1, 1, 0)
-            L["inv"] = cuda.to_device(np.ascontiguousarray(a.rope.inv_freq())) if a.rope is not None else None
-            L["rope_dim"] = a.rope.dim if a.rope is not None else 0
-            L["neox"] = int(a.rope.neox) if a.rope is not None else 0
-            L["msc"] = np.float64(a.rope.mscale()) if a.rope is not None else np.float64(1.0)
-            L["sinks"] = self._vector(a.sinks) if a.sinks is not None else None
             # Granite's residual multiplier s (x += s·W·y) scales each sublayer's last input instead
             L["res_scale"] = np.float32(blk.residual_scale)
-            L["window"], L["scale"], L["softcap"] = int(a.window), np.float32(a.scale), np.float32(a.softcap)
-            L["eps"] = np.float32(next((n.eps for n in (blk.attn_norm, blk.ffn_norm, a.q_norm, blk.post_attn_norm,
-                                                        blk.post_ffn_norm) if n is not None), 1e-6))
-            L["qk_after_rope"] = bool(a.qk_norm_after_rope)
+            L["eps"] = np.float32(next((n.eps for n in (blk.attn_norm, blk.ffn_norm, getattr(a, "q_norm", None),
+                                                        blk.post_attn_norm, blk.post_ffn_norm) if n is not None), 1e-6))
+            if isinstance(a, Attention):
+                L["kind"] = "attn"
+                # q/k norms over each head (Dk) or over the whole projection (one "head" of H·Dk)
+                L["qk_heads"] = (a.n_head, a.n_head_kv, a.head_dim_k) if a.qk_norm_per_head else (1, 1, 0)
+                L["inv"] = cuda.to_device(np.ascontiguousarray(a.rope.inv_freq())) if a.rope is not None else None
+                L["rope_dim"] = a.rope.dim if a.rope is not None else 0
+                L["neox"] = int(a.rope.neox) if a.rope is not None else 0
+                L["msc"] = np.float64(a.rope.mscale()) if a.rope is not None else np.float64(1.0)
+                L["sinks"] = self._vector(a.sinks) if a.sinks is not None else None
+                L["window"], L["scale"], L["softcap"] = int(a.window), np.float32(a.scale), np.float32(a.softcap)
+                L["qk_after_rope"] = bool(a.qk_norm_after_rope)
+                L["out_gate"] = bool(a.out_gate)
             if dense is not None:
-                L["act"] = _ACTS[dense.act]
-                L["glu"] = L["gate"].qtype == L["up"].qtype
+                L["gated"] = dense.gate is not None
+                L["act"] = _ACTS[dense.act] if L["gated"] else _UNGATED_ACTS[dense.act]
+                L["glu"] = L["gated"] and L["gate"].qtype == L["up"].qtype
                 L["F"] = dense.n_ff
             layers.append(L)
-        if c.head_dim_k > self.lc.max_head_dim or c.head_dim_v > self.lc.max_head_dim:
-            log.info("head size %d exceeds the attention kernel's %d", max(c.head_dim_k, c.head_dim_v),
-                     self.lc.max_head_dim)
+        big = max([Dk, Dv] + [d for L in layers for d in L.get("local", ())])
+        if big > self.lc.max_head_dim:
+            log.info("head or state size %d exceeds the kernels' %d", big, self.lc.max_head_dim)
             return None
         # row indices for every weight's tiles, allocated once (no reallocation while kernels run)
         F = max(widths)
         self._arange_dev(max(c.n_vocab, 2 * F, c.n_embd, 1024))
+        kv_shapes = list(desc.kv_layers())
         return _Plan(
             # Granite's logit multiplier folded into the output norm's gain (logits = W·(scale·norm(x)))
             layers=layers, tok_embd=tok, output=out, output_norm=self._vector(
                 desc.output_norm.weight * np.float32(desc.logit_scale) if desc.logit_scale != 1.0
                 else desc.output_norm.weight),
             post_norms=any(b.post_attn_norm is not None or b.post_ffn_norm is not None for b in desc.blocks),
-            d=c.n_embd, H=c.n_head, Hkv=c.n_head_kv, Dk=c.head_dim_k, Dv=c.head_dim_v, F=F, V=c.n_vocab,
+            d=c.n_embd, H=H, Hkv=Hkv, Dk=Dk, Dv=Dv, F=F, V=c.n_vocab,
             n_layer=c.n_layer, eps=np.float32(desc.output_norm.eps), final_softcap=np.float32(desc.final_softcap),
-            embed_scale=np.float32(desc.embed_scale),
-            qkvw=c.n_head * c.head_dim_k + c.n_head_kv * (c.head_dim_k + c.head_dim_v),
-            moe=tuple(max(x) for x in zip(*moe_dims)))
+            embed_scale=np.float32(desc.embed_scale), qkvw=H * Dk + Hkv * (Dk + Dv),
+            moe=tuple(max(x) for x in zip(*moe_dims)), kv_shapes=kv_shapes, states=list(desc.recurrent_states()),
+            shadow_layer=next((i for i, s in enumerate(kv_shapes) if s is not None), -1),
+            mix=tuple(max(x) for x in zip(*mix_dims)), out_gate=any(a.out_gate for a in attns))
+
+    def _mixer_plan(self, a: Any, L: dict[str, Any]) -> tuple[list[tuple[str, Any]], tuple[int, int, int, int]]:
+        """Settings of a short-convolution, delta-net or Mamba-2 mixer into L; returns its matrices (out_proj as
+        "wo", so that _residual adds it as it adds attention's) and its (projection, convolution, out_proj
+        input, gates) widths of the scratch buffers (see :meth:`_mixer`)."""
+        L["conv"] = self._vector(a.weight if isinstance(a, ShortConv) else a.conv)  # (channels, taps)
+        L["taps"] = a.taps
+        if isinstance(a, ShortConv):
+            d = a.n_embd
+            L.update(kind="short", d=d, Dh=d // a.cache_heads)
+            return [("in", a.in_proj), ("wo", a.out_proj)], (3 * d, 0, d, 0)
+        if isinstance(a, GatedDeltaNet):
+            Hk, Hv, Dk, Dv = a.n_k_heads, a.n_v_heads, a.head_dim_k, a.head_dim_v
+            F, cd = Hv * Dv, a.conv_dim
+            L.update(kind="delta", Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, cd=cd, grouped=int(a.grouped), local=(Dk,),
+                     dt_bias=self._vector(a.dt_bias), a=self._vector(a.a), norm=self._vector(a.norm.weight),
+                     norm_eps=np.float32(a.norm.eps), qscale=np.float32(1.0 / np.sqrt(Dk)))
+            mats = [("in", a.qkv_proj), ("z", a.z_proj), ("wo", a.out_proj)]
+            mats += [("ba", a.ba_proj)] if a.ba_proj is not None else [("beta", a.beta_proj), ("alpha", a.alpha_proj)]
+            return mats, (2 * F + cd + 2 * Hv, cd, F, 2 * Hv)
+        # Mamba-2: z | xBC | dt from in_proj; the scan's output overwrites xBC's first d_inner columns
+        di, cd, H = a.d_inner, a.conv_dim, a.n_head
+        L.update(kind="mamba", di=di, cd=cd, H=H, P=a.head_dim, N=a.d_state, G=a.n_group, local=(a.d_state,),
+                 conv_b=self._vector(a.conv_bias) if a.conv_bias is not None else None,
+                 dt_bias=self._vector(a.dt_bias), a=self._vector(a.a), dskip=self._vector(a.d_skip),
+                 norm=self._vector(a.norm.weight) if a.norm is not None else None,
+                 norm_eps=np.float32(a.norm.eps if a.norm is not None else 0.0))
+        return [("in", a.in_proj), ("wo", a.out_proj)], (di + cd + H, cd, di, 0)
 
     def _moe_plan(self, m: MoE) -> dict[str, Any] | None:
         """Device weights and settings of a mixture-of-experts feed-forward (None: an expert stays on the host).
@@ -543,7 +617,9 @@ class CudaBackend(Backend):
         r = m.router
         router = self.weight(r.gate)
         M: dict[str, Any] = {"router": router, "router.bias": self._vector(r.gate.bias) if r.gate.bias is not None
-                             else None, "E": m.n_expert, "k": r.n_used, "Fe": m.n_ff, "act": _EXPERT_ACTS[m.act],
+                             else None, "E": m.n_expert, "k": r.n_used, "Fe": m.n_ff,
+                             "gated": m.gate is not None,
+                             "act": _EXPERT_ACTS[m.act] if m.gate is not None else _UNGATED_ACTS[m.act],
                              "act_params": tuple(np.float32(v) for v in m.act_params) if m.act == "swiglu_oai"
                              else (_NO_PARAM, _NO_PARAM),
                              "gating": _GATING[r.gating], "norm": int(r.norm_topk), "scale": np.float32(r.scale),
@@ -552,6 +628,8 @@ class CudaBackend(Backend):
             log.info("tensor %s stays on the host; using per-op CUDA matmuls", r.gate.name)
             return None
         for key, lins in (("gate", m.gate), ("up", m.up), ("down", m.down)):
+            if lins is None:  # experts without a gate: down(act(up(x)))
+                continue
             views = [self.weight(lin) for lin in lins]
             whole = self.weights.get(lins[0].parent[0]) if lins[0].parent is not None else None
             if any(v is None for v in views) or whole is None:
@@ -584,18 +662,20 @@ class CudaBackend(Backend):
             return "an output norm other than RMSNorm"
         if desc.pos_embd is not None or desc.type_embd is not None or desc.embd_norm is not None:
             return "position / token-type embeddings or an embedding norm"
-        if any(isinstance(b.attn, ShortConv) for b in desc.blocks):
-            return "a short convolution mixer"
-        if any(isinstance(b.attn, (GatedDeltaNet, Mamba2, ParallelMixer)) or getattr(b.attn, "out_gate", False)
-               for b in desc.blocks):
-            return "a gated delta-net or Mamba-2 mixer, or a gated attention output"
-        if any(b.mlp is None for b in desc.blocks):
-            return "a block without a feed-forward half"
-        if desc.per_layer_inputs is not None or len({(b.attn.n_head_kv, b.attn.head_dim_k) for b in desc.blocks}) > 1:
+        if any(isinstance(b.attn, ParallelMixer) for b in desc.blocks):
+            return "attention and a Mamba-2 mixer side by side"
+        attns = [b.attn for b in desc.blocks if isinstance(b.attn, Attention)]
+        if desc.per_layer_inputs is not None or len({a.kv_shape for a in attns}) > 1:
             return "per-layer inputs or layers with different KV shapes"
-        b0 = desc.blocks[0]
         for i, b in enumerate(desc.blocks):
             a, m = b.attn, b.mlp
+            if isinstance(a, GatedDeltaNet) and (a.n_v_heads % a.n_k_heads or a.norm.kind != "rms"
+                                                 or a.norm.weight is None):
+                return f"layer {i}: {a.n_v_heads} value heads over {a.n_k_heads} key heads or a norm other than RMS"
+            if isinstance(a, Mamba2) and (a.n_head % a.n_group or a.norm is not None and a.norm.weight is None):
+                return f"layer {i}: {a.n_head} Mamba-2 heads in {a.n_group} groups or a norm without gains"
+            if not isinstance(a, (Attention, ShortConv, GatedDeltaNet, Mamba2)):
+                return f"layer {i}: a {type(a).__name__} mixer"
             if isinstance(m, ParallelMoE):
                 return f"layer {i}: a mixture-of-experts feed-forward beside a dense MLP"
             if isinstance(m, MoE):
@@ -603,24 +683,30 @@ class CudaBackend(Backend):
                 if why:
                     return f"layer {i}: a mixture-of-experts feed-forward {why}"
                 m = m.shared
-            norms = [b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, a.q_norm, a.k_norm]
+            norms = [b.attn_norm, b.post_attn_norm, b.ffn_norm, b.post_ffn_norm, getattr(a, "q_norm", None),
+                     getattr(a, "k_norm", None)]
             if b.parallel:
                 return f"layer {i}: parallel blocks"
             down = m.down if m is not None else None  # m: the dense MLP or a MoE's shared expert here
+            wo = a.wo if isinstance(a, Attention) else a.out_proj
             if b.residual_scale != 1.0 and (b.post_attn_norm is not None or b.post_ffn_norm is not None
-                                            or a.wo.bias is not None or (down is not None and down.bias is not None)):
+                                            or wo.bias is not None or (down is not None and down.bias is not None)):
                 return f"layer {i}: residual scaling of post-normed or biased sublayers"
             if any(n is not None and (n.kind != "rms" or n.weight is None or n.bias is not None) for n in norms):
                 return f"layer {i}: norms other than RMSNorm with gains"
             if len({float(n.eps) for n in norms if n is not None}) > 1:
                 return f"layer {i}: norms with different eps"
-            if m is not None and (m.gate is None or m.act not in _ACTS):
-                return f"layer {i}: an MLP without gate or with activation {m.act!r}"
-            if a.kv_source is not None or a.v_norm is not None or b.per_layer is not None or b.out_scale != 1.0:
-                return f"layer {i}: KV shared with another layer, a value norm, per-layer inputs or an output scale"
-            if not a.causal or b.norm_residual:
-                return f"layer {i}: non-causal attention or norms of the residual sum"
-            if a.n_head != b0.attn.n_head:
+            if m is not None and m.act not in (_ACTS if m.gate is not None else _UNGATED_ACTS):
+                return f"layer {i}: an MLP with activation {m.act!r}"
+            if b.per_layer is not None or b.out_scale != 1.0 or b.norm_residual:
+                return f"layer {i}: per-layer inputs, an output scale or norms of the residual sum"
+            if not isinstance(a, Attention):
+                continue
+            if a.kv_source is not None or a.v_norm is not None:
+                return f"layer {i}: KV shared with another layer or a value norm"
+            if not a.causal:
+                return f"layer {i}: non-causal attention"
+            if a.n_head != attns[0].n_head:
                 return f"layer {i}: the head count differs between layers"
             if (a.q_norm is None) != (a.k_norm is None):
                 return f"layer {i}: a q norm without k norm"
@@ -630,15 +716,15 @@ class CudaBackend(Backend):
     def _moe_unsupported(m: MoE) -> str:
         """What the device's experts cannot run of a MoE ('' if nothing)."""
         r = m.router
-        if m.gate is None or m.act not in _EXPERT_ACTS:
+        if m.act not in (_EXPERT_ACTS if m.gate is not None else _UNGATED_ACTS):
             return f"with activation {m.act!r}"
         if r.gating not in _GATING or r.n_used > MAX_EXPERTS_USED:
             return f"with {r.gating} gating of {r.n_used} experts"
         if m.latent_down is not None:
             return "with latent expert projections"
-        if any(lin.parent is None for lin in (m.gate[0], m.up[0], m.down[0])):
+        if any(lin.parent is None for lin in (m.up[0], m.down[0]) + ((m.gate[0],) if m.gate else ())):
             return "whose experts are not rows of 3-D tensors"
-        if m.shared is not None and (m.shared.gate is None or m.shared.act not in _ACTS):
+        if m.shared is not None and m.shared.act not in (_ACTS if m.shared.gate is not None else _UNGATED_ACTS):
             return f"with a shared expert of activation {m.shared.act!r}"
         if m.shared_gate is not None and m.shared_gate.out_features != 1:
             return "with a shared-expert gate of more than one row"
@@ -662,7 +748,7 @@ class CudaBackend(Backend):
         b = _Buffers(
             tcap=tcap, x=al((tcap, p.d), np.float32), h=al((tcap, p.d), np.float32),
             a=al((tcap, p.d), np.float32) if p.post_norms else None,
-            qkv=al((tcap, p.qkvw), np.float32), attn=al((tcap, p.H * p.Dv), np.float32),
+            qkv=al((tcap, max(1, p.qkvw)), np.float32), attn=al((tcap, max(1, p.H * p.Dv)), np.float32),
             gu=gu, ff=gu[:, :p.F],
             ip_dev=ip_dev, ip_host=pinned(3 * tcap, np.int32),
             ids=ip_dev[0:tcap], pos=ip_dev[tcap:2 * tcap], lrows=ip_dev[2 * tcap:3 * tcap],
@@ -676,6 +762,12 @@ class CudaBackend(Backend):
                                 yg=al((tcap, p.d), np.float32), sh=al((tcap, p.d), np.float32),
                                 sg=al((tcap, 1), np.float32), order=al(P, np.int32),
                                 ids_host=pinned(P, np.int32), order_host=pinned(P, np.int32))
+        if p.mix[0]:
+            pw, cw, ow, gw = p.mix
+            b.mix = _MixBuffers(proj=al((tcap, pw), np.float32), conv=al((tcap, max(1, cw)), np.float32),
+                                out=al((tcap, ow), np.float32), gates=al((tcap, max(1, gw)), np.float32))
+        if p.out_gate:
+            b.qg, b.og = al((tcap, p.H * (p.Dk + p.Dv)), np.float32), al((tcap, p.H * p.Dv), np.float32)
         b.nbytes = self._bytes["scratch"] - before
         self._bufs[key] = b
         return b
@@ -699,50 +791,67 @@ class CudaBackend(Backend):
 
     # KV caches on the device ------------------------------------------------------------------------
     def _mirror(self, p: _Plan, cache: Any, need: int, busy: set) -> _Mirror:
-        """The device copy of ``cache``, current for positions 0..n_past-1 and with room for ``need``."""
+        """The device copy of ``cache``, current for positions 0..n_past-1 and with room for ``need``; its
+        recurrent state (hybrid models) current too."""
         m = self._mirrors.get(cache)
         p0 = cache.n_past
+        if p.has_state and cache._state_pos != p0:  # as KVCache.state says it on the host path
+            raise ValueError(f"the recurrent state is not at position {p0} (a step failed); the cache must be cleared")
         if m is not None and m.cap < need:  # grow: a larger copy, filled on the device
             old = m
-            m = self._new_mirror(p, cache, min(cache.n_ctx, max(need, 2 * old.cap)), busy)
+            m = self._new_mirror(p, cache, min(cache.n_ctx, max(need, 2 * old.cap)), busy, old.state)
             n = old.n_valid
             for src, dst in ((old.k, m.k), (old.v, m.v)):
                 for a, b in zip(src, dst):
-                    for h in range(p.Hkv):
+                    if a is None or b is None:
+                        continue
+                    for h in range(a.shape[0]):
                         b[h, :n].copy_to_device(a[h, :n], **({} if self.sim else {"stream": self.stream}))
             m.tokens[:n], m.shadow[:n] = old.tokens[:n], old.shadow[:n]
             m.n_valid, m.epoch = n, old.epoch
         elif m is None:
-            if cache.device_rows is not None:  # pragma: no cover - eviction and close copy rows back first
+            if cache.device_rows is not None or cache.device_state:  # pragma: no cover - eviction copies back first
                 raise BackendError("a KV cache lost the rows only the device held")
             m = self._new_mirror(p, cache, min(cache.n_ctx, need if self.sim else max(need, MIN_KV_CAP)), busy)
-        if not self._mirror_current(m, cache, p0):
+        current = self._mirror_current(p, m, cache, p0)
+        if not current:
             self._upload_cache(p, m, cache, p0)
+        # the host changed the state (a prefix copy, state load, truncation) or the conversation starts over
+        if p.has_state and (not current or p0 == 0 or m.epoch != cache.host_epoch):
+            self._upload_state(m, cache)
         m.epoch = cache.host_epoch
         self._clock += 1
         m.last_used = self._clock
         return m
 
-    def _new_mirror(self, p: _Plan, cache: Any, cap: int, busy: set) -> _Mirror:
+    def _new_mirror(self, p: _Plan, cache: Any, cap: int, busy: set, state: list | None = None) -> _Mirror:
+        """A device copy of ``cache`` with room for ``cap`` positions (``state``: the recurrent state arrays of
+        the copy it replaces, which do not depend on the capacity)."""
         self._evict(p, cap, busy)
-        k = [self._alloc((p.Hkv, cap, p.Dk), np.float16, "kv") for _ in range(p.n_layer)]
-        v = [self._alloc((p.Hkv, cap, p.Dv), np.float16, "kv") for _ in range(p.n_layer)]
-        m = _Mirror(cap=cap, k=k, v=v, tokens=np.zeros(cap, np.int32), shadow=np.zeros((cap, p.Hkv * p.Dk), np.float32))
-        m.nbytes = sum(a.nbytes for a in k) + sum(a.nbytes for a in v)
+        al = self._alloc
+        k = [None if s is None else al((s[0], cap, s[1]), np.float16, "kv") for s in p.kv_shapes]
+        v = [None if s is None or not s[2] else al((s[0], cap, s[2]), np.float16, "kv") for s in p.kv_shapes]
+        if state is None:
+            state = [None if sh is None else tuple(al(x, np.float32, "kv") for x in sh) for sh in p.states]
+        sh = p.kv_shapes[p.shadow_layer] if p.shadow_layer >= 0 else (0, 0, 0)
+        m = _Mirror(cap=cap, k=k, v=v, state=state, tokens=np.zeros(cap, np.int32),
+                    shadow=np.zeros((cap, sh[0] * sh[1]), np.float32), shadow_layer=p.shadow_layer)
+        m.nbytes = sum(a.nbytes for a in k + v + [x for st in state for x in st or ()] if a is not None)
         self._mirrors[cache] = m
         return m
 
     @staticmethod
-    def _mirror_current(m: _Mirror, cache: Any, p0: int) -> bool:
+    def _mirror_current(p: _Plan, m: _Mirror, cache: Any, p0: int) -> bool:
         if p0 == 0:
             return True
         if m.n_valid < p0 or not np.array_equal(m.tokens[:p0], cache.tokens[:p0]):
             return False
-        if m.epoch == cache.host_epoch:  # the host has not touched the rows since the device last looked
+        if m.epoch == cache.host_epoch or p.shadow_layer < 0:  # the host has not touched the rows since
             return True
         # it has (and holds every row now): a context shift, prefix copy or state load rewrites the newest
-        # row, compare layer 0's (the raw array: KVCache.k would count another access)
-        return bool(np.array_equal(cache._k[0][:, p0 - 1, :].reshape(-1), m.shadow[p0 - 1]))
+        # row, compare the first layer's with rows (the raw array: KVCache.k would count another access)
+        k = _host_kv(cache, p.shadow_layer)[0]
+        return bool(np.array_equal(k[:, p0 - 1, :].reshape(-1), m.shadow[p0 - 1]))
 
     def _upload_cache(self, p: _Plan, m: _Mirror, cache: Any, p0: int) -> None:
         log.debug("uploading %d cached positions to the device", p0)
@@ -750,49 +859,69 @@ class CudaBackend(Backend):
             raise BackendError("a KV cache's device rows would be overwritten by stale host rows")
         if p0:
             for i in range(p.n_layer):
-                k16 = cache._k[i][:, :p0, :].astype(np.float16)
-                v16 = cache._v[i][:, :p0, :].astype(np.float16)
-                for h in range(p.Hkv):
-                    m.k[i][h, :p0].copy_to_device(np.ascontiguousarray(k16[h]))
-                    m.v[i][h, :p0].copy_to_device(np.ascontiguousarray(v16[h]))
+                for dev, host in zip((m.k[i], m.v[i]), _host_kv(cache, i)):
+                    if dev is None:
+                        continue
+                    a16 = host[:, :p0, :].astype(np.float16)
+                    for h in range(dev.shape[0]):
+                        dev[h, :p0].copy_to_device(np.ascontiguousarray(a16[h]))
             self._shadow_from_host(m, cache, 0, p0)
             m.tokens[:p0] = cache.tokens[:p0]
         m.n_valid = p0
         m.graph = None
 
+    def _upload_state(self, m: _Mirror, cache: Any) -> None:
+        """The host's recurrent state (current: every host access brought the device's back first) to the device."""
+        for dev, host in zip(m.state, cache._state):
+            for a, b in zip(dev or (), host or ()):
+                self._h2d(a, b)
+
     def _flush(self, cache: Any) -> None:
         """``KVCache.device_sync``: copy the rows only the device holds (``cache.device_rows``) into the
-        host arrays, float16-rounded as the device stores them. Called before any host access to them."""
+        host arrays, float16-rounded as the device stores them, and the recurrent state the device holds
+        (``cache.device_state``). Called before any host access to them."""
         with self._lock:
             rows, cache.device_rows = cache.device_rows, None
+            state, cache.device_state = cache.device_state, False
             m = self._mirrors.get(cache)
-            if rows is None:
+            if rows is None and not state:
                 return
             if m is None:  # pragma: no cover - eviction and close copy rows back before dropping a copy
                 raise BackendError("a KV cache lost the rows only the device held")
+            self._sync()
+            if state:
+                for dev, host in zip(m.state, cache._state):
+                    for a, b in zip(dev or (), host or ()):
+                        b[...] = a.copy_to_host()
+            if rows is None:
+                return
             lo, hi = rows[0], min(rows[1], cache.n_past, m.n_valid)
             if hi <= lo:
                 return
             log.debug("copying %d device-only positions back to the host cache", hi - lo)
-            self._sync()
-            for dev, host in ((m.k, cache._k), (m.v, cache._v)):
-                for i, a in enumerate(dev):
-                    for h in range(a.shape[0]):
-                        host[i, h, lo:hi] = a[h, lo:hi].copy_to_host()
+            for i, (kd, vd) in enumerate(zip(m.k, m.v)):
+                for dev, host in zip((kd, vd), _host_kv(cache, i)):
+                    if dev is None:
+                        continue
+                    for h in range(dev.shape[0]):
+                        host[h, lo:hi] = dev[h, lo:hi].copy_to_host()
             self._shadow_from_host(m, cache, lo, hi)
 
     @staticmethod
     def _shadow_from_host(m: _Mirror, cache: Any, lo: int, hi: int) -> None:
-        """What the device saw of positions lo..hi-1: layer 0's keys as the host holds them (the raw array:
-        KVCache.k would count another host access), the rows _mirror_current compares."""
-        m.shadow[lo:hi] = cache._k[0][:, lo:hi, :].transpose(1, 0, 2).reshape(hi - lo, -1)
+        """What the device saw of positions lo..hi-1: the first layer with rows, its keys as the host holds
+        them (the raw array: KVCache.k would count another host access), the rows _mirror_current compares."""
+        if m.shadow_layer >= 0:
+            k = _host_kv(cache, m.shadow_layer)[0]
+            m.shadow[lo:hi] = k[:, lo:hi, :].transpose(1, 0, 2).reshape(hi - lo, -1)
 
     def _drop_mirror(self, cache: Any) -> None:
         self._flush(cache)  # rows only the device holds go to the host first
         self._mirrors.pop(cache, None)
 
     def _evict(self, p: _Plan, cap: int, busy: set) -> None:
-        need = p.n_layer * p.Hkv * cap * (p.Dk + p.Dv) * 2
+        need = 2 * cap * sum(s[0] * (s[1] + s[2]) for s in p.kv_shapes if s is not None)
+        need += 4 * sum(int(np.prod(x)) for sh in p.states if sh is not None for x in sh)
         live = [(m.last_used, id(c), c) for c, m in self._mirrors.items() if id(c) not in busy]
         live.sort()
         total = sum(m.nbytes for m in self._mirrors.values())
@@ -801,7 +930,6 @@ class CudaBackend(Backend):
                 break
             total -= self._mirrors[c].nbytes
             self._drop_mirror(c)
-
     # the forward pass ----------------------------------------------------------------------------
     def forward(self, model: Any, tokens: np.ndarray, segments: Sequence[Any]) -> list[np.ndarray | None] | None:
         """``Transformer.forward`` on the device; None when this model needs the host path.
@@ -844,19 +972,24 @@ class CudaBackend(Backend):
             self._ensure_logits(p, b, len(first))
             self._h2d(b.ip_dev, ip)
             graphable = (self.use_graphs and T == 1 and len(spans) == 1 and R == 1)
-            if graphable:
-                m = mirrors[0]
-                m.decode_steps += 1
-                if m.graph is None and m.decode_steps >= 2:
-                    m.graph = self._capture(p, b, spans, mirrors, len(first))
-                if m.graph is not None:
-                    m.graph.launch(stream=self.cp_stream)
+            try:
+                if graphable:
+                    m = mirrors[0]
+                    m.decode_steps += 1
+                    if m.graph is None and m.decode_steps >= 2:
+                        m.graph = self._capture(p, b, spans, mirrors, len(first))
+                    if m.graph is not None:
+                        m.graph.launch(stream=self.cp_stream)
+                    else:
+                        self._run(p, b, T, spans, mirrors, len(first))
                 else:
                     self._run(p, b, T, spans, mirrors, len(first))
-            else:
-                self._run(p, b, T, spans, mirrors, len(first))
-            results_rows = self._collect_logits(p, b, rows, T)
-            self._sync()
+                results_rows = self._collect_logits(p, b, rows, T)
+                self._sync()
+            except BaseException:
+                for seg in segments:  # a recurrent state may be half-updated: only its snapshot stays usable
+                    seg.cache.step_failed()
+                raise
             self._advance(spans, mirrors)
             return split_logits(spans, results_rows)
 
@@ -890,43 +1023,145 @@ class CudaBackend(Backend):
         return graph
 
     def _run(self, p: _Plan, b: _Buffers, T: int, spans: list, mirrors: list, nrows: int) -> None:
-        """Every kernel of one forward up to the first chunk of logits (graph-capturable)."""
-        lc, K = self.lc, self.k
-        NT = lc.threads
+        """Every kernel of one forward up to the first chunk of logits (graph-capturable for one token)."""
+        K = self.k
         ar = self._arange_dev(max(b.tcap, 1))
-        self._launch(K.dequant_rows(p.tok_embd.qtype), self._ew_grid(T * p.d // 8), NT, *p.tok_embd.args,
-                     b.ids, b.x, T, p.d, p.embed_scale)
-        qcol, kcol, vcol = 0, p.H * p.Dk, p.H * p.Dk + p.Hkv * p.Dk
+        self._launch(K.dequant_rows(p.tok_embd.qtype), self._ew_grid(T * p.d // 8), self.lc.threads,
+                     *p.tok_embd.args, b.ids, b.x, T, p.d, p.embed_scale)
         for i, L in enumerate(p.layers):
             eps = L["eps"]
             h = self._pre_norm(p, b, L["attn_norm"], T, eps, ar)
-            self._mm(L["wq"], h, T, b.qkv, qcol, L["wq.bias"])
-            self._mm(L["wk"], h, T, b.qkv, kcol, L["wk.bias"])
-            self._mm(L["wv"], h, T, b.qkv, vcol, L["wv.bias"])
-            for step in (("rope", "qk") if L["qk_after_rope"] else ("qk", "rope")):
-                if step == "qk" and L["q_norm"] is not None:
-                    hq, hk, dh = L["qk_heads"]
-                    self._norm(b.qkv, ar, L["q_norm"], b.qkv, T, qcol, hq, dh or p.H * p.Dk, eps, 0)
-                    self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, hk, dh or p.Hkv * p.Dk, eps, 0)
-                if step == "rope" and L["inv"] is not None:
-                    self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (L["rope_dim"] // 2)), NT, b.qkv, b.pos,
-                                 0, T, 0, p.H + p.Hkv, p.Dk, L["inv"], L["rope_dim"], L["neox"], L["msc"])
-            for (seg, s0, _), m in zip(spans, mirrors):
-                n = seg.n_tokens
-                self._launch(K.kv_store, self._ew_grid(n * p.Hkv * max(p.Dk, p.Dv)), NT, b.qkv, b.pos, s0, n,
-                             kcol, vcol, p.Hkv, p.Dk, p.Dv, m.k[i], m.v[i])
-                self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
-                             p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"],
-                             L["sinks"] if L["sinks"] is not None else self._dummy_bias, int(L["sinks"] is not None))
-            self._residual(p, b, L, "wo", b.attn, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
-            h = self._pre_norm(p, b, L["ffn_norm"], T, eps, ar)
-            if "moe" in L:
-                self._moe(p, L, b, T, ar, h)
+            if L["kind"] == "attn":
+                src = self._attend(p, i, L, b, T, h, spans, mirrors, ar)
             else:
-                self._mlp(p, L, b, T, h)
+                src = self._mixer(i, L, b, T, h, spans, mirrors, ar)
+            self._residual(p, b, L, "wo", src, T, L["post_attn_norm"], ar)  # x += [norm](Wo·attn)
+            if "moe" in L:
+                self._moe(p, L, b, T, ar, self._pre_norm(p, b, L["ffn_norm"], T, eps, ar))
+            elif "F" in L:  # a block without a feed-forward half (Nemotron-H, Mamba-2) has no "F"
+                self._mlp(p, L, b, T, self._pre_norm(p, b, L["ffn_norm"], T, eps, ar))
                 self._residual(p, b, L, "down", b.ff, T, L["post_ffn_norm"], ar)
         if nrows:
             self._logits_chunk(p, b, nrows)
+
+    def _attend(self, p: _Plan, i: int, L: dict, b: _Buffers, T: int, h: Any, spans: list, mirrors: list,
+                ar: Any) -> Any:
+        """Layer i's attention of the normed input h: projections, q/k norms, RoPE, cache append, attention
+        (per segment) into b.attn, which it returns; Qwen3.5's output gate applied there."""
+        lc, K, NT, eps = self.lc, self.k, self.lc.threads, L["eps"]
+        qcol, kcol, vcol = 0, p.H * p.Dk, p.H * p.Dk + p.Hkv * p.Dk
+        if L["out_gate"]:  # wq gives each head its query then its gate: queries into qkv, gates into og
+            self._mm(L["wq"], h, T, b.qg, 0, L["wq.bias"])
+            self._launch(K.split_gate, self._ew_grid(T * p.H * (p.Dk + p.Dv)), NT, b.qg, T, p.H, p.Dk, p.Dv, b.qkv,
+                         b.og)
+        else:
+            self._mm(L["wq"], h, T, b.qkv, qcol, L["wq.bias"])
+        self._mm(L["wk"], h, T, b.qkv, kcol, L["wk.bias"])
+        self._mm(L["wv"], h, T, b.qkv, vcol, L["wv.bias"])
+        for step in (("rope", "qk") if L["qk_after_rope"] else ("qk", "rope")):
+            if step == "qk" and L["q_norm"] is not None:
+                hq, hk, dh = L["qk_heads"]
+                self._norm(b.qkv, ar, L["q_norm"], b.qkv, T, qcol, hq, dh or p.H * p.Dk, eps, 0)
+                self._norm(b.qkv, ar, L["k_norm"], b.qkv, T, kcol, hk, dh or p.Hkv * p.Dk, eps, 0)
+            if step == "rope" and L["inv"] is not None:
+                self._launch(K.rope, self._ew_grid(T * (p.H + p.Hkv) * (L["rope_dim"] // 2)), NT, b.qkv, b.pos,
+                             0, T, 0, p.H + p.Hkv, p.Dk, L["inv"], L["rope_dim"], L["neox"], L["msc"])
+        for (seg, s0, _), m in zip(spans, mirrors):
+            n = seg.n_tokens
+            self._launch(K.kv_store, self._ew_grid(n * p.Hkv * max(p.Dk, p.Dv)), NT, b.qkv, b.pos, s0, n,
+                         kcol, vcol, p.Hkv, p.Dk, p.Dv, m.k[i], m.v[i])
+            self._launch(K.attention, lc.grid(n * p.H), NT, b.qkv, m.k[i], m.v[i], b.attn, b.pos, s0, n,
+                         p.H, p.Hkv, p.Dk, p.Dv, L["scale"], L["window"], L["softcap"],
+                         L["sinks"] if L["sinks"] is not None else self._dummy_bias, int(L["sinks"] is not None))
+        if L["out_gate"]:
+            self._launch(K.sigmoid_mul, self._ew_grid(T * p.H * p.Dv), NT, b.attn, b.og, T, p.H * p.Dv)
+        return b.attn
+
+    def _mixer(self, i: int, L: dict, b: _Buffers, T: int, h: Any, spans: list, mirrors: list, ar: Any) -> Any:
+        """Layer i's short convolution (LFM2), gated delta-net (Qwen3.5) or Mamba-2 mixer of the normed input h,
+        as minirt.forward's short_conv / delta_net / mamba2 compute it; returns the out_proj input (b.mix.out).
+
+        Buffer columns (B = b.mix): short conv: proj = B | C | x (3 d). Delta-net: proj = z (F = Hv·Dv) | o (F) |
+        qkv (conv_dim) | beta, alpha; conv = the convolution's output, q and k L2-normalised in place; the scan
+        writes o, normed per head in place, and out = silu(z)·o. Mamba-2: proj = z (d_inner) | xBC (conv_dim) |
+        dt (H); conv = silu(conv(xBC)) = x | B | C; the scan writes y over xBC's first d_inner columns (read
+        by then), out = silu(z)·y, group-normed in place. Each segment continues from its own cache rows or
+        recurrent state and leaves them after its last token; a prefill segment's state after its
+        next-to-last token goes to the host as the cache's snapshot (KVCache.snapshot), as on the host path."""
+        B, K, NT, lc = b.mix, self.k, self.lc.threads, self.lc
+        ew = self._ew_grid
+        kind, taps, w = L["kind"], L["taps"], L["conv"]
+        self._mm(L["in"], h, T, B.proj, 0 if kind != "delta" else 2 * L["Hv"] * L["Dv"], L["in.bias"])
+        if kind == "short":
+            d, Dh = L["d"], L["Dh"]
+            for (seg, s0, _), m in zip(spans, mirrors):
+                n = seg.n_tokens
+                self._launch(K.short_conv, ew(n * d), NT, B.proj, m.k[i], B.out, b.pos, s0, n, d, Dh, w, taps)
+                self._launch(K.short_conv_store, ew(n * d), NT, B.proj, m.k[i], b.pos, s0, n, d, Dh)
+            return B.out
+        cd = L["cd"]
+        if kind == "delta":
+            Hk, Hv, Dk, Dv = L["Hk"], L["Hv"], L["Dk"], L["Dv"]
+            F = Hv * Dv
+            scol, gcol = 2 * F, 2 * F + cd
+            self._mm(L["z"], h, T, B.proj, 0, L["z.bias"])
+            if "ba" in L:  # per key head: its value heads' beta rows, then their alpha rows
+                rep = Hv // Hk
+                self._mm(L["ba"], h, T, B.proj, gcol, L["ba.bias"])
+                gates = (gcol, gcol + rep, rep, 2 * rep)
+            else:
+                self._mm(L["beta"], h, T, B.proj, gcol, L["beta.bias"])
+                self._mm(L["alpha"], h, T, B.proj, gcol + Hv, L["alpha.bias"])
+                gates = (gcol, gcol + Hv, Hv, 0)
+            self._launch(K.dn_gates, ew(T * Hv), NT, B.proj, *gates, T, Hv, L["dt_bias"], L["a"], B.gates)
+            bias, has_bias = self._dummy_bias, 0
+        else:
+            di, H, P, N, G = L["di"], L["H"], L["P"], L["N"], L["G"]
+            scol = di
+            bias, has_bias = (L["conv_b"], 1) if L["conv_b"] is not None else (self._dummy_bias, 0)
+        snaps = []
+        for (seg, s0, _), m in zip(spans, mirrors):
+            n = seg.n_tokens
+            conv_state = m.state[i][0]
+            self._launch(K.rconv, ew(n * cd), NT, B.proj, scol, conv_state, B.conv, s0, n, cd, w, taps, bias,
+                         has_bias)
+            if n > 1:  # the convolution inputs after n - 1 tokens, for the snapshot
+                snap = self._alloc(conv_state.shape, np.float32, "temp")
+                self._launch(K.rconv_state, ew(cd), NT, B.proj, scol, conv_state, snap, s0, n - 1, cd, taps)
+                snaps.append(snap)
+            self._launch(K.rconv_state, ew(cd), NT, B.proj, scol, conv_state, conv_state, s0, n, cd, taps)
+        if kind == "delta":
+            self._launch(K.l2norm, lc.grid(T * 2 * Hk), NT, B.conv, T, 0, 2 * Hk, Dk, L["norm_eps"])
+
+            def scan(S: Any, r0: int, n: int) -> None:
+                self._launch(K.delta_scan, ew(Hv * Dv), NT, B.conv, B.gates, B.proj, F, S, r0, n, Hk, Hv, Dk, Dv,
+                             L["grouped"], L["qscale"])
+        else:
+            def scan(S: Any, r0: int, n: int) -> None:
+                self._launch(K.ssm_scan, ew(H * P), NT, B.conv, B.proj, di + cd, L["dt_bias"], L["a"], L["dskip"],
+                             B.proj, di, S, r0, n, H, P, N, G)
+        for (seg, s0, p0), m in zip(spans, mirrors):
+            n = seg.n_tokens
+            S = m.state[i][1]
+            if n == 1:
+                scan(S, s0, 1)
+                continue
+            scan(S, s0, n - 1)
+            conv_snap = np.empty(snaps[0].shape, np.float32)
+            s_snap = np.empty(S.shape, np.float32)
+            self._d2h(snaps.pop(0), conv_snap)
+            self._d2h(S, s_snap)
+            self._sync()
+            seg.cache.snapshot(i, p0 + n - 1, conv_snap, s_snap)
+            scan(S, s0 + n - 1, 1)
+        if kind == "delta":
+            self._norm(B.proj, ar, L["norm"], B.proj, T, F, Hv, Dv, L["norm_eps"], 0)
+            self._launch(K.act_mul, ew(T * F), NT, B.proj, B.out, T, F, 0, _NO_PARAM, _NO_PARAM)
+        else:
+            self._launch(K.act_mul, ew(T * di), NT, B.proj, B.out, T, di, 0, _NO_PARAM, _NO_PARAM)
+            if L["norm"] is not None:
+                self._norm(B.out, ar, L["norm"], B.out, T, 0, G, di // G, L["norm_eps"], 0, di // G)
+        return B.out
 
     def _residual(self, p: _Plan, b: _Buffers, L: dict, key: str, src: Any, T: int, post: Any, ar: Any) -> None:
         """x += W·src, or x += norm(W·src) when the block has a post-norm there; src is first scaled by
@@ -939,9 +1174,10 @@ class CudaBackend(Backend):
         self._norm(b.a, ar, post, b.x, T, 0, 1, p.d, L["eps"], 1)
 
     def _norm(self, x: Any, rows: Any, w: Any, out: Any, n: int, col: int, nheads: int, D: int,
-              eps: np.float32, add: int) -> None:
+              eps: np.float32, add: int, wh: int = 0) -> None:
+        """RMSNorm of nheads heads of D columns from col (see the kernel); wh: D where each head has its own gains."""
         self._launch(self.k.rmsnorm, self.lc.grid(n * nheads), self.lc.threads, x, rows, w, out, n, col, nheads,
-                     D, eps, add)
+                     D, eps, add, wh)
 
     def _pre_norm(self, p: _Plan, b: _Buffers, w: Any, T: int, eps: np.float32, ar: Any) -> Any:
         """The sublayer's input: norm(x) in b.h, or x itself for a block without that pre-norm (OLMo 2)."""
@@ -951,8 +1187,12 @@ class CudaBackend(Backend):
         return b.h
 
     def _mlp(self, p: _Plan, L: dict, b: _Buffers, T: int, h: Any) -> None:
-        """ff[:, :F] = act(Wgate·h) * (Wup·h), F the layer's width."""
+        """ff[:, :F] = act(Wgate·h) * (Wup·h), or act(Wup·h) without a gate; F the layer's width."""
         lc, F = self.lc, L["F"]
+        if not L["gated"]:
+            self._mm(L["up"], h, T, b.gu, 0, L["up.bias"])
+            self._launch(self.k.act, self._ew_grid(T * F), lc.threads, b.ff, T, F, L["act"])
+            return
         if L["glu"] and T <= lc.mv_max_tokens and L["gate.bias"] is None and L["up.bias"] is None:
             g, u = L["gate"], L["up"]
             rpb = lc.mv_threads // lc.tpr(p.d)
@@ -980,9 +1220,13 @@ class CudaBackend(Backend):
                      selb if selb is not None else self._dummy_bias, int(selb is not None), M["norm"],
                      M["scale"] * L["res_scale"], B.ids, B.w)
         if T <= lc.mv_max_tokens:
-            self._mm_id(M["gate.all"], M["gate.off"], B.ids, h, k, P, B.eg, 0, Fe, M["gate.bias"])
-            self._mm_id(M["up.all"], M["up.off"], B.ids, h, k, P, B.eg, Fe, Fe, M["up.bias"])
-            self._launch(K.act_mul, self._ew_grid(P * Fe), lc.threads, B.eg, B.ea, P, Fe, act, *M["act_params"])
+            if M["gated"]:
+                self._mm_id(M["gate.all"], M["gate.off"], B.ids, h, k, P, B.eg, 0, Fe, M["gate.bias"])
+                self._mm_id(M["up.all"], M["up.off"], B.ids, h, k, P, B.eg, Fe, Fe, M["up.bias"])
+                self._launch(K.act_mul, self._ew_grid(P * Fe), lc.threads, B.eg, B.ea, P, Fe, act, *M["act_params"])
+            else:
+                self._mm_id(M["up.all"], M["up.off"], B.ids, h, k, P, B.eg, 0, Fe, M["up.bias"])
+                self._launch(K.act, self._ew_grid(P * Fe), lc.threads, B.ea, P, Fe, act)
             self._mm_id(M["down.all"], M["down.off"], B.ids, B.ea, 1, P, B.ey, 0, d, M["down.bias"])
         else:
             self._d2h(B.ids[:P], B.ids_host[:P])
@@ -995,13 +1239,18 @@ class CudaBackend(Backend):
             for e in np.flatnonzero(counts):
                 n = int(counts[e])
                 self._launch(K.pairs_gather, self._ew_grid(n * d), lc.threads, h, B.order, start, n, k, B.xg, d)
-                self._mm(M["gate"][e], B.xg, n, B.eg, 0, M["gate.biases"][e])
-                self._mm(M["up"][e], B.xg, n, B.eg, Fe, M["up.biases"][e])
-                self._launch(K.act_mul, self._ew_grid(n * Fe), lc.threads, B.eg, B.ea, n, Fe, act, *M["act_params"])
+                if M["gated"]:
+                    self._mm(M["gate"][e], B.xg, n, B.eg, 0, M["gate.biases"][e])
+                    self._mm(M["up"][e], B.xg, n, B.eg, Fe, M["up.biases"][e])
+                    self._launch(K.act_mul, self._ew_grid(n * Fe), lc.threads, B.eg, B.ea, n, Fe, act,
+                                 *M["act_params"])
+                else:
+                    self._mm(M["up"][e], B.xg, n, B.eg, 0, M["up.biases"][e])
+                    self._launch(K.act, self._ew_grid(n * Fe), lc.threads, B.ea, n, Fe, act)
                 self._mm(M["down"][e], B.ea, n, B.yg, 0, M["down.biases"][e])
                 self._launch(K.pairs_scatter, self._ew_grid(n * d), lc.threads, B.yg, B.order, start, n, B.ey, d)
                 start += n
-        has_sh, sg = "gate" in L, M["shared_gate"]
+        has_sh, sg = "F" in L, M["shared_gate"]  # "F": the width of a shared expert
         if has_sh:
             self._mlp(p, L, b, T, h)
             self._scale(b.ff, T, L["F"], L["res_scale"])
@@ -1061,6 +1310,9 @@ class CudaBackend(Backend):
             m.tokens[p0:p1] = cache.tokens[p0:p1]
             m.n_valid = p1
             cache.n_past = p1
+            if cache.has_state:  # the live state is the device's now (KVCache.state brings it back)
+                cache.device_state = True
+                cache.step_done(seg.n_tokens)
             r = cache.device_rows
             cache.device_rows = (p0 if r is None else min(r[0], p0), p1)
             cache.device_sync = self._flush
@@ -1137,6 +1389,14 @@ class CudaBackend(Backend):
                     pass
                 if self._cp is not None:
                     self._cp.get_default_memory_pool().free_all_blocks()
+
+
+def _host_kv(cache: Any, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer i's host rows (heads, n_ctx, width) of keys and values, without counting a host access (the
+    raw arrays, or a layer's carved views when the layers' shapes differ)."""
+    if cache._views is not None:  # None: a layer without rows of its own
+        return cache._views[i] or (None, None)
+    return cache._k[i], cache._v[i]
 
 
 def _ptr(a: Any) -> int:

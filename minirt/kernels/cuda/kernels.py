@@ -142,6 +142,7 @@ class Kernels:
         self.kv_store = _make_kv_store()
         self.attention = _make_attention(NT, cfg.max_head_dim, self.block_sum, self.block_max)
         self.act_mul = _make_act_mul()
+        self.act = _make_act()
         self.bias_add = _make_bias_add()
         self.softcap = _make_softcap()
         self.scale_rows = _make_scale_rows()
@@ -149,6 +150,13 @@ class Kernels:
         self.route = _make_route()
         self.pairs_gather, self.pairs_scatter = _make_pair_moves()
         self.moe_combine = _make_moe_combine()
+        self.split_gate, self.sigmoid_mul = _make_out_gate()
+        self.l2norm = _make_l2norm(NT, self.block_sum)
+        self.short_conv, self.short_conv_store = _make_short_conv()
+        self.rconv, self.rconv_state = _make_rconv()
+        self.dn_gates = _make_dn_gates()
+        self.delta_scan = _make_delta_scan(cfg.max_head_dim)
+        self.ssm_scan = _make_ssm_scan(cfg.max_head_dim)
         self._mvid: dict[tuple[str, int], Any] = {}
 
     # per-type kernels ------------------------------------------------------------------------
@@ -454,13 +462,14 @@ def _make_dequant_rows(deq: Callable) -> Any:
 def _make_rmsnorm(NT: int, block_sum: Callable) -> Any:
     """RMSNorm over heads of D features: one block per (row, head), grid-stride.
 
-    ``out[i, col + h*D + c] (=|+=) x[rows[i], col + h*D + c] / sqrt(mean_c(x^2) + eps) * w[c]``
+    ``out[i, col + h*D + c] (=|+=) x[rows[i], col + h*D + c] / sqrt(mean_c(x^2) + eps) * w[h*wh + c]``
     (``+=`` when add). Plain norms use nheads=1, D=n_embd; Qwen3/Gemma's per-head q/k norms use
-    the head layout of the fused q|k|v buffer (out is x itself there).
+    the head layout of the fused q|k|v buffer (out is x itself there). ``wh``: 0 where every head
+    shares the gains (D,), D where each head has its own (Mamba-2's grouped norm, gains (nheads*D,)).
     """
 
     @cuda.jit
-    def rmsnorm(x, rows, w, out, n, col, nheads, D, eps, add):
+    def rmsnorm(x, rows, w, out, n, col, nheads, D, eps, add, wh):
         tid = cuda.threadIdx.x
         red = cuda.shared.array(NT, float32)
         for item in range(cuda.blockIdx.x, n * nheads, cuda.gridDim.x):
@@ -474,8 +483,9 @@ def _make_rmsnorm(NT: int, block_sum: Callable) -> Any:
                 s += v * v
             ms = block_sum(red, tid, s) / float32(D)
             inv = float32(1.0) / math.sqrt(ms + eps)
+            w0 = h * wh
             for c in range(tid, D, NT):
-                v = x[src, c0 + c] * inv * w[c]
+                v = x[src, c0 + c] * inv * w[w0 + c]
                 if add:
                     out[i, c0 + c] += v
                 else:
@@ -644,6 +654,29 @@ def _make_act_mul() -> Any:
     return act_mul
 
 
+def _make_act() -> Any:
+    """y[t, c] = act(y[t, c]) in place for t < n, c < F: an MLP without a gate, down(act(up(x))); SiLU kind 0,
+    GELU-tanh kind 1, squared ReLU kind 3 (Nemotron-H)."""
+
+    @cuda.jit
+    def act(y, n, F, kind):
+        for idx in range(cuda.grid(1), n * F, cuda.gridsize(1)):
+            t = idx // F
+            c = idx - t * F
+            a = y[t, c]
+            if kind == 0:
+                a = a / (float32(1.0) + math.exp(-a))
+            elif kind == 1:
+                a = float32(0.5) * a * (float32(1.0) + math.tanh(
+                    float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
+            else:
+                a = max(a, float32(0.0))
+                a = a * a
+            y[t, c] = a
+
+    return act
+
+
 MAX_EXPERTS_USED = 16  # most experts a token may choose (route's local array)
 
 
@@ -804,6 +837,248 @@ def _make_softcap() -> Any:
             y[t, c] = math.tanh(y[t, c] / cap) * cap
 
     return softcap
+
+
+# ---------------------------------------------------------------------------------------------
+# what takes attention's place in hybrid models (LFM2, Qwen3.5, Mamba-2), and Qwen3.5's output gate
+# ---------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _softplus(x):
+    # log(1 + e^x) without overflow (numpy's logaddexp(0, x))
+    return max(x, float32(0.0)) + math.log1p(math.exp(-abs(x)))
+
+
+@cuda.jit(device=True)
+def _sigmoid(x):
+    # the tanh form minirt.blocks.sigmoid uses: no overflow for large |x|
+    return float32(0.5) * math.tanh(float32(0.5) * x) + float32(0.5)
+
+
+def _make_out_gate() -> tuple[Any, Any]:
+    """Qwen3.5's gated attention. ``split_gate``: src (T, H*(Dk+Dv)) holds per head its query (Dk)
+    then its output gate (Dv); queries go to qkv[t, h*Dk + d], gates to gate[t, h*Dv + d].
+    ``sigmoid_mul``: y[t, c] *= sigmoid(g[t, c]) for t < n, c < N."""
+
+    @cuda.jit
+    def split_gate(src, T, H, Dk, Dv, qkv, gate):
+        W = Dk + Dv
+        for idx in range(cuda.grid(1), T * H * W, cuda.gridsize(1)):
+            t = idx // (H * W)
+            r = idx - t * H * W
+            h = r // W
+            d = r - h * W
+            if d < Dk:
+                qkv[t, h * Dk + d] = src[t, r]
+            else:
+                gate[t, h * Dv + d - Dk] = src[t, r]
+
+    @cuda.jit
+    def sigmoid_mul(y, g, n, N):
+        for idx in range(cuda.grid(1), n * N, cuda.gridsize(1)):
+            t = idx // N
+            c = idx - t * N
+            y[t, c] *= _sigmoid(g[t, c])
+
+    return split_gate, sigmoid_mul
+
+
+def _make_l2norm(NT: int, block_sum: Callable) -> Any:
+    """x[t, col + h*D + c] /= max(||x[t, col + h*D : col + (h+1)*D]||, eps) in place, t < n, h < nheads
+    (ggml's l2_norm, :func:`minirt.blocks.l2_normalize`); one block per (row, head)."""
+
+    @cuda.jit
+    def l2norm(x, n, col, nheads, D, eps):
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array(NT, float32)
+        for item in range(cuda.blockIdx.x, n * nheads, cuda.gridDim.x):
+            t = item // nheads
+            c0 = col + (item - t * nheads) * D
+            s = float32(0.0)
+            for c in range(tid, D, NT):
+                v = x[t, c0 + c]
+                s += v * v
+            inv = float32(1.0) / max(math.sqrt(block_sum(red, tid, s)), eps)
+            for c in range(tid, D, NT):
+                x[t, c0 + c] *= inv
+            cuda.syncthreads()
+
+    return l2norm
+
+
+def _make_short_conv() -> tuple[Any, Any]:
+    """LFM2's gated short convolution of one segment, rows row0..row0+n-1 at positions pos[t].
+
+    bcx (T, 3d) holds B | C | x; the cache layer Kc (Hc, cap, d/Hc) float16 keeps B·x of every earlier
+    position (channel c at head c // Dh, column c % Dh). ``short_conv``: out[t, c] = C[t, c] * sum_j
+    w[c, j] * bx(pos[t] - taps + 1 + j, c), bx of this segment's own positions exact from bcx (as the
+    host path reads them), earlier ones from the cache, zero before position 0. ``short_conv_store``
+    appends this segment's B·x to the cache."""
+
+    @cuda.jit
+    def short_conv(bcx, Kc, out, pos, row0, n, d, Dh, w, L):
+        pseg = pos[row0]
+        for idx in range(cuda.grid(1), n * d, cuda.gridsize(1)):
+            i = idx // d
+            c = idx - i * d
+            t = row0 + i
+            p = pos[t]
+            h = c // Dh
+            e = c - h * Dh
+            acc = float32(0.0)
+            for j in range(L):
+                q = p - L + 1 + j
+                if q >= pseg:
+                    t2 = row0 + q - pseg
+                    acc += w[c, j] * (bcx[t2, c] * bcx[t2, 2 * d + c])
+                elif q >= 0:
+                    acc += w[c, j] * float32(Kc[h, q, e])
+            out[t, c] = bcx[t, d + c] * acc
+
+    @cuda.jit
+    def short_conv_store(bcx, Kc, pos, row0, n, d, Dh):
+        for idx in range(cuda.grid(1), n * d, cuda.gridsize(1)):
+            i = idx // d
+            c = idx - i * d
+            t = row0 + i
+            h = c // Dh
+            Kc[h, pos[t], c - h * Dh] = bcx[t, c] * bcx[t, 2 * d + c]
+
+    return short_conv, short_conv_store
+
+
+def _make_rconv() -> tuple[Any, Any]:
+    """The causal depthwise convolution in front of a delta-net or Mamba-2 scan, for one segment.
+
+    Its inputs are the taps − 1 rows of ``state`` (taps − 1, C) then the segment's rows src[row0 + i,
+    scol : scol + C], i < n. ``rconv``: out[row0 + i, c] = silu(bias[c] + sum_j w[c, j] * input(i + j))
+    (bias when has_bias). ``rconv_state``: dst = the taps − 1 inputs after the first ``shift`` rows, i.e.
+    the state after ``shift`` tokens; dst may be state itself (one thread per channel walks its rows
+    upwards, each read above the rows written before it)."""
+
+    @cuda.jit
+    def rconv(src, scol, state, out, row0, n, C, w, L, bias, has_bias):
+        for idx in range(cuda.grid(1), n * C, cuda.gridsize(1)):
+            i = idx // C
+            c = idx - i * C
+            acc = float32(0.0)
+            if has_bias:
+                acc = bias[c]
+            for j in range(L):
+                r = i + j  # index into [state rows | segment rows]
+                if r < L - 1:
+                    acc += w[c, j] * state[r, c]
+                else:
+                    acc += w[c, j] * src[row0 + r - (L - 1), scol + c]
+            out[row0 + i, c] = acc / (float32(1.0) + math.exp(-acc))
+
+    @cuda.jit
+    def rconv_state(src, scol, state, dst, row0, shift, C, L):
+        for c in range(cuda.grid(1), C, cuda.gridsize(1)):
+            for j in range(L - 1):
+                r = shift + j
+                if r < L - 1:
+                    dst[j, c] = state[r, c]
+                else:
+                    dst[j, c] = src[row0 + r - (L - 1), scol + c]
+
+    return rconv, rconv_state
+
+
+def _make_dn_gates() -> Any:
+    """The delta-net's per (token, value head) gates: g[t, j] = exp(a[j] * softplus(alpha + dt_bias[j]))
+    (the decay) and g[t, Hv + j] = sigmoid(beta), for t < T, j < Hv. Value head j's beta sits at
+    proj[t, bcol + (j // rep) * grp + j % rep] and its alpha at acol + the same offset (separate
+    projections: rep = Hv, grp = 0; Qwen3-Next's ba_proj: per key head rep beta then rep alpha rows)."""
+
+    @cuda.jit
+    def dn_gates(proj, bcol, acol, rep, grp, T, Hv, dt_bias, a, g):
+        for idx in range(cuda.grid(1), T * Hv, cuda.gridsize(1)):
+            t = idx // Hv
+            j = idx - t * Hv
+            off = (j // rep) * grp + j % rep
+            g[t, j] = math.exp(a[j] * _softplus(proj[t, acol + off] + dt_bias[j]))
+            g[t, Hv + j] = _sigmoid(proj[t, bcol + off])
+
+    return dn_gates
+
+
+def _make_delta_scan(MAXD: int) -> Any:
+    """The gated delta rule over one segment's rows row0..row0+n-1 (:func:`minirt.blocks.delta_rule`).
+
+    qkv (T, 2*Hk*Dk + Hv*Dv): the convolution's output with q and k L2-normalised; value head j reads key
+    head j // (Hv/Hk) when grouped, else j % Hk; g from dn_gates; S (Hv, Dk, Dv) the sequence's state,
+    updated. One thread per (value head, value column) keeps its column of S (Dk <= MAXD) in local
+    memory over the tokens: S = decay S; S += k (beta (v - S^T k)); out[t, ocol + j*Dv + e] = S^T q * qscale."""
+
+    @cuda.jit
+    def delta_scan(qkv, g, out, ocol, S, row0, n, Hk, Hv, Dk, Dv, grouped, qscale):
+        col = cuda.local.array(MAXD, float32)
+        rep = Hv // Hk
+        for idx in range(cuda.grid(1), Hv * Dv, cuda.gridsize(1)):
+            j = idx // Dv
+            e = idx - j * Dv
+            kh = j // rep if grouped else j % Hk
+            q0 = kh * Dk
+            k0 = Hk * Dk + kh * Dk
+            v0 = 2 * Hk * Dk + j * Dv + e
+            for r in range(Dk):
+                col[r] = S[j, r, e]
+            for t in range(row0, row0 + n):
+                dec = g[t, j]
+                kv = float32(0.0)
+                for r in range(Dk):
+                    s = col[r] * dec
+                    col[r] = s
+                    kv += s * qkv[t, k0 + r]
+                delta = (qkv[t, v0] - kv) * g[t, Hv + j]
+                o = float32(0.0)
+                for r in range(Dk):
+                    s = col[r] + qkv[t, k0 + r] * delta
+                    col[r] = s
+                    o += s * qkv[t, q0 + r]
+                out[t, ocol + j * Dv + e] = o * qscale
+            for r in range(Dk):
+                S[j, r, e] = col[r]
+
+    return delta_scan
+
+
+def _make_ssm_scan(MAXD: int) -> Any:
+    """Mamba-2's selective scan over one segment's rows row0..row0+n-1 (:func:`minirt.blocks.ssm_scan`),
+    the D skip included.
+
+    xbc (T, H*P + 2*G*N): the convolution's output x | B | C; dt raw at proj[t, dtcol + h] (softplus of it
+    plus dt_bias[h] here); head h reads group h // (H/G); S (H, P, N) updated. One thread per (head, row
+    p) keeps its row of S (N <= MAXD) in local memory: S = exp(dt a) S + (dt x) B; out[t, ocol + h*P + p]
+    = S C + d_skip x."""
+
+    @cuda.jit
+    def ssm_scan(xbc, proj, dtcol, dt_bias, a, dskip, out, ocol, S, row0, n, H, P, N, G):
+        row = cuda.local.array(MAXD, float32)
+        rep = H // G
+        for idx in range(cuda.grid(1), H * P, cuda.gridsize(1)):
+            h = idx // P
+            p = idx - h * P
+            g = h // rep
+            b0 = H * P + g * N
+            c0 = H * P + G * N + g * N
+            for r in range(N):
+                row[r] = S[h, p, r]
+            for t in range(row0, row0 + n):
+                dt = _softplus(proj[t, dtcol + h] + dt_bias[h])
+                dec = math.exp(dt * a[h])
+                x = xbc[t, h * P + p]
+                dx = dt * x
+                y = float32(0.0)
+                for r in range(N):
+                    s = row[r] * dec + dx * xbc[t, b0 + r]
+                    row[r] = s
+                    y += s * xbc[t, c0 + r]
+                out[t, ocol + h * P + p] = y + dskip[h] * x
+            for r in range(N):
+                S[h, p, r] = row[r]
+
+    return ssm_scan
 
 
 def _make_argmax(NT: int) -> Any:

@@ -181,8 +181,9 @@ def _gelu(a: np.ndarray) -> np.ndarray:
 
 def check_act_mul(be: Any, T: int, F: int, rng: np.random.Generator) -> list[Check]:
     """SiLU, GELU-tanh and gpt-oss' clamped SwiGLU (:func:`minirt.blocks.swiglu_oai`, alpha 1.702,
-    limit 7 as the released models set them; the inputs reach beyond the limit)."""
-    from ...blocks import swiglu_oai
+    limit 7 as the released models set them; the inputs reach beyond the limit); the ungated activations in
+    place (:func:`minirt.blocks.activation`) and Qwen3.5's output-gate split and sigmoid product."""
+    from ...blocks import activation, sigmoid, swiglu_oai
 
     out = []
     alpha, limit = np.float32(1.702), np.float32(7.0)
@@ -194,6 +195,25 @@ def check_act_mul(be: Any, T: int, F: int, rng: np.random.Generator) -> list[Che
         ref = (swiglu_oai(gu[:, :F], gu[:, F:], float(alpha), float(limit)) if kind == 2 else
                (_silu(a) if kind == 0 else _gelu(a)) * gu[:, F:])
         out.append(Check(f"act_mul {name}", rel_err(o.copy_to_host(), ref), 1e-5))
+    for kind, name in ((0, "silu"), (1, "gelu_tanh"), (3, "relu2")):  # ungated MLPs, in place
+        y = (rng.standard_normal((T, F + 2)) * 4).astype(np.float32)
+        yd = _dev(y)
+        be._launch(be.k.act, be._ew_grid(T * F), be.lc.threads, yd, T, F, kind)
+        ref = y.copy()
+        ref[:, :F] = activation(name, y[:, :F])
+        out.append(Check(f"act {name}", rel_err(yd.copy_to_host(), ref), 1e-5))
+    # Qwen3.5's gated attention: per head a query then a gate, split; then the output times sigmoid(gate)
+    H, Dk, Dv = 3, 4, 2
+    src = rng.standard_normal((T, H * (Dk + Dv))).astype(np.float32) * 3
+    qkv, gate = cuda.device_array((T, H * Dk + 5), np.float32), cuda.device_array((T, H * Dv), np.float32)
+    be._launch(be.k.split_gate, be._ew_grid(T * H * (Dk + Dv)), be.lc.threads, _dev(src), T, H, Dk, Dv, qkv, gate)
+    heads = src.reshape(T, H, Dk + Dv)
+    att = rng.standard_normal((T, H * Dv)).astype(np.float32)
+    ad = _dev(att)
+    be._launch(be.k.sigmoid_mul, be._ew_grid(T * H * Dv), be.lc.threads, ad, gate, T, H * Dv)
+    err = max(rel_err(qkv.copy_to_host()[:, :H * Dk], heads[:, :, :Dk].reshape(T, -1)),
+              rel_err(ad.copy_to_host(), att * sigmoid(heads[:, :, Dk:].reshape(T, -1))))
+    out.append(Check("out gate split / sigmoid", err, 1e-5))
     return out
 
 
@@ -304,6 +324,111 @@ def check_attention(be: Any, n: int, p0: int, H: int, Hkv: int, D: int, window: 
     return _timed(run)
 
 
+def check_recurrent(be: Any, n: int, rng: np.random.Generator, real: bool = False) -> list[Check]:
+    """The hybrid mixers' kernels over a segment of n rows (starting at row 2 of a larger batch) against
+    :mod:`minirt.blocks`: the convolution with its state (:func:`~minirt.blocks.causal_conv`, SiLU) and the
+    state it leaves, the L2 norm, the delta-net's gates and scan (:func:`~minirt.blocks.delta_rule`, tiled and
+    grouped key heads), Mamba-2's scan with its D skip (:func:`~minirt.blocks.ssm_scan`) and LFM2's short
+    convolution over cached float16 rows."""
+    from ... import blocks
+
+    out: list[Check] = []
+    s0, L = 2, 4
+    T = s0 + n
+    Hk, Hv, Dk, Dv = (4, 16, 128, 128) if real else (2, 4, 8, 4)
+    cd = 2 * Hk * Dk + Hv * Dv
+    # convolution with state
+    src = rng.standard_normal((T, 3 + cd)).astype(np.float32)
+    st = rng.standard_normal((L - 1, cd)).astype(np.float32)
+    w = rng.standard_normal((cd, L)).astype(np.float32) * 0.5
+    bias = rng.standard_normal(cd).astype(np.float32) * 0.1
+    rows = np.concatenate([st, src[s0:, 3:]])
+    ref = blocks.silu(blocks.causal_conv(rows, w, bias))
+    conv, std, snap = cuda.device_array((T, cd), np.float32), _dev(st), cuda.device_array((L - 1, cd), np.float32)
+    be._launch(be.k.rconv, be._ew_grid(n * cd), be.lc.threads, _dev(src), 3, std, conv, s0, n, cd, _dev(w), L,
+               _dev(bias), 1)
+    be._launch(be.k.rconv_state, be._ew_grid(cd), be.lc.threads, _dev(src), 3, std, snap, s0, n - 1, cd, L)
+    be._launch(be.k.rconv_state, be._ew_grid(cd), be.lc.threads, _dev(src), 3, std, std, s0, n, cd, L)
+    got = conv.copy_to_host()[s0:]
+    out.append(Check(f"conv+silu n{n}", rel_err(got, ref), 1e-5))
+    out.append(Check(f"conv state n{n}", max(rel_err(std.copy_to_host(), rows[n:]),
+                                             rel_err(snap.copy_to_host(), rows[n - 1:n - 1 + L - 1])), 0.0))
+    # L2 norm of q | k heads in place, then the gated delta rule from a random state
+    x = np.zeros((T, cd), np.float32)
+    x[s0:] = got
+    xd = _dev(x)
+    eps = np.float32(1e-6)
+    be._launch(be.k.l2norm, be.lc.grid(T * 2 * Hk), be.lc.threads, xd, T, 0, 2 * Hk, Dk, eps)
+    qk = blocks.l2_normalize(x[:, :2 * Hk * Dk].reshape(T, 2 * Hk, Dk), float(eps)).reshape(T, -1)
+    out.append(Check("l2norm heads", rel_err(xd.copy_to_host()[:, :2 * Hk * Dk], qk), 1e-5))
+    proj = rng.standard_normal((T, 5 + 2 * Hv)).astype(np.float32) * 2
+    dt_bias = rng.standard_normal(Hv).astype(np.float32) * 0.5
+    a = -rng.uniform(0.5, 2.0, Hv).astype(np.float32)
+    gates = cuda.device_array((T, 2 * Hv), np.float32)
+    be._launch(be.k.dn_gates, be._ew_grid(T * Hv), be.lc.threads, _dev(proj), 5, 5 + Hv, Hv, 0, T, Hv, _dev(dt_bias),
+               _dev(a), gates)
+    decay = np.exp(a * np.logaddexp(0.0, proj[:, 5 + Hv:] + dt_bias))
+    beta = blocks.sigmoid(proj[:, 5:5 + Hv])
+    out.append(Check("delta-net gates", rel_err(gates.copy_to_host(), np.concatenate([decay, beta], 1)), 1e-5))
+    rep = Hv // Hk
+    xs = xd.copy_to_host()[s0:]
+    for grouped in (0, 1):
+        S0 = rng.standard_normal((Hv, Dk, Dv)).astype(np.float32) * 0.3
+        q = xs[:, :Hk * Dk].reshape(n, Hk, Dk)
+        k = xs[:, Hk * Dk:2 * Hk * Dk].reshape(n, Hk, Dk)
+        v = xs[:, 2 * Hk * Dk:].reshape(n, Hv, Dv)
+        heads = (lambda z: np.repeat(z, rep, axis=1)) if grouped else (lambda z: np.tile(z, (1, rep, 1)))
+        S_ref = S0.copy()
+        o_ref = blocks.delta_rule(S_ref, heads(q) / np.sqrt(Dk), heads(k), v, decay[s0:], beta[s0:])
+        Sd = _dev(S0)
+        o = cuda.device_array((T, 3 + Hv * Dv), np.float32)
+        be._launch(be.k.delta_scan, be._ew_grid(Hv * Dv), be.lc.threads, xd, gates, o, 3, Sd, s0, n, Hk, Hv, Dk,
+                   Dv, grouped, np.float32(1.0 / np.sqrt(Dk)))
+        err = max(rel_err(o.copy_to_host()[s0:, 3:], o_ref.reshape(n, -1)), rel_err(Sd.copy_to_host(), S_ref))
+        out.append(Check(f"delta scan {'grouped' if grouped else 'tiled'} n{n}", err, 1e-5))
+    # Mamba-2's scan: H heads of P in G groups of state N
+    H, P, N, G = (48, 64, 128, 1) if real else (4, 3, 8, 2)
+    xbc = rng.standard_normal((T, H * P + 2 * G * N)).astype(np.float32)
+    pr = rng.standard_normal((T, 2 + H)).astype(np.float32)
+    dtb = rng.standard_normal(H).astype(np.float32) * 0.5
+    am = -rng.uniform(0.5, 2.0, H).astype(np.float32)
+    dsk = rng.standard_normal(H).astype(np.float32)
+    S0 = rng.standard_normal((H, P, N)).astype(np.float32) * 0.3
+    dt = np.logaddexp(np.float32(0.0), pr[s0:, 2:] + dtb).astype(np.float32)
+    xm = xbc[s0:, :H * P].reshape(n, H, P)
+    Bm = xbc[s0:, H * P:H * P + G * N].reshape(n, G, N)
+    Cm = xbc[s0:, H * P + G * N:].reshape(n, G, N)
+    S_ref = S0.copy()
+    y_ref = blocks.ssm_scan(S_ref, xm, dt, am, Bm, Cm) + xm * dsk[:, None]
+    Sd = _dev(S0)
+    y = cuda.device_array((T, 1 + H * P), np.float32)
+    be._launch(be.k.ssm_scan, be._ew_grid(H * P), be.lc.threads, _dev(xbc), _dev(pr), 2, _dev(dtb), _dev(am),
+               _dev(dsk), y, 1, Sd, s0, n, H, P, N, G)
+    err = max(rel_err(y.copy_to_host()[s0:, 1:], y_ref.reshape(n, -1)), rel_err(Sd.copy_to_host(), S_ref))
+    out.append(Check(f"ssm scan n{n}", err, 1e-5))
+    # LFM2's short convolution: cached B·x rows (float16) before position p0, this segment's own exact
+    d, Hc, p0 = (1024, 2, 37) if real else (8, 2, 5)
+    Dh = d // Hc
+    bcx = rng.standard_normal((T, 3 * d)).astype(np.float32)
+    cache = np.zeros((Hc, p0 + n, Dh), np.float16)
+    old = rng.standard_normal((p0, d)).astype(np.float16)
+    cache[:, :p0] = old.reshape(p0, Hc, Dh).transpose(1, 0, 2)
+    wc = rng.standard_normal((d, L)).astype(np.float32)
+    pos = np.zeros(T, np.int32)
+    pos[s0:] = np.arange(p0, p0 + n)
+    kd, yd = _dev(cache), cuda.device_array((T, d), np.float32)
+    be._launch(be.k.short_conv, be._ew_grid(n * d), be.lc.threads, _dev(bcx), kd, yd, _dev(pos), s0, n, d, Dh,
+               _dev(wc), L)
+    be._launch(be.k.short_conv_store, be._ew_grid(n * d), be.lc.threads, _dev(bcx), kd, _dev(pos), s0, n, d, Dh)
+    bx = bcx[s0:, :d] * bcx[s0:, 2 * d:]
+    rows = np.concatenate([old[p0 - (L - 1):].astype(np.float32), bx])
+    ref = bcx[s0:, d:2 * d] * blocks.causal_conv(rows, wc)
+    stored = kd.copy_to_host()[:, p0:].transpose(1, 0, 2).reshape(n, d).astype(np.float32)
+    out.append(Check(f"short conv n{n}", max(rel_err(yd.copy_to_host()[s0:], ref),
+                                             rel_err(stored, bx.astype(np.float16).astype(np.float32))), 1e-5))
+    return out
+
+
 def check_argmax_softcap(be: Any, n: int, V: int, rng: np.random.Generator) -> list[Check]:
     y = rng.standard_normal((n, V)).astype(np.float32)
     y[0, V // 3] = y[0, V - 1] = 9.0  # a tie: the first index wins, as numpy's argmax
@@ -355,5 +480,7 @@ def run_all(be: Any, rng: np.random.Generator, real: bool = False, types: tuple[
         for n, p0, H, Hkv, D, win, cap in [(3, 4, 4, 2, 8, 0, 0.0), (2, 9, 2, 1, 8, 3, 0.0),
                                             (1, 5, 2, 2, 4, 0, 20.0)]:
             add(check_attention(be, n, p0, H, Hkv, D, win, cap, rng))
+    for n in ((1, 130) if real else (1, 3)):
+        add(check_recurrent(be, n, rng, real))
     add(check_argmax_softcap(be, 3 if not real else 8, 50 if not real else 151936, rng))
     return out
