@@ -6,7 +6,7 @@
 
 enum {
     MR_ISA_SCALAR = 0, MR_ISA_AVX2 = 1, MR_ISA_AVX512 = 2, MR_ISA_NEON = 3, MR_ISA_NEON_DOT = 4,
-    MR_N_ISA = 5
+    MR_ISA_AVX512_AMX = 5, MR_N_ISA = 6
 };
 
 enum {

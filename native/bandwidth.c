@@ -94,7 +94,8 @@ static uint64_t rb_neon(const uint8_t *p, int64_t n_words) {
 static rb_fn rb_for(int isa) {
     switch (isa) {
 #if defined(MR_X86)
-    case MR_ISA_AVX512: return rb_avx512;
+    case MR_ISA_AVX512:
+    case MR_ISA_AVX512_AMX: return rb_avx512;
     case MR_ISA_AVX2: return rb_avx2;
 #endif
 #if defined(MR_ARM64)

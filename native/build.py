@@ -19,7 +19,7 @@ from pathlib import Path
 
 NATIVE_DIR = Path(__file__).resolve().parent
 
-SOURCES = ["scalar.c", "x86_avx2.c", "x86_avx512.c", "x86_avx512_gemv.c", "x86_avx512_gemm.c", "arm_neon.c", "dispatch.c", "pool.c", "ops.c", "pack.c", "layer.c",
+SOURCES = ["scalar.c", "x86_avx2.c", "x86_avx512.c", "x86_avx512_gemv.c", "x86_avx512_gemm.c", "x86_amx.c", "arm_neon.c", "dispatch.c", "pool.c", "ops.c", "pack.c", "layer.c",
            "bandwidth.c", "moe.c", "kvcache.c", "iq_grids.c"]
 HEADERS = ["api.h", "common.h", "generic_impl.h", "lowbit_impl.h", "x86_avx512_inl.h"]
 

@@ -285,6 +285,13 @@ typedef struct {
     uint8_t gw_min[GT_COUNT];
     void (*gemm_rows)(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
                       int64_t nt, float *y, int64_t ys, int s16);
+    /* AMX path for many tokens (x86_amx.c; NULL where the ISA has none): amx_prep_x splits nt float rows into
+     * bf16 hi / lo rows (padded to 16 tokens), amx_prep_w nr <= 32 float rows into the tile layout of amx_rows,
+     * which computes y[t * ys + r] for t < nt, r < nr. */
+    void (*amx_prep_x)(const float *x, int64_t nt, int64_t xs, int64_t cols, uint16_t *xh, uint16_t *xl);
+    void (*amx_prep_w)(const float *w, int nr, int64_t cols, uint16_t *wt);
+    void (*amx_rows)(const uint16_t *wt, int nr, int64_t cols, const uint16_t *xh, const uint16_t *xl, int64_t nt,
+                     float *y, int64_t ys);
     /* Elementwise helpers (ops.c, compiled per ISA). */
     void (*rmsnorm)(const float *x, const float *w, float eps, int64_t n, float *out);
     void (*softmax)(float *x, int64_t n);
@@ -381,6 +388,7 @@ extern mr_kernels mr_kernels_scalar;
 #ifdef MR_X86
 extern mr_kernels mr_kernels_avx2;
 extern mr_kernels mr_kernels_avx512;
+extern mr_kernels mr_kernels_amx;
 #endif
 #ifdef MR_ARM64
 extern mr_kernels mr_kernels_neon;

@@ -15,6 +15,7 @@ void mr_init_avx2(mr_kernels *k);
 void mr_init_avx512(mr_kernels *k);
 void mr_init_avx512_gemv(mr_kernels *k);
 void mr_init_avx512_gemm(mr_kernels *k);
+int mr_init_amx(mr_kernels *k, const mr_kernels *avx512);
 #endif
 #ifdef MR_ARM64
 void mr_init_neon(mr_kernels *k);
@@ -52,6 +53,10 @@ static void init(void) {
         mr_init_avx512_gemv(&mr_kernels_avx512);
         mr_init_avx512_gemm(&mr_kernels_avx512);
         tables[MR_ISA_AVX512] = &mr_kernels_avx512;
+        if (mr_init_amx(&mr_kernels_amx, &mr_kernels_avx512)) {
+            m |= 1 << MR_ISA_AVX512_AMX;
+            tables[MR_ISA_AVX512_AMX] = &mr_kernels_amx;
+        }
     }
 #endif
 #ifdef MR_ARM64
@@ -73,6 +78,7 @@ static void init(void) {
         if (!strcmp(e, "scalar")) want = MR_ISA_SCALAR;
         else if (!strcmp(e, "avx2")) want = MR_ISA_AVX2;
         else if (!strcmp(e, "avx512")) want = MR_ISA_AVX512;
+        else if (!strcmp(e, "avx512_amx")) want = MR_ISA_AVX512_AMX;
         else if (!strcmp(e, "neon")) want = MR_ISA_NEON;
         if (want >= 0 && (m & (1 << want))) isa_sel = want;
     }
@@ -113,6 +119,8 @@ enum { PATH_NONE = 0, PATH_INT = 1, PATH_FLOAT = 2 };
 /* From this many tokens on, packed matrices of the types with an integer GEMM take it instead of the
  * float panel (measured on AVX-512 VNNI: the decode kernels are faster up to MR_PACKED_INT_MAX tokens). */
 #define MR_GEMM_MIN_TOKENS 17
+/* From this many tokens on, an ISA with the AMX path (x86_amx.c) takes it for every type. */
+#define MR_AMX_MIN_TOKENS 64
 /* Tokens per block of the tile path: keeps X (tokens x MR_KC floats) in L2. */
 #define MR_TOKEN_BLOCK 96
 /* Tokens per block of the panel path: each weight panel is dequantized once per block, so the block
@@ -542,6 +550,11 @@ int mr_steals_since(unsigned long long s0) {
     return st > 1000000ULL ? 1000000 : (int)st;
 }
 
+/* F32 weights keep the float32 paths: AMX's bf16 pairs hold 16 of their 24 bits */
+static int amx_taken(const mr_kernels *K, int qtype, int64_t nt) {
+    return K->amx_rows && qtype != GT_F32 && nt >= MR_AMX_MIN_TOKENS;
+}
+
 static int choose_path(const mr_kernels *K, int qtype, int64_t nt) {
     if (!mr_type_ok(qtype) || !K->dq[qtype]) return PATH_NONE;
     const int64_t int_max = K->int_tokens[qtype] ? K->int_tokens[qtype] : MR_INT_MAX_TOKENS;
@@ -554,6 +567,7 @@ int mr_matmul_path(int qtype, long long n_tokens, int isa) {
     if (!K) return MR_E_ISA;
     if (!mr_type_ok(qtype)) return MR_E_QTYPE;
     const int p = choose_path(K, qtype, n_tokens);
+    if (p != PATH_NONE && amx_taken(K, qtype, n_tokens)) return 7; /* AMX (mr_matmul also needs cols % 32 == 0) */
     if (p == PATH_INT && K->gemv[qtype] && K->gemv_q8[qtype]) return 6; /* int8 activations */
     if (p == PATH_FLOAT && K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4; /* float panel */
     return p == PATH_FLOAT && n_tokens > 2 ? 3 : p; /* 3: float tile, 2: float row dots */
@@ -574,9 +588,42 @@ int64_t mr_pick_chunk(int64_t rows, int64_t rb, int64_t nt, int threads, int64_t
     return c;
 }
 
+/* AMX: 32 dequantized rows at a time into the tile layout, times every token's bf16 rows (amx_x, c->x unused) */
+static uint16_t *amx_x;
+static size_t amx_cap;
+
+static void task_amx(const void *c_, int64_t item, int worker, float *buf) {
+    const mm_ctx *c = (const mm_ctx *)c_;
+    const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->rows ? r0 + c->chunk : c->rows;
+    OUT_TARGET
+    const int64_t cols = c->cols, ntp = (c->nt + 15) & ~(int64_t)15;
+    float *a = (float *)mr_scratch(worker, 1, (size_t)(32 * cols) * 4);
+    uint16_t *wt = (uint16_t *)mr_scratch(worker, 3, (size_t)(128 * cols));
+    for (int64_t p = r0; p < r1; p += 32) {
+        const int nr = (int)(r1 - p < 32 ? r1 - p : 32);
+        dq_rows(c, p, nr, 0, cols, a); /* (nr, cols) floats */
+        c->K->amx_prep_w(a, nr, cols, wt);
+        c->K->amx_rows(wt, nr, cols, amx_x, amx_x + ntp * cols, c->nt, yy + (p - r0), yys);
+    }
+}
+
 /* The float paths (weights dequantized, float32 products) for c->nt tokens; caller holds the lock. */
 static int run_float(mm_ctx *c, int threads) {
     const int64_t rows = c->rows, nt = c->nt;
+    if (amx_taken(c->K, c->qtype, nt) && c->cols % 32 == 0) {
+        const int64_t ntp = (nt + 15) & ~(int64_t)15;
+        const size_t need = (size_t)(2 * ntp * c->cols);
+        if (need > amx_cap) {
+            void *p = NULL;
+            if (posix_memalign(&p, 64, need * 2 * 2) != 0) return MR_E_NOMEM;
+            mr_defer_free(amx_x); /* late workers may still read it (see grow) */
+            amx_x = (uint16_t *)p;
+            amx_cap = need * 2;
+        }
+        c->K->amx_prep_x(c->x, nt, c->xs, c->cols, amx_x, amx_x + ntp * c->cols);
+        c->chunk = rows >= 64 * threads * 4 ? 64 : 32;
+        return mr_parallel_for(task_amx, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
+    }
     if (nt <= 2) {
         c->chunk = mr_pick_chunk(rows, 0, 0, threads, 8, 256);
         return mr_parallel_for(task_fdot, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
@@ -602,7 +649,7 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
     if (threads <= 0) threads = mr_pool_threads_default();
 
     mm_ctx c = {K, qtype, w, rows, cols, row_bytes, x, n_tokens, x_stride, y, y_stride, 0, {0}, 0, 0, 0, 0};
-    const int path = choose_path(K, qtype, n_tokens);
+    const int path = amx_taken(K, qtype, n_tokens) && cols % 32 == 0 ? PATH_FLOAT : choose_path(K, qtype, n_tokens);
     int rc = MR_OK;
     mr_call_lock();
     const unsigned long long s0 = mr_pool_steals();
@@ -638,6 +685,7 @@ int mr_matmul_packed_path(int qtype, long long n_tokens, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (!mr_pack_tile_bytes(qtype)) return MR_E_QTYPE;
+    if (amx_taken(K, qtype, n_tokens)) return 7; /* AMX, through run_float */
     if (K->gemm_rows && K->gw[qtype] && n_tokens >= MR_GEMM_MIN_TOKENS) return 5; /* = mr_mat_gemm */
     if (K->pgemv[qtype] && n_tokens <= MR_PACKED_INT_MAX) return 1;
     if (K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4;

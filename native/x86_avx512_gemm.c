@@ -287,7 +287,6 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
 
 #define GEMM_ROWS(MIN, S16)                                                                                        \
     do {                                                                                                           \
-        const int64_t ws = S16 ? 2 * nb : nb; /* scales per row */                                                  \
         int64_t g = 0;                                                                                             \
         for (; g + 2 <= ng; g += 2) {                                                                              \
             if (nr > 4) gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 8, 2, MIN, S16);                          \

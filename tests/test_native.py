@@ -41,7 +41,7 @@ def isas_to_test() -> list[str]:
         native._load()
     except minirt.BackendError:
         return ["scalar"]
-    return [i for i in native.supported_isas() if i in ("scalar", "avx2", "avx512", "neon")]
+    return [i for i in native.supported_isas() if i in ("scalar", "avx2", "avx512", "avx512_amx", "neon")]
 
 
 def random_weights(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
@@ -74,6 +74,13 @@ def ref_weights(w: np.ndarray, qtype: str, cols: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float64).reshape(w.shape[0], cols)
 
 
+def _has_amx() -> bool:
+    try:
+        return "avx512_amx" in native.supported_isas()
+    except minirt.BackendError:
+        return False
+
+
 def error_bound(x: np.ndarray, W: np.ndarray, path: str) -> np.ndarray:
     """Per-element bound on |Y - Y64| (n_tokens, rows).
 
@@ -82,10 +89,13 @@ def error_bound(x: np.ndarray, W: np.ndarray, path: str) -> np.ndarray:
     int8 path: the same with 256-element blocks and max / 127.
     Float paths: float32 accumulation only. The float32 term is 2e-6 * sum_i |W_ri x_i| (about 32
     float32 roundings relative to the absolute sum: the kernels sum in 16-lane partial sums).
+    AMX path: weights and activations each split into two bf16 (see native/x86_amx.c).
     """
     x64 = x.astype(np.float64)
     absdot = np.abs(x64) @ np.abs(W).T
     fp = 2e-6 * absdot + 1e-30
+    if path == "amx-bf16":  # each factor hi + lo bf16 within 2^-16 of it, lo * lo left out: 3 * 2^-16 per product
+        return 5e-5 * absdot + fp
     if path not in ("int16", "int16-gemm", "int8"):
         return fp
     # int8 path: one scale per 256 elements, max / 127 (llama.cpp's q8_K), half a step of error
@@ -217,7 +227,7 @@ def test_paths(nat):
             for q in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q2_K", "Q3_K", *LOWBIT):
                 # AVX-512 decodes the 2-bit-code super-block types, the i-quants and TQ1_0 with int8
                 # activations (q8_K-like)
-                want = "int8" if isa == "avx512" and q not in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "MXFP4") else "int16"
+                want = "int8" if isa.startswith("avx512") and q not in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "MXFP4") else "int16"
                 assert native.matmul_path(q, 1, isa=isa) == want
                 assert native.matmul_path(q, 4, isa=isa) == want
         if isa == "avx512":  # the int8 kernels run prefills up to 64 tokens, then the float panel (Q2_K and
@@ -233,11 +243,18 @@ def test_paths(nat):
             assert native.matmul_path("IQ2_XXS", 65, isa=isa) == "float-panel"
             assert native.matmul_path("IQ1_M", 48, isa=isa) == "int8"
             assert native.matmul_path("IQ1_M", 49, isa=isa) == "float-panel"
+        if isa == "avx512_amx":  # as avx512 below 64 tokens; from 64 on every type takes the AMX tiles
+            for q in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "F16", *LOWBIT):
+                assert native.matmul_path(q, 64, isa=isa) == "amx-bf16", q
+                assert native.matmul_path(q, 64, isa=isa, packed=True) in ("amx-bf16", "none"), q  # none: no packing
+            assert native.matmul_path("Q3_K", 63, isa=isa) == "int8"
+            assert native.matmul_path("Q4_K", 63, isa=isa, packed=True) == "int16-gemm"
         if isa == "avx2":  # the i-quants' row kernels up to 16 tokens
             assert native.matmul_path("IQ2_XXS", 16, isa=isa) == "int16"
             assert native.matmul_path("IQ2_XXS", 17, isa=isa) != "int16"
         assert native.matmul_path("Q4_K", 8, isa=isa) == "float-tile"
-        assert native.matmul_path("Q4_K", 64, isa=isa) == ("float-panel" if isa == "avx512" else "float-tile")
+        assert native.matmul_path("Q4_K", 64, isa=isa) == {"avx512": "float-panel", "avx512_amx": "amx-bf16"}.get(
+            isa, "float-tile")
 
 
 def test_isa_env_var(nat):
@@ -837,7 +854,7 @@ def test_pack_unsupported_and_validation(nat):
 def test_pack_preferred_follows_isa(nat):
     for isa in isas_to_test():
         for q in PACKABLE:
-            assert native.pack_preferred(q, isa=isa) == (isa == "avx512")
+            assert native.pack_preferred(q, isa=isa) == isa.startswith("avx512")
     assert not native.pack_preferred("Q4_1") and not native.pack_preferred("F16")
 
 
@@ -1166,3 +1183,31 @@ def test_stale_installed_extension_is_passed_over():
     assert nat._stale_installed(fake(b.source_hash())) is None
     assert "other sources" in nat._stale_installed(fake("0" * 16))
     assert "predates" in nat._stale_installed(SimpleNamespace(__file__="x.so", ffi=FFI, lib=SimpleNamespace()))
+
+
+@pytest.mark.skipif(not _has_amx(), reason="this CPU, OS or compiler has no AMX (the avx512_amx ISA is absent)")
+@pytest.mark.parametrize("qtype", [q for q in QTYPES if q != "F32"])
+def test_amx_prefill_every_type(nat, qtype):
+    """From 64 tokens the avx512_amx ISA runs every type but F32 on AMX tiles (weights dequantized as the float
+    paths do, both factors split into bf16 hi + lo): within its bound of the float64 product (3 * 2^-16 of
+    sum |w x| per element) for plain and packed matrices, partial groups of 32 rows and of 16 tokens; a NaN
+    activation stays in its own token's outputs. F32 weights keep the float32 paths."""
+    assert native.matmul_path("F32", 512, isa="avx512_amx") != "amx-bf16"
+    rng = np.random.default_rng(3 + QTYPES.index(qtype))
+    unit = 256 if qtype not in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4") \
+        else 128
+    for rows, cols, nt in [(45, 2 * unit, 64), (70, unit, 77)]:
+        w = random_weights(rng, qtype, rows, cols)
+        W = ref_weights(w, qtype, cols)
+        x = rng.standard_normal((nt, cols)).astype(np.float32)
+        ref = x.astype(np.float64) @ W.T
+        mats = [w] + ([native.pack(w, qtype)] if qtype in PACKABLE else [])
+        for m in mats:
+            q = qtype if m is w else None  # a packed matrix knows its type
+            y = native.matmul(x, m, q, threads=2, isa="avx512_amx")
+            err = np.abs(y - ref)
+            assert np.all(err <= error_bound(x, W, "amx-bf16")), (qtype, rows, cols, nt, float(err.max()))
+        x2 = x.copy()
+        x2[5, 3] = np.nan
+        y2 = native.matmul(x2, w, qtype, threads=2, isa="avx512_amx")
+        assert np.isnan(y2[5]).all() and np.isfinite(np.delete(y2, 5, axis=0)).all()

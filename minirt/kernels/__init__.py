@@ -54,7 +54,7 @@ class ReferenceBackend(Backend):
 # few-token matmul of these goes to numba and the native layer stack is not used. AVX2 and AVX-512
 # have hand-written kernels for them (Q2_K 7-8 GB/s, Q3_K 7-8 at 1 thread, 4096 x 14336).
 NUMBA_DECODE_TYPES = frozenset({"Q2_K", "Q3_K"})
-SIMD_INT_ISAS = frozenset({"avx2", "avx512"})
+SIMD_INT_ISAS = frozenset({"avx2", "avx512", "avx512_amx"})
 
 
 class NumbaBackend(Backend):

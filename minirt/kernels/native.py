@@ -27,6 +27,11 @@ Paths (``matmul_path`` tells which one a call takes):
   gets what it gets alone up to float32 summation order), with 16 tokens in the lanes of each
   ``vpdpwssd`` and every weight pair broadcast: 1.1-1.5x the float panel's speed
   (``native/x86_avx512_gemm.c`` says why not int8).
+- from 64 tokens with the ``avx512_amx`` ISA (CPUs with AMX-BF16, e.g. Xeon Sapphire Rapids and later;
+  chosen by default where present, ``MINIRT_ISA=avx512`` or ``MINIRT_AMX=0`` turns it off), ``amx-bf16``: every
+  type but F32, weights dequantized as the float paths do and activations in float32, each factor split
+  into two bf16 (hi + lo, each within 2**-16 of it) and multiplied in AMX tiles, hi*hi + hi*lo + lo*hi summed
+  in float32: at most 3 * 2**-16 of sum |w x| per output (``native/x86_amx.c``).
 - the scalar path (and types without an integer kernel) dequantize a row and dot in float32.
 
 Threads: a persistent pthread pool (``set_threads``; default the physical core count) splits rows
@@ -63,7 +68,7 @@ from ..errors import BackendError, InvalidRequestError, UnsupportedQuantError
 
 log = logging.getLogger(__name__)
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "neon_dot")
+ISA_NAMES = ("scalar", "avx2", "avx512", "neon", "neon_dot", "avx512_amx")
 _ISA_IDS = {n: i for i, n in enumerate(ISA_NAMES)}
 
 # name -> (ggml id, elements per block, bytes per block) for every type the kernels compute with
@@ -1695,14 +1700,16 @@ def _matmul_packed(ffi: Any, lib: Any, x: np.ndarray, w: PackedMatrix, qtype: st
 def matmul_path(qtype: str, n_tokens: int, isa: str | None = None, packed: bool = False) -> str:
     """Which code path ``matmul`` takes: 'int16', 'int16-gemm' or 'int8' (quantized activations: int16 per
     32 elements, or int8 per 256 as llama.cpp's q8_K), 'float-dot', 'float-tile' or 'float-panel' (the
-    float ones dequantize the weights and compute in float32)."""
+    float ones dequantize the weights and compute in float32), 'amx-bf16' (the ISA ``avx512_amx`` from 64 tokens
+    on: dequantized weights and float activations each split into two bf16 for AMX tiles, float32 sums)."""
     ffi, lib = _lib()
     _, tid, _, _ = _qtype(qtype)
     if packed:
         rc = lib.mr_matmul_packed_path(tid, int(n_tokens), _isa_id(isa))
     else:
         rc = lib.mr_matmul_path(tid, int(n_tokens), _isa_id(isa))
-    return {1: "int16", 2: "float-dot", 3: "float-tile", 4: "float-panel", 5: "int16-gemm", 6: "int8"}.get(rc, "none")
+    return {1: "int16", 2: "float-dot", 3: "float-tile", 4: "float-panel", 5: "int16-gemm", 6: "int8",
+            7: "amx-bf16"}.get(rc, "none")
 
 
 def dequantize(w: np.ndarray, qtype: str, cols: int | None = None) -> np.ndarray:
