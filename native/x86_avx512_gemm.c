@@ -304,7 +304,7 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
  * (Q4_K 4608x1024, Q5_0 4864x896, Q6_K 1024x4608, 2 threads; Q8_0 32768x896 unchanged). */
 static void gemm_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
                       int64_t nt, float *y, int64_t ys, int s16) {
-    const int64_t nb = x->nb, ng = x->ng;
+    const int64_t ng = x->ng;
     if (wm) GEMM_ROWS(1, 0);
     else {
         wm = wd; /* not read */

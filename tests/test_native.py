@@ -227,7 +227,8 @@ def test_paths(nat):
             for q in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q2_K", "Q3_K", *LOWBIT):
                 # AVX-512 decodes the 2-bit-code super-block types, the i-quants and TQ1_0 with int8
                 # activations (q8_K-like)
-                want = "int8" if isa.startswith("avx512") and q not in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "MXFP4") else "int16"
+                int16 = ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "MXFP4")
+                want = "int8" if isa.startswith("avx512") and q not in int16 else "int16"
                 assert native.matmul_path(q, 1, isa=isa) == want
                 assert native.matmul_path(q, 4, isa=isa) == want
         if isa == "avx512":  # the int8 kernels run prefills up to 64 tokens, then the float panel (Q2_K and
