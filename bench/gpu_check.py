@@ -169,10 +169,9 @@ class Runner:
         self.cfg = self.dev.cfg
 
     def cache(self, n: int):
-        from minirt.kv_cache import KVCache
+        from minirt.forward import kv_cache_for
 
-        c = self.cfg
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, n)
+        return kv_cache_for(self.cfg, n)  # per-layer shapes and recurrent state of hybrid models too
 
     def fwd(self, on_cpu: bool):
         if on_cpu:
@@ -279,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--gguf", type=Path, action="append", default=[],
+                    help="any other GGUF (repeatable; e.g. the hybrid fixtures tests/data/archs/{lfm2,qwen35,"
+                         "granitehybrid}/model-q8_0.gguf): greedy parity with the CPU backend, then the same timings")
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args(argv)
 
@@ -361,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"== {key}: wrote a random model with the real tensor table ({path.stat().st_size / 1e6:.0f} MB) "
                 f"in {time.perf_counter() - t:.1f} s")
             models.append((key, path, True))
+    for p in args.gguf:
+        if p.is_file():
+            models.append((p.parent.name if p.stem.startswith("model") else p.stem, p, False))
+        else:
+            log(f"!! no such file {p}")
+            failures.append(f"{p}: model file missing")
     rows = []
     for key, path, synthetic in models:
         log(f"== {key}: {path.name}" + (" (synthetic)" if synthetic else ""))
@@ -371,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                      "upload_s": round(r.upload_s, 3)}
         try:
             refs = None
-            if not synthetic and args.reference_dir is not None:
+            if not synthetic and args.reference_dir is not None and key in REF_NAMES:
                 rp = args.reference_dir / f"{REF_NAMES[key]}.greedy.jsonl"
                 if rp.is_file():
                     refs = [json.loads(x) for x in rp.read_text().splitlines() if x.strip()]
