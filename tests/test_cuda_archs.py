@@ -306,22 +306,27 @@ def _cache(m) -> KVCache:
     return kv_cache_for(m.cfg, N_CTX)
 
 
+def _shrunk_pair(folder: str, tmp_path: Path):
+    """(file, CUDA backend, CPU model, device model) over the shrunk fixture of ``folder``."""
+    from minirt.kernels.cuda.backend import CudaBackend
+
+    path = tmp_path / f"{folder}.gguf"
+    shrink_gguf(ARCH_DIR / folder / "model-q8_0.gguf", path, seed=sum(map(ord, folder)))
+    f = minirt.gguf.open(path)
+    be = CudaBackend(f, allow_simulator=True, launch=_fast_launch())
+    return f, be, build(f, ReferenceBackend(), N_CTX), build(f, be, N_CTX)
+
+
 @in_sim
 @pytest.mark.parametrize("arch", sorted(ARCH_FOLDERS))
 def test_architecture_on_device_matches_cpu(arch, tmp_path, caplog):
     """Prefill (logits of every position) then two decode steps: the CUDA backend's logits match
     the reference backend's; the device forward runs unless HOST_PATH says why it cannot."""
-    from minirt.kernels.cuda.backend import CudaBackend
-
     folder = ARCH_FOLDERS[arch]
     if arch not in supported():
         pytest.skip(f"architecture {arch!r} is not supported by minirt")
-    path = tmp_path / f"{folder}.gguf"
-    shrink_gguf(ARCH_DIR / folder / "model-q8_0.gguf", path, seed=sum(map(ord, folder)))
-    f = minirt.gguf.open(path)
-    be = CudaBackend(f, allow_simulator=True, launch=_fast_launch())
+    f, be, cpu, dev = _shrunk_pair(folder, tmp_path)
     try:
-        cpu, dev = build(f, ReferenceBackend(), N_CTX), build(f, be, N_CTX)
         with caplog.at_level(logging.INFO, logger="minirt.kernels.cuda.backend"):
             plan = be._plan(dev)
         if folder in HOST_PATH:
@@ -375,14 +380,8 @@ def test_hybrid_state_on_device(folder, tmp_path, monkeypatch):
     be truncated there and continued differently; export_state after device steps is the CPU's; a prefix
     copied to a fresh cache continues on the device; eviction under a VRAM budget brings the state back
     to the host first; a step that fails half-way leaves only the snapshot usable, as on the host path."""
-    from minirt.kernels.cuda.backend import CudaBackend
-
-    path = tmp_path / f"{folder}.gguf"
-    shrink_gguf(ARCH_DIR / folder / "model-q8_0.gguf", path, seed=sum(map(ord, folder)))
-    f = minirt.gguf.open(path)
-    be = CudaBackend(f, allow_simulator=True, launch=_fast_launch())
+    f, be, cpu, dev = _shrunk_pair(folder, tmp_path)
     try:
-        cpu, dev = build(f, ReferenceBackend(), N_CTX), build(f, be, N_CTX)
         assert be._plan(dev) is not None
         V = cpu.cfg.n_vocab
         pa, pb = np.array([1, 17, 270, 5, 99]) % V, np.array([3, 44, 8]) % V

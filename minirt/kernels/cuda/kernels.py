@@ -85,6 +85,17 @@ class LaunchConfig:
         return max(1, min(n, self.max_grid_y))
 
 
+@cuda.jit(device=True)
+def _activation(a, kind):
+    """SiLU (kind 0), GELU with the tanh approximation (1) or squared ReLU (3) of one float32."""
+    if kind == 0:
+        return a / (float32(1.0) + math.exp(-a))
+    if kind == 1:
+        return float32(0.5) * a * (float32(1.0) + math.tanh(float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
+    r = max(a, float32(0.0))
+    return r * r
+
+
 # ---------------------------------------------------------------------------------------------
 # block-level reductions (shared memory; every thread of the block must call them)
 # ---------------------------------------------------------------------------------------------
@@ -352,13 +363,7 @@ def _make_matvec_glu(deq: Callable, THREADS: int, TPR: int) -> Any:
                     sg = red[tid]
                     su = red2[tid]
                 if lane == 0 and r < N:
-                    a = sg
-                    if kind == 0:
-                        a = a / (float32(1.0) + math.exp(-a))
-                    else:
-                        a = float32(0.5) * a * (float32(1.0) + math.tanh(
-                            float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
-                    out[t, r] = a * su
+                    out[t, r] = _activation(sg, kind) * su
                 if TPR > 1:
                     cuda.syncthreads()
 
@@ -640,11 +645,8 @@ def _make_act_mul() -> Any:
             c = idx - t * F
             a = gu[t, c]
             u = gu[t, F + c]
-            if kind == 0:
-                a = a / (float32(1.0) + math.exp(-a))
-            elif kind == 1:
-                a = float32(0.5) * a * (float32(1.0) + math.tanh(
-                    float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
+            if kind != 2:
+                a = _activation(a, kind)
             else:
                 a = min(a, limit)
                 a = a / (float32(1.0) + math.exp(-alpha * a))
@@ -662,17 +664,7 @@ def _make_act() -> Any:
     def act(y, n, F, kind):
         for idx in range(cuda.grid(1), n * F, cuda.gridsize(1)):
             t = idx // F
-            c = idx - t * F
-            a = y[t, c]
-            if kind == 0:
-                a = a / (float32(1.0) + math.exp(-a))
-            elif kind == 1:
-                a = float32(0.5) * a * (float32(1.0) + math.tanh(
-                    float32(GELU_C) * (a + float32(0.044715) * a * a * a)))
-            else:
-                a = max(a, float32(0.0))
-                a = a * a
-            y[t, c] = a
+            y[t, idx - t * F] = _activation(y[t, idx - t * F], kind)
 
     return act
 
