@@ -550,9 +550,10 @@ int mr_steals_since(unsigned long long s0) {
     return st > 1000000ULL ? 1000000 : (int)st;
 }
 
-/* F32 weights keep the float32 paths: AMX's bf16 pairs hold 16 of their 24 bits */
-static int amx_taken(const mr_kernels *K, int qtype, int64_t nt) {
-    return K->amx_rows && qtype != GT_F32 && nt >= MR_AMX_MIN_TOKENS;
+/* Whether a matmul takes the AMX path: rows of whole 32-column blocks (cols 0: a path query, which knows no
+ * shape); F32 weights keep the float32 paths, AMX's bf16 pairs hold 16 of their 24 bits */
+static int amx_taken(const mr_kernels *K, int qtype, int64_t nt, int64_t cols) {
+    return K->amx_rows && qtype != GT_F32 && nt >= MR_AMX_MIN_TOKENS && cols % 32 == 0;
 }
 
 static int choose_path(const mr_kernels *K, int qtype, int64_t nt) {
@@ -567,7 +568,7 @@ int mr_matmul_path(int qtype, long long n_tokens, int isa) {
     if (!K) return MR_E_ISA;
     if (!mr_type_ok(qtype)) return MR_E_QTYPE;
     const int p = choose_path(K, qtype, n_tokens);
-    if (p != PATH_NONE && amx_taken(K, qtype, n_tokens)) return 7; /* AMX (mr_matmul also needs cols % 32 == 0) */
+    if (p != PATH_NONE && amx_taken(K, qtype, n_tokens, 0)) return 7; /* AMX (where cols % 32 == 0) */
     if (p == PATH_INT && K->gemv[qtype] && K->gemv_q8[qtype]) return 6; /* int8 activations */
     if (p == PATH_FLOAT && K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4; /* float panel */
     return p == PATH_FLOAT && n_tokens > 2 ? 3 : p; /* 3: float tile, 2: float row dots */
@@ -610,16 +611,10 @@ static void task_amx(const void *c_, int64_t item, int worker, float *buf) {
 /* The float paths (weights dequantized, float32 products) for c->nt tokens; caller holds the lock. */
 static int run_float(mm_ctx *c, int threads) {
     const int64_t rows = c->rows, nt = c->nt;
-    if (amx_taken(c->K, c->qtype, nt) && c->cols % 32 == 0) {
+    if (amx_taken(c->K, c->qtype, nt, c->cols)) {
         const int64_t ntp = (nt + 15) & ~(int64_t)15;
-        const size_t need = (size_t)(2 * ntp * c->cols);
-        if (need > amx_cap) {
-            void *p = NULL;
-            if (posix_memalign(&p, 64, need * 2 * 2) != 0) return MR_E_NOMEM;
-            mr_defer_free(amx_x); /* late workers may still read it (see grow) */
-            amx_x = (uint16_t *)p;
-            amx_cap = need * 2;
-        }
+        const int rc = grow((void **)&amx_x, &amx_cap, (size_t)(2 * ntp * c->cols), 2);
+        if (rc != MR_OK) return rc;
         c->K->amx_prep_x(c->x, nt, c->xs, c->cols, amx_x, amx_x + ntp * c->cols);
         c->chunk = rows >= 64 * threads * 4 ? 64 : 32;
         return mr_parallel_for(task_amx, commit_rows, c, sizeof *c, (rows + c->chunk - 1) / c->chunk, c->chunk * nt, threads);
@@ -649,7 +644,7 @@ int mr_matmul(int qtype, const unsigned char *w, long long rows, long long cols,
     if (threads <= 0) threads = mr_pool_threads_default();
 
     mm_ctx c = {K, qtype, w, rows, cols, row_bytes, x, n_tokens, x_stride, y, y_stride, 0, {0}, 0, 0, 0, 0};
-    const int path = amx_taken(K, qtype, n_tokens) && cols % 32 == 0 ? PATH_FLOAT : choose_path(K, qtype, n_tokens);
+    const int path = amx_taken(K, qtype, n_tokens, cols) ? PATH_FLOAT : choose_path(K, qtype, n_tokens);
     int rc = MR_OK;
     mr_call_lock();
     const unsigned long long s0 = mr_pool_steals();
@@ -685,7 +680,7 @@ int mr_matmul_packed_path(int qtype, long long n_tokens, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (!mr_pack_tile_bytes(qtype)) return MR_E_QTYPE;
-    if (amx_taken(K, qtype, n_tokens)) return 7; /* AMX, through run_float */
+    if (amx_taken(K, qtype, n_tokens, 0)) return 7; /* AMX, through run_float (packed rows: whole tiles) */
     if (K->gemm_rows && K->gw[qtype] && n_tokens >= MR_GEMM_MIN_TOKENS) return 5; /* = mr_mat_gemm */
     if (K->pgemv[qtype] && n_tokens <= MR_PACKED_INT_MAX) return 1;
     if (K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4;
@@ -727,16 +722,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
                                  threads);
         }
     } else {
-        const size_t need = (size_t)(n_tokens * cols);
-        if (need > xp_cap) {
-            void *p = NULL;
-            if (posix_memalign(&p, 64, need * 2 * 4) != 0) rc = MR_E_NOMEM;
-            else {
-                mr_defer_free(xp_buf); /* late workers may still read it (see grow) */
-                xp_buf = (float *)p;
-                xp_cap = need * 2;
-            }
-        }
+        rc = grow((void **)&xp_buf, &xp_cap, (size_t)(n_tokens * cols), 4);
         if (rc == MR_OK) {
             const int *perm = qtype == GT_Q6_K ? perm128_q6k : perm128;
             for (int64_t t = 0; t < n_tokens; t++)
