@@ -142,6 +142,7 @@ class _MixBuffers:
     conv: Any  # (tcap, widest convolution) the convolution's output
     out: Any  # (tcap, widest out_proj input)
     gates: Any  # (tcap, 2 Hv) the delta-net's decay | beta
+    snap: Any  # (most taps - 1, widest convolution) a prefill's convolution inputs before its last token
 
 
 @dataclass
@@ -764,8 +765,10 @@ class CudaBackend(Backend):
                                 ids_host=pinned(P, np.int32), order_host=pinned(P, np.int32))
         if p.mix[0]:
             pw, cw, ow, gw = p.mix
+            convs = [sh[0] for sh in p.states if sh is not None] or [(1, 1)]
             b.mix = _MixBuffers(proj=al((tcap, pw), np.float32), conv=al((tcap, max(1, cw)), np.float32),
-                                out=al((tcap, ow), np.float32), gates=al((tcap, max(1, gw)), np.float32))
+                                out=al((tcap, ow), np.float32), gates=al((tcap, max(1, gw)), np.float32),
+                                snap=al(tuple(max(x) for x in zip(*convs)), np.float32))
         if p.out_gate:
             b.qg, b.og = al((tcap, p.H * (p.Dk + p.Dv)), np.float32), al((tcap, p.H * p.Dv), np.float32)
         b.nbytes = self._bytes["scratch"] - before
@@ -813,7 +816,7 @@ class CudaBackend(Backend):
             if cache.device_rows is not None or cache.device_state:  # pragma: no cover - eviction copies back first
                 raise BackendError("a KV cache lost the rows only the device held")
             m = self._new_mirror(p, cache, min(cache.n_ctx, need if self.sim else max(need, MIN_KV_CAP)), busy)
-        current = self._mirror_current(p, m, cache, p0)
+        current = self._mirror_current(m, cache, p0)
         if not current:
             self._upload_cache(p, m, cache, p0)
         # the host changed the state (a prefix copy, state load, truncation) or the conversation starts over
@@ -841,16 +844,16 @@ class CudaBackend(Backend):
         return m
 
     @staticmethod
-    def _mirror_current(p: _Plan, m: _Mirror, cache: Any, p0: int) -> bool:
+    def _mirror_current(m: _Mirror, cache: Any, p0: int) -> bool:
         if p0 == 0:
             return True
         if m.n_valid < p0 or not np.array_equal(m.tokens[:p0], cache.tokens[:p0]):
             return False
-        if m.epoch == cache.host_epoch or p.shadow_layer < 0:  # the host has not touched the rows since
+        if m.epoch == cache.host_epoch or m.shadow_layer < 0:  # the host has not touched the rows since
             return True
         # it has (and holds every row now): a context shift, prefix copy or state load rewrites the newest
         # row, compare the first layer's with rows (the raw array: KVCache.k would count another access)
-        k = _host_kv(cache, p.shadow_layer)[0]
+        k = _host_kv(cache, m.shadow_layer)[0]
         return bool(np.array_equal(k[:, p0 - 1, :].reshape(-1), m.shadow[p0 - 1]))
 
     def _upload_cache(self, p: _Plan, m: _Mirror, cache: Any, p0: int) -> None:
@@ -1119,17 +1122,9 @@ class CudaBackend(Backend):
             di, H, P, N, G = L["di"], L["H"], L["P"], L["N"], L["G"]
             scol = di
             bias, has_bias = (L["conv_b"], 1) if L["conv_b"] is not None else (self._dummy_bias, 0)
-        snaps = []
         for (seg, s0, _), m in zip(spans, mirrors):
-            n = seg.n_tokens
-            conv_state = m.state[i][0]
-            self._launch(K.rconv, ew(n * cd), NT, B.proj, scol, conv_state, B.conv, s0, n, cd, w, taps, bias,
-                         has_bias)
-            if n > 1:  # the convolution inputs after n - 1 tokens, for the snapshot
-                snap = self._alloc(conv_state.shape, np.float32, "temp")
-                self._launch(K.rconv_state, ew(cd), NT, B.proj, scol, conv_state, snap, s0, n - 1, cd, taps)
-                snaps.append(snap)
-            self._launch(K.rconv_state, ew(cd), NT, B.proj, scol, conv_state, conv_state, s0, n, cd, taps)
+            self._launch(K.rconv, ew(seg.n_tokens * cd), NT, B.proj, scol, m.state[i][0], B.conv, s0, seg.n_tokens,
+                         cd, w, taps, bias, has_bias)
         if kind == "delta":
             self._launch(K.l2norm, lc.grid(T * 2 * Hk), NT, B.conv, T, 0, 2 * Hk, Dk, L["norm_eps"])
 
@@ -1142,17 +1137,21 @@ class CudaBackend(Backend):
                              B.proj, di, S, r0, n, H, P, N, G)
         for (seg, s0, p0), m in zip(spans, mirrors):
             n = seg.n_tokens
-            S = m.state[i][1]
+            conv_state, S = m.state[i]
+            # the convolution inputs after this segment's tokens (read before a Mamba-2 scan overwrites them)
+            if n > 1:  # and after n - 1 of them, for the snapshot
+                self._launch(K.rconv_state, ew(cd), NT, B.proj, scol, conv_state, B.snap, s0, n - 1, cd, taps)
+            self._launch(K.rconv_state, ew(cd), NT, B.proj, scol, conv_state, conv_state, s0, n, cd, taps)
             if n == 1:
                 scan(S, s0, 1)
                 continue
             scan(S, s0, n - 1)
-            conv_snap = np.empty(snaps[0].shape, np.float32)
+            conv_snap = np.empty(B.snap.shape, np.float32)
             s_snap = np.empty(S.shape, np.float32)
-            self._d2h(snaps.pop(0), conv_snap)
+            self._d2h(B.snap, conv_snap)
             self._d2h(S, s_snap)
             self._sync()
-            seg.cache.snapshot(i, p0 + n - 1, conv_snap, s_snap)
+            seg.cache.snapshot(i, p0 + n - 1, conv_snap[:taps - 1, :cd], s_snap)
             scan(S, s0 + n - 1, 1)
         if kind == "delta":
             self._norm(B.proj, ar, L["norm"], B.proj, T, F, Hv, Dv, L["norm_eps"], 0)
