@@ -285,6 +285,12 @@ typedef struct {
     uint8_t gw_min[GT_COUNT];
     void (*gemm_rows)(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
                       int64_t nt, float *y, int64_t ys, int s16);
+    /* gw8[type]: gw's unpacking in the AMX int8 GEMM's form (x86_avx512_gemm.c); gemm_i8: this table's gemm_rows
+     * reads it (16 rows per call) */
+    void (*gw8[GT_COUNT])(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu,
+                          float *wd, float *wm);
+    int gemm_i8;
+    uint8_t gemm_min_t[GT_COUNT]; /* the GEMM from this many tokens (0: MR_GEMM_MIN_TOKENS) */
     /* AMX path for many tokens (x86_amx.c; NULL where the ISA has none): amx_prep_x splits nt float rows into
      * bf16 hi / lo rows (padded to 16 tokens), amx_prep_w nr <= 32 float rows into the tile layout of amx_rows,
      * which computes y[t * ys + r] for t < nt, r < nr. */

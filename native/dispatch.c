@@ -119,8 +119,12 @@ enum { PATH_NONE = 0, PATH_INT = 1, PATH_FLOAT = 2 };
 /* From this many tokens on, packed matrices of the types with an integer GEMM take it instead of the
  * float panel (measured on AVX-512 VNNI: the decode kernels are faster up to MR_PACKED_INT_MAX tokens). */
 #define MR_GEMM_MIN_TOKENS 17
-/* From this many tokens on, an ISA with the AMX path (x86_amx.c) takes it for every type. */
+/* From this many tokens on, an ISA with the AMX path (x86_amx.c) takes it for every type... */
 #define MR_AMX_MIN_TOKENS 64
+/* ...but packed matrices with the int8-tile GEMM (gemm_i8, gemm_min_t set) keep it below this many (2 threads,
+ * 64 / 128 / 512 tokens, int8 tiles against bf16: Q5_0 4864x896 1.65x / 1.27x / 0.89x, Q4_K 896x4864 1.56x / 1.52x /
+ * 1.19x, Q8_0 8192x896 1.64x / 1.15x / 1.0x) */
+#define MR_AMX_INT8_MAX_TOKENS 256
 /* Tokens per block of the tile path: keeps X (tokens x MR_KC floats) in L2. */
 #define MR_TOKEN_BLOCK 96
 /* Tokens per block of the panel path: each weight panel is dequantized once per block, so the block
@@ -441,8 +445,12 @@ int mr_mat_xlayout(const mr_kernels *K, const mr_mat *m) {
     return 0;
 }
 
+static int64_t gemm_min(const mr_kernels *K, int qtype) {
+    return K->gemm_min_t[qtype] ? K->gemm_min_t[qtype] : MR_GEMM_MIN_TOKENS;
+}
+
 int mr_mat_gemm(const mr_kernels *K, const mr_mat *m, int64_t nt) {
-    return m->packed && K->gemm_rows && K->gw[m->qtype] && nt >= MR_GEMM_MIN_TOKENS;
+    return m->packed && K->gemm_rows && (K->gemm_i8 ? K->gw8 : K->gw)[m->qtype] && nt >= gemm_min(K, m->qtype);
 }
 
 /* integer GEMM rows [r0, r1): blocks of up to GEMM_WU_BYTES of unpacked rows (8-row groups, int16, worker scratch),
@@ -452,30 +460,56 @@ int mr_mat_gemm(const mr_kernels *K, const mr_mat *m, int64_t nt) {
  * a 384 KB slice was slower at 1024 columns: 270 against 298). Results are those of the whole-panel order. */
 #define GEMM_WU_BYTES (512 * 1024)
 #define GEMM_X_BYTES (1024 * 1024)
+/* K->gemm_i8 (AMX): gw8's form, 16 rows per group (int8 rows, then scales and mins by K step, see x86_avx512_gemm.c) */
 static void gemm_rows(const mr_kernels *K, const mr_mat *m, const mr_xp *xp, int64_t nt, int64_t r0, int64_t r1,
                       float *yy, int64_t yys, int worker) {
-    const int64_t cols = m->cols, nb = cols / 32;
-    const int64_t gstride = 8 * cols + 4 * 8 * nb; /* int16 units per 8-row group: wu, then wd and wm (floats) */
-    int64_t groups = GEMM_WU_BYTES / (gstride * 2);
-    if (groups < 1) groups = 1;
+    const int64_t cols = m->cols, nb = cols / 32, R = K->gemm_i8 ? 16 : 8;
+    const int64_t gstride = R * cols + 4 * R * nb; /* int16 units per R-row group: wu, then wd and wm (floats) */
+    const int64_t wdo = K->gemm_i8 ? R * cols / 2 : R * cols; /* where wd starts (int16 units) */
+    const int64_t ns = K->gw_min[m->qtype] == 2 ? 2 * nb : nb; /* scales per row */
+    void (*gw)(const uint8_t *, int64_t, int64_t, int, int64_t, int16_t *, float *, float *) =
+        K->gemm_i8 ? K->gw8[m->qtype] : K->gw[m->qtype];
     const int64_t tg_max = GEMM_X_BYTES / (16 * cols * 2); /* token groups of 16 per slice, even (pairs of tiles) */
     const int64_t tg = tg_max < 2 ? 2 : tg_max & ~(int64_t)1;
+    if (xp->ng <= tg) { /* one slice of tokens: each group is multiplied once, while the next one is unpacked
+                         * (in L1, and its stores are done by the time the kernel reads it) */
+        int16_t *buf = (int16_t *)mr_scratch(worker, 1, (size_t)(2 * gstride * 2));
+        for (int64_t p = r0, i = 0; p < r1 + R; p += R, i++) {
+            if (p < r1) {
+                const int nr = (int)(r1 - p < R ? r1 - p : R);
+                int16_t *wu = buf + (i & 1) * gstride;
+                gw(m->w + (p / 4) * m->ntiles * m->tb, m->ntiles, m->tb, (nr + 3) / 4, cols, wu, (float *)(wu + wdo),
+                   (float *)(wu + wdo) + R * ns);
+            }
+            if (p > r0) {
+                const int64_t q = p - R;
+                const int nr = (int)(r1 - q < R ? r1 - q : R);
+                const int16_t *wu = buf + ((i - 1) & 1) * gstride;
+                const float *wd = (const float *)(wu + wdo), *wm = wd + R * ns;
+                K->gemm_rows(wu, wd, K->gw_min[m->qtype] == 1 ? wm : NULL, nr, cols, xp, nt, yy + (q - r0), yys,
+                             K->gw_min[m->qtype] == 2);
+            }
+        }
+        return;
+    }
+    int64_t groups = GEMM_WU_BYTES / (gstride * 2);
+    if (groups < 1) groups = 1;
     int16_t *buf = (int16_t *)mr_scratch(worker, 1, (size_t)(groups * gstride * 2));
-    for (int64_t b0 = r0; b0 < r1; b0 += 8 * groups) {
-        const int64_t b1 = r1 - b0 < 8 * groups ? r1 : b0 + 8 * groups;
-        for (int64_t p = b0; p < b1; p += 8) { /* unpack the block once */
-            const int nr = (int)(b1 - p < 8 ? b1 - p : 8);
-            int16_t *wu = buf + (p - b0) / 8 * gstride;
-            float *wd = (float *)(wu + 8 * cols), *wm = wd + 8 * nb;
-            K->gw[m->qtype](m->w + (p / 4) * m->ntiles * m->tb, m->ntiles, m->tb, (nr + 3) / 4, cols, wu, wd, wm);
+    for (int64_t b0 = r0; b0 < r1; b0 += R * groups) {
+        const int64_t b1 = r1 - b0 < R * groups ? r1 : b0 + R * groups;
+        for (int64_t p = b0; p < b1; p += R) { /* unpack the block once */
+            const int nr = (int)(b1 - p < R ? b1 - p : R);
+            int16_t *wu = buf + (p - b0) / R * gstride;
+            float *wd = (float *)(wu + wdo), *wm = wd + R * ns;
+            gw(m->w + (p / 4) * m->ntiles * m->tb, m->ntiles, m->tb, (nr + 3) / 4, cols, wu, wd, wm);
         }
         for (int64_t g0 = 0; g0 < xp->ng; g0 += tg) {
             const mr_xp sl = {xp->q + g0 * nb * 512, xp->d + g0 * nb * 16, xp->ds ? xp->ds + g0 * nb * 16 : NULL, nb,
                               xp->ng - g0 < tg ? xp->ng - g0 : tg};
-            for (int64_t p = b0; p < b1; p += 8) {
-                const int nr = (int)(b1 - p < 8 ? b1 - p : 8);
-                const int16_t *wu = buf + (p - b0) / 8 * gstride;
-                const float *wd = (const float *)(wu + 8 * cols), *wm = wd + 8 * nb;
+            for (int64_t p = b0; p < b1; p += R) {
+                const int nr = (int)(b1 - p < R ? b1 - p : R);
+                const int16_t *wu = buf + (p - b0) / R * gstride;
+                const float *wd = (const float *)(wu + wdo), *wm = wd + R * ns;
                 K->gemm_rows(wu, wd, K->gw_min[m->qtype] == 1 ? wm : NULL, nr, cols, &sl, nt - 16 * g0,
                              yy + 16 * g0 * yys + (p - r0), yys, K->gw_min[m->qtype] == 2);
             }
@@ -680,8 +714,10 @@ int mr_matmul_packed_path(int qtype, long long n_tokens, int isa) {
     const mr_kernels *K = mr_get_kernels(isa);
     if (!K) return MR_E_ISA;
     if (!mr_pack_tile_bytes(qtype)) return MR_E_QTYPE;
-    if (amx_taken(K, qtype, n_tokens, 0)) return 7; /* AMX, through run_float (packed rows: whole tiles) */
-    if (K->gemm_rows && K->gw[qtype] && n_tokens >= MR_GEMM_MIN_TOKENS) return 5; /* = mr_mat_gemm */
+    const int i8 = K->gemm_i8 && K->gemm_min_t[qtype] && n_tokens < MR_AMX_INT8_MAX_TOKENS;
+    if (amx_taken(K, qtype, n_tokens, 0) && !i8) return 7; /* AMX, through run_float (packed rows: whole tiles) */
+    if (K->gemm_rows && (K->gemm_i8 ? K->gw8 : K->gw)[qtype] && n_tokens >= gemm_min(K, qtype))
+        return K->gemm_i8 ? 8 : 5; /* = mr_mat_gemm (8: on AMX int8 tiles) */
     if (K->pgemv[qtype] && n_tokens <= MR_PACKED_INT_MAX) return 1;
     if (K->panel && n_tokens >= MR_PANEL_MIN_TOKENS) return 4;
     return n_tokens > 2 ? 3 : 2;
@@ -712,7 +748,7 @@ int mr_matmul_packed(int qtype, const unsigned char *wp, long long rows, long lo
             rc = mr_parallel_for(task_int, commit_rows, &c, sizeof c, (rows + c.chunk - 1) / c.chunk, c.chunk * n_tokens,
                                  threads);
         }
-    } else if (path == 5) {
+    } else if (path == 5 || path == 8) {
         mr_xacts xs;
         rc = mr_prepare_x(K, x, n_tokens, x_stride, cols, MR_XL_PANEL, &xs);
         c.xa = xs.nat;

@@ -28,14 +28,20 @@
 
 mr_kernels mr_kernels_amx;
 
+/* From this many tokens on, packed matrices take the int8-tile GEMM (below) instead of the decode kernels
+ * (bench/kernels.py --tokens 8 / 12 / 16: 1.0x / 1.1-1.3x / 1.1-1.5x the decode kernels' time on Q4_0, Q5_0, Q8_0,
+ * Q4_K). Q6_K keeps the int16 GEMM's threshold: its per-16 scales take two tile steps a block (0.8x at 12 tokens,
+ * 1.0x at 16-32). */
+#define MR_AMX8_MIN_TOKENS 10
+
 #if defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define MR_HAVE_AMX 1
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,amx-tile,amx-bf16"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,amx-tile,amx-bf16,amx-int8"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,amx-tile,amx-bf16,amx-int8")
 #endif
 
 #include "x86_avx512_inl.h"
@@ -46,9 +52,11 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg;
 
-static __thread int cfg_loaded;
+static __thread int cfg_loaded; /* the configuration this thread's tiles have: 0 none, else a CFG_ */
+enum { CFG_BF16 = 1, CFG_INT8, CFG_INT8_16 };
 
-static void load_cfg(void) {
+static void load_cfg(int id) {
+    if (cfg_loaded == id) return;
     tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -56,10 +64,15 @@ static void load_cfg(void) {
         c.rows[i] = 16;
         c.colsb[i] = 64;
     }
+    if (id != CFG_BF16) { /* the int8 GEMM below: weights 16 rows x K, activations K / 4 rows, sums 16 x 16 */
+        const int k = id == CFG_INT8 ? 32 : 16;
+        c.colsb[0] = c.colsb[1] = (uint16_t)k;
+        c.rows[2] = c.rows[3] = (uint8_t)(k / 4);
+    }
     /* not _tile_loadconfig: GCC 11-12 declare its operand as the first 8 bytes only, and dropped the stores of
      * the rest as dead (SIGILL: a zero configuration) */
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
-    cfg_loaded = 1;
+    cfg_loaded = id;
 }
 
 /* 16 floats -> their bf16 hi and lo parts (each rounded to nearest even), as the low 16 bits of 32-bit lanes */
@@ -130,7 +143,7 @@ MR_INLINE void store_c(int c, float *y, int64_t ys, int64_t t0, int64_t nt, int 
 
 void mr_amx_rows(const uint16_t *wt, int nr, int64_t cols, const uint16_t *xh, const uint16_t *xl, int64_t nt, float *y,
                  int64_t ys) {
-    if (!cfg_loaded) load_cfg();
+    load_cfg(CFG_BF16);
     __asm__ volatile("" ::: "memory"); /* GCC's tileloadd names no memory operand: the operands' stores first */
     const int64_t nb = cols / 32, xstride = cols * 2;
     const int two = nr > 16;
@@ -160,6 +173,146 @@ void mr_amx_rows(const uint16_t *wt, int nr, int64_t cols, const uint16_t *xh, c
     }
 }
 
+/* ---------------------------------------------------------------- int8 tiles on the integer GEMM's values
+ *
+ * The integer GEMM (x86_avx512_gemm.c) for few tokens (a batched decode step): the same unpacked weights (gw,
+ * int16 values within int8, here narrowed to int8 rows) and the same int16 activations per 32-block, each
+ * split exactly into a signed high byte and an unsigned low byte, x = 256 hi + lo. Per 32-block (16 for
+ * Q6_K's scales) and 8 rows, two tile products give the integer sums of w hi and w lo for 16 tokens
+ * (tdpbssd, tdpbsud); 256 * the first + the second is the int32 sum the int16 kernel's vpdpwssd forms, so its
+ * float conversion and scaling (same order) give the int16 GEMM's results bit for bit. What the tiles save:
+ * the int16 kernel spends a broadcast and a vpdpwssd per weight pair, row and 16 tokens; here the vector units
+ * only scale the 8 x 16 block sums.
+ *
+ * Shapes at the boundary:
+ *   activations (amx8_xpanel): the mr_xp panel with q holding, per 16-token group g and block b, at byte
+ *     (g nb + b) * 1024: hi (8 rows x 16 tokens x 4 bytes: row k, token j = hi bytes of columns 4k..4k+3) then
+ *     lo (the same, low bytes); d and ds as the int16 panel;
+ *   weights: nr <= 8 rows (row stride cols bytes, int8), as mr_amx8_narrow made them from gw's int16 rows;
+ *   y[t * ys + r] for r < nr, t < nt.
+ * Bounds: |hi| <= 128, lo <= 255, |w| <= 128: per block |256 sum w hi| <= 2^27, sum w lo < 2^20, within int32.
+ *
+ * Tiles (CFG_INT8): 0 weights (8 rows x 32 columns), 1, 2 activations hi / lo (8 rows of 4 columns x 16
+ * tokens), 3, 4 sums hi / lo (8 rows x 16 tokens int32); for per-16 scales 5 weights (8 x 16), 6, 7
+ * activations hi / lo (4 rows x 16 tokens x 4). */
+
+static void amx8_xpanel(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp) {
+    const int64_t nb = cols / 32, ng = (nt + 15) / 16;
+    int16_t *q = (int16_t *)tmp;                 /* (16, cols) */
+    float *d = tmp + 8 * cols, *s = d + 16 * nb; /* (16, nb) each */
+    uint8_t *out = (uint8_t *)xp->q;
+    for (int64_t g = 0; g < ng; g++) {
+        for (int j = 0; j < 16; j++) {
+            const int64_t t = 16 * g + j;
+            if (t < nt) mr_kernels_avx512.quant_x(x + t * xs, cols, q + j * cols, d + j * nb, s + j * nb);
+            else { /* padding token: contributes nothing (its outputs are not written) */
+                memset(q + j * cols, 0, (size_t)cols * 2);
+                memset(d + j * nb, 0, (size_t)nb * 4);
+            }
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = g * nb + b;
+            __m512 r[16];
+            float sq[16], dd[16];
+            for (int j = 0; j < 16; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(q + j * cols + 32 * b));
+                sq[j] = d[j * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_madd_epi16(v, _mm512_set1_epi16(1)));
+                dd[j] = d[j * nb + b];
+                const __m256i hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)), lo = _mm512_cvtepi16_epi8(v);
+                r[j] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(hi), lo, 1));
+            }
+            transpose16(r); /* r[k] lane j = dword k of token j: hi bytes 4k..4k+3 (k < 8), then the lo bytes */
+            for (int k = 0; k < 16; k++) _mm512_storeu_ps((float *)(void *)(out + i * 1024 + 64 * k), r[k]);
+            _mm512_storeu_ps(xp->d + i * 16, _mm512_loadu_ps(dd));
+            _mm512_storeu_ps(xp->ds + i * 16, _mm512_loadu_ps(sq));
+        }
+    }
+    xp->nb = nb;
+    xp->ng = ng;
+}
+
+/* the int32 sums of one K step (hi at c, lo at c + 256: 16 rows x 16 tokens) -> for each row r:
+ * f[r] += float(256 hi + lo) * (dx * wd_r), then - ds * wm_r */
+MR_INLINE void amx8_scale(__m512 f[16], const int32_t *c, __m512 dx, __m512 ds, const float *wd, const float *wm,
+                          const int MIN) {
+    for (int r = 0; r < 16; r++) {
+        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)(c + 16 * r)), 8),
+                                           _mm512_load_si512((const void *)(c + 256 + 16 * r)));
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dx, _mm512_set1_ps(wd[r])), f[r]);
+        if (MIN) f[r] = _mm512_fnmadd_ps(ds, _mm512_set1_ps(wm[r]), f[r]);
+    }
+}
+
+/* one K step (a 32-block, or half of one for per-16 scales: the configuration gives the width) of 16 rows in the
+ * tile set P (0 or 1: weights P, sums 4 + 2P, 5 + 2P): weights at w (row stride cols), activations hi / lo at
+ * xh, xl -> the int32 sums stored at c */
+MR_INLINE void amx8_step(const int8_t *w, int64_t cols, const uint8_t *xh, const uint8_t *xl, int32_t *c, const int P) {
+    _tile_loadd(2, xh, 64);
+    _tile_loadd(3, xl, 64);
+    if (P) {
+        _tile_loadd(1, w, cols);
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_dpbssd(6, 1, 2);
+        _tile_dpbsud(7, 1, 3);
+        _tile_stored(6, c, 64);
+        _tile_stored(7, c + 256, 64);
+    } else {
+        _tile_loadd(0, w, cols);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_dpbssd(4, 0, 2);
+        _tile_dpbsud(5, 0, 3);
+        _tile_stored(4, c, 64);
+        _tile_stored(5, c + 256, 64);
+    }
+}
+
+/* K step s of 16 rows: block s, or (per-16 scales) half s % 2 of block s / 2 */
+MR_INLINE void amx8_step_at(const int8_t *w8, int64_t cols, const uint8_t *xq, int64_t s, int32_t *c, const int S16) {
+    const int64_t b = S16 ? s >> 1 : s, h = S16 ? s & 1 : 0; /* per-16: activation rows 4h..4h+3 of the block */
+    if (s & 1) amx8_step(w8 + 32 * b + 16 * h, cols, xq + b * 1024 + 256 * h, xq + b * 1024 + 512 + 256 * h, c, 1);
+    else amx8_step(w8 + 32 * b + 16 * h, cols, xq + b * 1024 + 256 * h, xq + b * 1024 + 512 + 256 * h, c, 0);
+}
+
+/* 16 rows x one group of 16 tokens. Software-pipelined: step s + 1's tiles (the other tile set, the other half of
+ * c) are issued before step s's sums are scaled, so that the vector loads of those sums do not wait for the tile
+ * stores just issued (measured: the store-to-load wait was most of the time otherwise). */
+MR_INLINE void amx8_group(const int8_t *w8, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
+                          int64_t g, int64_t nt, float *y, int64_t ys, const int MIN, const int S16) {
+    const int64_t nb = x->nb, ns = S16 ? 2 * nb : nb;
+    const uint8_t *xq = (const uint8_t *)x->q + g * nb * 1024;
+    int32_t c[2][512] __attribute__((aligned(64)));
+    __m512 f[16];
+    for (int r = 0; r < 16; r++) f[r] = _mm512_setzero_ps();
+    amx8_step_at(w8, cols, xq, 0, c[0], S16);
+    for (int64_t s = 0; s < ns; s++) {
+        if (s + 1 < ns) amx8_step_at(w8, cols, xq, s + 1, c[(s + 1) & 1], S16);
+        const int64_t b = S16 ? s >> 1 : s;
+        const __m512 dx = _mm512_loadu_ps(x->d + (g * nb + b) * 16);
+        const __m512 ds = MIN ? _mm512_loadu_ps(x->ds + (g * nb + b) * 16) : dx;
+        amx8_scale(f, c[s & 1], dx, ds, wd + 16 * s, wm + 16 * s, MIN);
+    }
+    const int64_t t0 = 16 * g;
+    const int n = (int)(nt - t0 < 16 ? nt - t0 : 16);
+    transpose16(f); /* f[j] lane r: token j, row r */
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    for (int j = 0; j < n; j++) _mm512_mask_storeu_ps(y + (t0 + j) * ys, k, f[j]);
+}
+
+/* the gemm_rows contract (common.h), nr <= 16, with wu, wd, wm in gw8's form */
+static void amx8_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
+                      int64_t nt, float *y, int64_t ys, int s16) {
+    load_cfg(s16 ? CFG_INT8_16 : CFG_INT8);
+    __asm__ volatile("" ::: "memory"); /* GCC's tileloadd names no memory operand: the operands' stores first */
+    const int8_t *w8 = (const int8_t *)(const void *)wu;
+    for (int64_t g = 0; g < x->ng; g++) {
+        if (wm) amx8_group(w8, wd, wm, nr, cols, x, g, nt, y, ys, 1, 0);
+        else if (s16) amx8_group(w8, wd, wd, nr, cols, x, g, nt, y, ys, 0, 1);
+        else amx8_group(w8, wd, wd, nr, cols, x, g, nt, y, ys, 0, 0);
+    }
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -179,6 +332,13 @@ static int amx_usable(void) {
     const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
+
+/* AMX-INT8 (CPUID leaf 7 EDX bit 25), on top of amx_usable */
+static int amx_int8_usable(void) {
+    unsigned a, b, c, d;
+    const char *e = getenv("MINIRT_AMX_INT8");
+    return !(e && !strcmp(e, "0")) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+}
 #endif /* compiler with AMX */
 
 /* 1 when this CPU, OS and compiler run the AMX path (then *k is the AVX-512 table with it); 0 otherwise.
@@ -191,6 +351,12 @@ int mr_init_amx(mr_kernels *k, const mr_kernels *avx512) {
     k->amx_prep_x = mr_amx_prep_x;
     k->amx_prep_w = mr_amx_prep_w;
     k->amx_rows = mr_amx_rows;
+    if (amx_int8_usable()) {
+        k->gemm_xpanel = amx8_xpanel;
+        k->gemm_rows = amx8_rows;
+        k->gemm_i8 = 1;
+        k->gemm_min_t[GT_Q4_0] = k->gemm_min_t[GT_Q5_0] = k->gemm_min_t[GT_Q8_0] = k->gemm_min_t[GT_Q4_K] = MR_AMX8_MIN_TOKENS;
+    }
     return 1;
 #else
     (void)k;

@@ -91,73 +91,88 @@ MR_INLINE __m512i nat_hi_nib(__m512i lo, __m512i hi) {
     return _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 7, 11, 3, 14, 6, 10, 2), hi);
 }
 
-/* 64 int8 (sgn) or uint8 values minus off -> 64 int16 at o */
-MR_INLINE void st16(int16_t *o, __m512i v, int sgn, int off) {
+/* Two output forms (I8): the int16 GEMM's (rows of int16 at wu, row stride cols; scales wd[row * ns + k] for K
+ * step k, ns steps per row: cols / 32, or cols / 16 for per-16 scales) and the AMX int8 GEMM's (x86_amx.c: rows of
+ * int8 at (int8_t *)wu, row stride cols; scales by K step for 16 rows, wd[16 k + row], and so the mins). */
+MR_INLINE int64_t sidx(int64_t row, int64_t k, int64_t ns, const int I8) { return I8 ? 16 * k + row : row * ns + k; }
+
+/* 64 int8 (sgn) or uint8 values minus off -> 64 elements from column c of row `row` */
+MR_INLINE void st64(int16_t *wu, int64_t cols, int64_t row, int64_t c, __m512i v, int sgn, int off, const int I8) {
+    if (I8) { /* the values minus off fit int8 (byte arithmetic wraps to them) */
+        _mm512_storeu_si512((void *)((int8_t *)wu + row * cols + c), _mm512_sub_epi8(v, _mm512_set1_epi8((char)off)));
+        return;
+    }
+    int16_t *o = wu + row * cols + c;
     const __m256i a = _mm512_castsi512_si256(v), b = _mm512_extracti64x4_epi64(v, 1);
     const __m512i ofs = _mm512_set1_epi16((short)off);
     _mm512_storeu_si512((void *)o, _mm512_sub_epi16(sgn ? _mm512_cvtepi8_epi16(a) : _mm512_cvtepu8_epi16(a), ofs));
     _mm512_storeu_si512((void *)(o + 32), _mm512_sub_epi16(sgn ? _mm512_cvtepi8_epi16(b) : _mm512_cvtepu8_epi16(b), ofs));
 }
 
-/* the 16 f16 scales [4r + q] of a 32-block-type tile -> wd rows (block 4t + q) */
-MR_INLINE void tile_scales16(const uint8_t *tile, float *wd, int64_t nb, int64_t t) {
+/* the 16 f16 scales [4r + q] of a 32-block-type tile (4 rows from row0, blocks 4t + q) -> wd */
+MR_INLINE void tile_scales16(const uint8_t *tile, float *wd, int64_t row0, int64_t nb, int64_t t, const int I8) {
     float s[16];
     _mm512_storeu_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile)));
-    for (int r = 0; r < 4; r++) memcpy(wd + r * nb + 4 * t, s + 4 * r, 16);
+    for (int r = 0; r < 4; r++)
+        for (int q = 0; q < 4; q++) wd[sidx(row0 + r, 4 * t + q, nb, I8)] = s[4 * r + q];
 }
 
-/* 64 bytes of P4 nibbles (vectors 0..3 of a quad) -> 128 int16 in natural order, minus off;
+/* 64 bytes of P4 nibbles (vectors 0..3 of a quad) -> 128 values in natural order from column c, minus off;
  * hb: Q5_0's masks (bit set <=> the 5th bit is 0), the value is then nibble + 16 * 5th bit - off */
-MR_INLINE void nib_rows(const uint8_t *src, int16_t *o, __mmask64 klo, __mmask64 khi, int hb, int off) {
+MR_INLINE void nib_rows(const uint8_t *src, int16_t *wu, int64_t cols, int64_t row, int64_t c, __mmask64 klo,
+                        __mmask64 khi, int hb, int off, const int I8) {
     const __m512i m4 = _mm512_set1_epi8(15), z = _mm512_loadu_si512((const void *)src);
     __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
     if (hb) {
         lo = _mm512_mask_add_epi8(lo, ~klo, lo, _mm512_set1_epi8(16));
         hi = _mm512_mask_add_epi8(hi, ~khi, hi, _mm512_set1_epi8(16));
     }
-    st16(o, nat_lo_nib(lo, hi), 0, off);
-    st16(o + 64, nat_hi_nib(lo, hi), 0, off);
+    st64(wu, cols, row, c, nat_lo_nib(lo, hi), 0, off, I8);
+    st64(wu, cols, row, c + 64, nat_hi_nib(lo, hi), 0, off, I8);
 }
 
 /* 32-element block types (tiles of 4 rows x 128 columns): the tile's 16 f16 scales, then each row */
 MR_INLINE void gw_blocks32(const int T, const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols,
-                           int16_t *wu, float *wd) {
+                           int16_t *wu, float *wd, const int I8) {
     const int64_t nb = cols / 32;
     for (int g = 0; g < ng; g++)
         for (int64_t t = 0; t < ntiles; t++) {
             const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
-            tile_scales16(tile, wd + (int64_t)4 * g * nb, nb, t);
+            tile_scales16(tile, wd, 4 * g, nb, t, I8);
             for (int r = 0; r < 4; r++) {
-                int16_t *o = wu + (int64_t)(4 * g + r) * cols + 128 * t;
+                const int64_t row = 4 * g + r, c = 128 * t;
                 if (T == GT_Q8_0) {
                     const uint8_t *s = tile + 32 + 128 * r;
                     const __m512i a = _mm512_loadu_si512((const void *)s), b = _mm512_loadu_si512((const void *)(s + 64));
-                    st16(o, nat_lo_q8(a, b), 1, 0);
-                    st16(o + 64, nat_hi_q8(a, b), 1, 0);
+                    st64(wu, cols, row, c, nat_lo_q8(a, b), 1, 0, I8);
+                    st64(wu, cols, row, c + 64, nat_hi_q8(a, b), 1, 0, I8);
                 } else if (T == GT_Q4_0) {
-                    nib_rows(tile + 32 + 64 * r, o, 0, 0, 0, 8);
+                    nib_rows(tile + 32 + 64 * r, wu, cols, row, c, 0, 0, 0, 8, I8);
                 } else { /* Q5_0 */
                     const uint8_t *m = tile + 32 + 16 * r; /* (r, k) masks, 4 bytes each */
                     const __mmask64 klo = (__mmask64)mr_rd32(m) | (__mmask64)mr_rd32(m + 8) << 32;
                     const __mmask64 khi = (__mmask64)mr_rd32(m + 4) | (__mmask64)mr_rd32(m + 12) << 32;
-                    nib_rows(tile + 96 + 64 * r, o, klo, khi, 1, 16);
+                    nib_rows(tile + 96 + 64 * r, wu, cols, row, c, klo, khi, 1, 16, I8);
                 }
             }
         }
 }
 
-#define GW32(name, T)                                                                                            \
+#define GW32(name, T, I8)                                                                                        \
     static void name(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd, \
                      float *wm) {                                                                                \
         (void)wm;                                                                                                \
-        gw_blocks32(T, wp, ntiles, tb, ng, cols, wu, wd);                                                        \
+        gw_blocks32(T, wp, ntiles, tb, ng, cols, wu, wd, I8);                                                    \
     }
-GW32(gw_q4_0, GT_Q4_0)
-GW32(gw_q5_0, GT_Q5_0)
-GW32(gw_q8_0, GT_Q8_0)
+GW32(gw_q4_0, GT_Q4_0, 0)
+GW32(gw_q5_0, GT_Q5_0, 0)
+GW32(gw_q8_0, GT_Q8_0, 0)
+GW32(gw8_q4_0, GT_Q4_0, 1)
+GW32(gw8_q5_0, GT_Q5_0, 1)
+GW32(gw8_q8_0, GT_Q8_0, 1)
 
-static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
-                    float *wm) {
+MR_INLINE void gw_q4_k_(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                        float *wm, const int I8) {
     const int64_t nb = cols / 32;
     for (int g = 0; g < ng; g++)
         for (int64_t t = 0; t < ntiles; t++) {
@@ -167,17 +182,25 @@ static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64
                 const float d = f16s(tile + 2 * r), dmin = f16s(tile + 8 + 2 * r);
                 const uint8_t *sm = tile + 16 + 16 * r; /* 8 scales, 8 mins (decoded 6-bit values) */
                 for (int s = 0; s < 8; s++) {
-                    wd[row * nb + 8 * t + s] = d * (float)sm[s];
-                    wm[row * nb + 8 * t + s] = dmin * (float)sm[8 + s];
+                    wd[sidx(row, 8 * t + s, nb, I8)] = d * (float)sm[s];
+                    wm[sidx(row, 8 * t + s, nb, I8)] = dmin * (float)sm[8 + s];
                 }
                 for (int Q = 0; Q < 2; Q++)
-                    nib_rows(tile + 80 + 128 * r + 64 * Q, wu + row * cols + 256 * t + 128 * Q, 0, 0, 0, 0);
+                    nib_rows(tile + 80 + 128 * r + 64 * Q, wu, cols, row, 256 * t + 128 * Q, 0, 0, 0, 0, I8);
             }
         }
 }
+static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                    float *wm) {
+    gw_q4_k_(wp, ntiles, tb, ng, cols, wu, wd, wm, 0);
+}
+static void gw8_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                     float *wm) {
+    gw_q4_k_(wp, ntiles, tb, ng, cols, wu, wd, wm, 1);
+}
 
-/* Q6_K (tiles of 4 rows x 256 columns, pack.c): q - 32 as int16 in natural order, and the per-16 scales d * sc
- * (wd, 2 * cols / 32 per row). Quad Q of row r unpacks as the decode kernels do (pk_q6k_quad: vector k, lane j
+/* Q6_K (tiles of 4 rows x 256 columns, pack.c): q - 32 in natural order, and the per-16 scales d * sc (2 * cols / 32
+ * K steps per row). Quad Q of row r unpacks as the decode kernels do (pk_q6k_quad: vector k, lane j
  * holds element E6(k, j)); two rounds of word permutes put it in column order: A = vectors 0, 1 and B = 2, 3
  * split by lane halves (j < 16 | j >= 16, q6_idx[0..1]), then natural vector m takes its 32 columns from A and B
  * (q6_idx[2 + m]). */
@@ -195,10 +218,9 @@ static void q6_init(void) {
         }
 }
 
-static void gw_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
-                    float *wm) {
-    (void)wm;
-    const int64_t nb = cols / 32;
+MR_INLINE void gw_q6_k_(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                        const int I8) {
+    const int64_t ns = cols / 16;
     const __m512i c32 = _mm512_set1_epi16(32);
     const __m512i i0 = _mm512_load_si512((const void *)q6_idx[0]), i1 = _mm512_load_si512((const void *)q6_idx[1]);
     for (int g = 0; g < ng; g++)
@@ -208,21 +230,39 @@ static void gw_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64
                 const int64_t row = 4 * g + r;
                 const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 8 + 16 * r)))),
                                                _mm512_set1_ps(f16s(tile + 2 * r)));
-                _mm512_storeu_ps(wd + row * 2 * nb + 16 * t, s);
+                if (I8) {
+                    float sv[16];
+                    _mm512_storeu_ps(sv, s);
+                    for (int i = 0; i < 16; i++) wd[sidx(row, 16 * t + i, ns, 1)] = sv[i];
+                } else {
+                    _mm512_storeu_ps(wd + row * ns + 16 * t, s);
+                }
                 for (int Q = 0; Q < 2; Q++) {
                     __m512i v[4];
                     pk_q6k_quad(tile, r, Q, v);
                     const __m512i alo = _mm512_permutex2var_epi16(v[0], i0, v[1]), ahi = _mm512_permutex2var_epi16(v[0], i1, v[1]);
                     const __m512i blo = _mm512_permutex2var_epi16(v[2], i0, v[3]), bhi = _mm512_permutex2var_epi16(v[2], i1, v[3]);
-                    int16_t *o = wu + row * cols + 256 * t + 128 * Q;
+                    const int64_t c = 256 * t + 128 * Q;
                     for (int m = 0; m < 4; m++) {
                         const __m512i im = _mm512_load_si512((const void *)q6_idx[2 + m]);
-                        const __m512i n = m < 2 ? _mm512_permutex2var_epi16(alo, im, blo) : _mm512_permutex2var_epi16(ahi, im, bhi);
-                        _mm512_storeu_si512((void *)(o + 32 * m), _mm512_sub_epi16(n, c32));
+                        const __m512i n = _mm512_sub_epi16(m < 2 ? _mm512_permutex2var_epi16(alo, im, blo)
+                                                                 : _mm512_permutex2var_epi16(ahi, im, bhi), c32);
+                        if (I8) _mm256_storeu_si256((__m256i *)(void *)((int8_t *)wu + row * cols + c + 32 * m), _mm512_cvtepi16_epi8(n));
+                        else _mm512_storeu_si512((void *)(wu + row * cols + c + 32 * m), n);
                     }
                 }
             }
         }
+}
+static void gw_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                    float *wm) {
+    (void)wm;
+    gw_q6_k_(wp, ntiles, tb, ng, cols, wu, wd, 0);
+}
+static void gw8_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
+                     float *wm) {
+    (void)wm;
+    gw_q6_k_(wp, ntiles, tb, ng, cols, wu, wd, 1);
 }
 
 /* ---------------------------------------------------------------- the kernel */
@@ -324,6 +364,11 @@ void mr_init_avx512_gemm(mr_kernels *k) {
     q6_init();
     k->gw[GT_Q6_K] = gw_q6_k;
     k->gw_min[GT_Q6_K] = 2;
+    k->gw8[GT_Q4_0] = gw8_q4_0;
+    k->gw8[GT_Q5_0] = gw8_q5_0;
+    k->gw8[GT_Q8_0] = gw8_q8_0;
+    k->gw8[GT_Q4_K] = gw8_q4_k;
+    k->gw8[GT_Q6_K] = gw8_q6_k;
 }
 
 #if defined(__clang__)

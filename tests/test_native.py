@@ -81,6 +81,13 @@ def _has_amx() -> bool:
         return False
 
 
+def _has_amx_int8() -> bool:
+    """The avx512_amx ISA with its int8-tile GEMM: the CPU flag, and MINIRT_AMX_INT8 not 0."""
+    cpu = Path("/proc/cpuinfo")
+    flags = cpu.read_text() if cpu.exists() else ""
+    return _has_amx() and " amx_int8" in flags and os.environ.get("MINIRT_AMX_INT8") != "0"
+
+
 def error_bound(x: np.ndarray, W: np.ndarray, path: str) -> np.ndarray:
     """Per-element bound on |Y - Y64| (n_tokens, rows).
 
@@ -89,14 +96,14 @@ def error_bound(x: np.ndarray, W: np.ndarray, path: str) -> np.ndarray:
     int8 path: the same with 256-element blocks and max / 127.
     Float paths: float32 accumulation only. The float32 term is 2e-6 * sum_i |W_ri x_i| (about 32
     float32 roundings relative to the absolute sum: the kernels sum in 16-lane partial sums).
-    AMX path: weights and activations each split into two bf16 (see native/x86_amx.c).
+    AMX path: weights and activations each split into two bf16 (see native/x86_amx.c); amx-int8: the int16 GEMM's.
     """
     x64 = x.astype(np.float64)
     absdot = np.abs(x64) @ np.abs(W).T
     fp = 2e-6 * absdot + 1e-30
     if path == "amx-bf16":  # each factor hi + lo bf16 within 2^-16 of it, lo * lo left out: 3 * 2^-16 per product
         return 5e-5 * absdot + fp
-    if path not in ("int16", "int16-gemm", "int8"):
+    if path not in ("int16", "int16-gemm", "amx-int8", "int8"):
         return fp
     # int8 path: one scale per 256 elements, max / 127 (llama.cpp's q8_K), half a step of error
     blk, half_steps = (256, 254.0) if path == "int8" else (32, 65534.0)
@@ -247,9 +254,22 @@ def test_paths(nat):
         if isa == "avx512_amx":  # as avx512 below 64 tokens; from 64 on every type takes the AMX tiles
             for q in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "F16", *LOWBIT):
                 assert native.matmul_path(q, 64, isa=isa) == "amx-bf16", q
-                assert native.matmul_path(q, 64, isa=isa, packed=True) in ("amx-bf16", "none"), q  # none: no packing
+                # none: no packing; packed types of the int8-tile GEMM keep it up to 255 tokens
+                int8 = _has_amx_int8() and q in ("Q4_0", "Q5_0", "Q8_0", "Q4_K")
+                want = ("amx-int8",) if int8 else ("amx-bf16", "none")
+                assert native.matmul_path(q, 64, isa=isa, packed=True) in want, q
             assert native.matmul_path("Q3_K", 63, isa=isa) == "int8"
-            assert native.matmul_path("Q4_K", 63, isa=isa, packed=True) == "int16-gemm"
+            gemm = "amx-int8" if _has_amx_int8() else "int16-gemm"
+            assert native.matmul_path("Q4_K", 63, isa=isa, packed=True) == gemm
+            assert native.matmul_path("Q6_K", 17, isa=isa, packed=True) == gemm
+            if _has_amx_int8():  # packed Q4_0 / Q5_0 / Q8_0 / Q4_K from 10 tokens to 255 (then bf16), Q6_K from 17
+                for q in ("Q4_0", "Q5_0", "Q8_0", "Q4_K"):
+                    assert native.matmul_path(q, 9, isa=isa, packed=True) == "int16", q
+                    assert native.matmul_path(q, 10, isa=isa, packed=True) == "amx-int8", q
+                    assert native.matmul_path(q, 255, isa=isa, packed=True) == "amx-int8", q
+                    assert native.matmul_path(q, 256, isa=isa, packed=True) == "amx-bf16", q
+                assert native.matmul_path("Q6_K", 16, isa=isa, packed=True) == "int16"
+                assert native.matmul_path("Q6_K", 64, isa=isa, packed=True) == "amx-bf16"
         if isa == "avx2":  # the i-quants' row kernels up to 16 tokens
             assert native.matmul_path("IQ2_XXS", 16, isa=isa) == "int16"
             assert native.matmul_path("IQ2_XXS", 17, isa=isa) != "int16"
@@ -825,7 +845,7 @@ def test_packed_gemm_matches_each_token(nat, qtype):
         W = ref_weights(w, qtype, cols)
         pm = native.pack(w, qtype)
         for isa in isas_to_test():
-            if native.matmul_path(qtype, 40, isa=isa, packed=True) != "int16-gemm":
+            if native.matmul_path(qtype, 40, isa=isa, packed=True) not in ("int16-gemm", "amx-int8"):
                 continue
             x = rng.standard_normal((40, cols)).astype(np.float32)
             alone = np.stack([native.matmul(x[t], pm, threads=1, isa=isa) for t in range(40)])
@@ -979,7 +999,7 @@ def test_native_layers_batch_of_18_takes_the_gemm(tiny_quant):
     m, c = llm.model, llm.model.cfg
     assert m.native_stack is not None
     if "avx512" in native.supported_isas():  # the path this test is for, where the CPU has it
-        assert native.matmul_path("Q5_0", 18, packed=True) == "int16-gemm"
+        assert native.matmul_path("Q5_0", 18, packed=True) in ("int16-gemm", "amx-int8")
     rng = np.random.default_rng(5)
     prompts = [[1] + rng.integers(3, 290, int(n)).tolist() for n in rng.integers(1, 12, 18)]
     alone = [_decode_steps(llm, p + [7, 8], 2, True)[0] for p in prompts]
@@ -1184,6 +1204,35 @@ def test_stale_installed_extension_is_passed_over():
     assert nat._stale_installed(fake(b.source_hash())) is None
     assert "other sources" in nat._stale_installed(fake("0" * 16))
     assert "predates" in nat._stale_installed(SimpleNamespace(__file__="x.so", ffi=FFI, lib=SimpleNamespace()))
+
+
+@pytest.mark.skipif(not _has_amx_int8(), reason="this CPU, OS or compiler has no AMX-INT8 (or MINIRT_AMX_INT8=0)")
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_amx_int8_gemm_is_the_int16_gemm(nat, qtype):
+    """The avx512_amx ISA's integer GEMM on int8 tiles splits each int16 activation exactly into a high and a low
+    byte: its results are the AVX-512 int16 GEMM's bit for bit (same int32 block sums, same scaling order), for
+    row groups of 1..16 rows (a chunk's last group), 10..48 tokens (a last group of fewer than 16), per-32 and
+    per-16 scales and the k-quant mins. A NaN activation stays in its own token's outputs."""
+    rng = np.random.default_rng(11 + PACKABLE.index(qtype))
+    unit = 256 if qtype in ("Q4_K", "Q6_K") else 128
+    for rows, cols, nt in [(3, unit, 17), (45, 2 * unit, 33), (70, 3 * unit, 48), (20, unit, 21)]:
+        w = random_weights(rng, qtype, rows, cols)
+        pm = native.pack(w, qtype)
+        x = rng.standard_normal((nt, cols)).astype(np.float32)
+        assert native.matmul_path(qtype, nt, isa="avx512_amx", packed=True) == "amx-int8"
+        assert native.matmul_path(qtype, nt, isa="avx512", packed=True) == "int16-gemm"
+        y8 = native.matmul(x, pm, threads=2, isa="avx512_amx")
+        y16 = native.matmul(x, pm, threads=2, isa="avx512")
+        assert np.array_equal(y8, y16), (qtype, rows, cols, nt, float(np.abs(y8 - y16).max()))
+        if qtype != "Q6_K":  # from 10 tokens (alone, the int16 GEMM of 17 copies gives the same rows)
+            x10 = x[:10]
+            assert native.matmul_path(qtype, 10, isa="avx512_amx", packed=True) == "amx-int8"
+            y = native.matmul(x10, pm, threads=2, isa="avx512_amx")
+            assert np.array_equal(y, native.matmul(np.concatenate([x10] * 2), pm, threads=2, isa="avx512")[:10])
+    x2 = x.copy()
+    x2[5, 3] = np.nan
+    y2 = native.matmul(x2, pm, threads=2, isa="avx512_amx")
+    assert np.isnan(y2[5]).all() and np.isfinite(np.delete(y2, 5, axis=0)).all()
 
 
 @pytest.mark.skipif(not _has_amx(), reason="this CPU, OS or compiler has no AMX (the avx512_amx ISA is absent)")
