@@ -175,26 +175,34 @@ void mr_amx_rows(const uint16_t *wt, int nr, int64_t cols, const uint16_t *xh, c
 
 /* ---------------------------------------------------------------- int8 tiles on the integer GEMM's values
  *
- * The integer GEMM (x86_avx512_gemm.c) for few tokens (a batched decode step): the same unpacked weights (gw,
- * int16 values within int8, here narrowed to int8 rows) and the same int16 activations per 32-block, each
- * split exactly into a signed high byte and an unsigned low byte, x = 256 hi + lo. Per 32-block (16 for
- * Q6_K's scales) and 8 rows, two tile products give the integer sums of w hi and w lo for 16 tokens
+ * The integer GEMM (x86_avx512_gemm.c) for few tokens (a batched decode step, the prompts of a batch): the same
+ * weights (unpacked by gw8 straight to int8: every packed type's integers fit) and the same int16 activations per
+ * 32-block, each split exactly into a signed high byte and an unsigned low byte, x = 256 hi + lo. Per 32-block
+ * (16 for Q6_K's scales) and 16 rows, two tile products give the integer sums of w hi and w lo for 16 tokens
  * (tdpbssd, tdpbsud); 256 * the first + the second is the int32 sum the int16 kernel's vpdpwssd forms, so its
- * float conversion and scaling (same order) give the int16 GEMM's results bit for bit. What the tiles save:
- * the int16 kernel spends a broadcast and a vpdpwssd per weight pair, row and 16 tokens; here the vector units
- * only scale the 8 x 16 block sums.
+ * float conversion and scaling (same order) give the int16 GEMM's results bit for bit. What the tiles save: the
+ * int16 kernel spends a broadcast and a vpdpwssd per weight pair, row and 16 tokens; here the vector units only
+ * scale the 16 x 16 block sums.
+ *
+ * Measured on the Xeon this was written on (2 vCPUs): a step (tile loads, 2 products, 2 tile stores) takes
+ * ~21 ns and the scaling of its sums ~17 ns, and the two add up: AMX and AVX-512 work do not overlap there.
+ * Hence the 16-row tiles, one tile set per step, and no further pipelining. bf16 tiles on the same integers
+ * (exact: hi * 256 and lo as bf16, both products accumulated into one float tile, one store and two vector
+ * instructions a row) measured 13 ns + 13 ns per step in isolation but slower in the GEMM (twice the bytes of
+ * unpacked weights and activations), and were not kept.
  *
  * Shapes at the boundary:
  *   activations (amx8_xpanel): the mr_xp panel with q holding, per 16-token group g and block b, at byte
  *     (g nb + b) * 1024: hi (8 rows x 16 tokens x 4 bytes: row k, token j = hi bytes of columns 4k..4k+3) then
  *     lo (the same, low bytes); d and ds as the int16 panel;
- *   weights: nr <= 8 rows (row stride cols bytes, int8), as mr_amx8_narrow made them from gw's int16 rows;
+ *   weights: nr <= 16 rows of int8 (row stride cols bytes), scales wd[16 k + r] per K step k, mins wm[16 b + r]
+ *     (gw8's form); pf, pfn: packed tiles to prefetch on the way (the group unpacked next);
  *   y[t * ys + r] for r < nr, t < nt.
  * Bounds: |hi| <= 128, lo <= 255, |w| <= 128: per block |256 sum w hi| <= 2^27, sum w lo < 2^20, within int32.
  *
- * Tiles (CFG_INT8): 0 weights (8 rows x 32 columns), 1, 2 activations hi / lo (8 rows of 4 columns x 16
- * tokens), 3, 4 sums hi / lo (8 rows x 16 tokens int32); for per-16 scales 5 weights (8 x 16), 6, 7
- * activations hi / lo (4 rows x 16 tokens x 4). */
+ * Tiles (CFG_INT8, CFG_INT8_16 for per-16 scales): 0, 1 weights (16 rows x 32 / 16 columns, alternating steps),
+ * 2, 3 activations hi / lo (8 / 4 rows of 4 columns x 16 tokens), 4, 5 and 6, 7 sums hi / lo (16 rows x 16
+ * tokens int32, alternating steps). */
 
 static void amx8_xpanel(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp) {
     const int64_t nb = cols / 32, ng = (nt + 15) / 16;
@@ -279,14 +287,17 @@ MR_INLINE void amx8_step_at(const int8_t *w8, int64_t cols, const uint8_t *xq, i
  * c) are issued before step s's sums are scaled, so that the vector loads of those sums do not wait for the tile
  * stores just issued (measured: the store-to-load wait was most of the time otherwise). */
 MR_INLINE void amx8_group(const int8_t *w8, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
-                          int64_t g, int64_t nt, float *y, int64_t ys, const int MIN, const int S16) {
+                          int64_t g, int64_t nt, float *y, int64_t ys, const uint8_t *pf, int64_t pfn, const int MIN,
+                          const int S16) {
     const int64_t nb = x->nb, ns = S16 ? 2 * nb : nb;
     const uint8_t *xq = (const uint8_t *)x->q + g * nb * 1024;
     int32_t c[2][512] __attribute__((aligned(64)));
     __m512 f[16];
     for (int r = 0; r < 16; r++) f[r] = _mm512_setzero_ps();
     amx8_step_at(w8, cols, xq, 0, c[0], S16);
+    const int64_t per = (pfn / 64 + ns - 1) / ns; /* prefetched lines per step */
     for (int64_t s = 0; s < ns; s++) {
+        for (int64_t i = 0, o = s * per * 64; i < per && o < pfn; i++, o += 64) __builtin_prefetch(pf + o, 0, 3);
         if (s + 1 < ns) amx8_step_at(w8, cols, xq, s + 1, c[(s + 1) & 1], S16);
         const int64_t b = S16 ? s >> 1 : s;
         const __m512 dx = _mm512_loadu_ps(x->d + (g * nb + b) * 16);
@@ -300,16 +311,19 @@ MR_INLINE void amx8_group(const int8_t *w8, const float *wd, const float *wm, in
     for (int j = 0; j < n; j++) _mm512_mask_storeu_ps(y + (t0 + j) * ys, k, f[j]);
 }
 
-/* the gemm_rows contract (common.h), nr <= 16, with wu, wd, wm in gw8's form */
+/* the gemm_rows contract (common.h), nr <= 16, with wu, wd, wm in gw8's form; pf / pfn prefetched during the first
+ * token group, a few lines a step */
 static void amx8_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
-                      int64_t nt, float *y, int64_t ys, int s16) {
+                      int64_t nt, float *y, int64_t ys, int s16, const uint8_t *pf, int64_t pfn) {
     load_cfg(s16 ? CFG_INT8_16 : CFG_INT8);
     __asm__ volatile("" ::: "memory"); /* GCC's tileloadd names no memory operand: the operands' stores first */
     const int8_t *w8 = (const int8_t *)(const void *)wu;
     for (int64_t g = 0; g < x->ng; g++) {
-        if (wm) amx8_group(w8, wd, wm, nr, cols, x, g, nt, y, ys, 1, 0);
-        else if (s16) amx8_group(w8, wd, wd, nr, cols, x, g, nt, y, ys, 0, 1);
-        else amx8_group(w8, wd, wd, nr, cols, x, g, nt, y, ys, 0, 0);
+        const uint8_t *p = g ? NULL : pf; /* prefetched during the first token group */
+        const int64_t n = g ? 0 : pfn;
+        if (wm) amx8_group(w8, wd, wm, nr, cols, x, g, nt, y, ys, p, n, 1, 0);
+        else if (s16) amx8_group(w8, wd, wd, nr, cols, x, g, nt, y, ys, p, n, 0, 1);
+        else amx8_group(w8, wd, wd, nr, cols, x, g, nt, y, ys, p, n, 0, 0);
     }
 }
 
