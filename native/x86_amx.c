@@ -210,23 +210,15 @@ static void amx8_xpanel(const float *x, int64_t nt, int64_t xs, int64_t cols, fl
     float *d = tmp + 8 * cols, *s = d + 16 * nb; /* (16, nb) each */
     uint8_t *out = (uint8_t *)xp->q;
     for (int64_t g = 0; g < ng; g++) {
-        for (int j = 0; j < 16; j++) {
-            const int64_t t = 16 * g + j;
-            if (t < nt) mr_kernels_avx512.quant_x(x + t * xs, cols, q + j * cols, d + j * nb, s + j * nb);
-            else { /* padding token: contributes nothing (its outputs are not written) */
-                memset(q + j * cols, 0, (size_t)cols * 2);
-                memset(d + j * nb, 0, (size_t)nb * 4);
-            }
-        }
+        xp_quant16(x, nt, xs, cols, g, q, d, s);
         for (int64_t b = 0; b < nb; b++) {
             const int64_t i = g * nb + b;
+            __m512i v[16];
             __m512 r[16];
             float sq[16], dd[16];
+            xp_block(q, d, cols, b, v, sq, dd);
             for (int j = 0; j < 16; j++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(q + j * cols + 32 * b));
-                sq[j] = d[j * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_madd_epi16(v, _mm512_set1_epi16(1)));
-                dd[j] = d[j * nb + b];
-                const __m256i hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)), lo = _mm512_cvtepi16_epi8(v);
+                const __m256i hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v[j], 8)), lo = _mm512_cvtepi16_epi8(v[j]);
                 r[j] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(hi), lo, 1));
             }
             transpose16(r); /* r[k] lane j = dword k of token j: hi bytes 4k..4k+3 (k < 8), then the lo bytes */
@@ -254,26 +246,22 @@ MR_INLINE void amx8_scale(__m512 f[16], const int32_t *c, __m512 dx, __m512 ds, 
 /* one K step (a 32-block, or half of one for per-16 scales: the configuration gives the width) of 16 rows in the
  * tile set P (0 or 1: weights P, sums 4 + 2P, 5 + 2P): weights at w (row stride cols), activations hi / lo at
  * xh, xl -> the int32 sums stored at c */
+#define AMX8_STEP(A, CH, CL)                                                                                    \
+    do {                                                                                                           \
+        _tile_loadd(A, w, cols);                                                                                   \
+        _tile_zero(CH);                                                                                            \
+        _tile_zero(CL);                                                                                            \
+        _tile_dpbssd(CH, A, 2);                                                                                    \
+        _tile_dpbsud(CL, A, 3);                                                                                    \
+        _tile_stored(CH, c, 64);                                                                                   \
+        _tile_stored(CL, c + 256, 64);                                                                             \
+    } while (0)
+
 MR_INLINE void amx8_step(const int8_t *w, int64_t cols, const uint8_t *xh, const uint8_t *xl, int32_t *c, const int P) {
     _tile_loadd(2, xh, 64);
     _tile_loadd(3, xl, 64);
-    if (P) {
-        _tile_loadd(1, w, cols);
-        _tile_zero(6);
-        _tile_zero(7);
-        _tile_dpbssd(6, 1, 2);
-        _tile_dpbsud(7, 1, 3);
-        _tile_stored(6, c, 64);
-        _tile_stored(7, c + 256, 64);
-    } else {
-        _tile_loadd(0, w, cols);
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_dpbssd(4, 0, 2);
-        _tile_dpbsud(5, 0, 3);
-        _tile_stored(4, c, 64);
-        _tile_stored(5, c + 256, 64);
-    }
+    if (P) AMX8_STEP(1, 6, 7); /* tile numbers are immediates */
+    else AMX8_STEP(0, 4, 5);
 }
 
 /* K step s of 16 rows: block s, or (per-16 scales) half s % 2 of block s / 2 */

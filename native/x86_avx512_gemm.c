@@ -46,24 +46,14 @@ static void gemm_xpanel(const float *x, int64_t nt, int64_t xs, int64_t cols, fl
     int16_t *q = (int16_t *)tmp;            /* (16, cols) */
     float *d = tmp + 8 * cols, *s = d + 16 * nb; /* (16, nb) each */
     for (int64_t g = 0; g < ng; g++) {
-        for (int j = 0; j < 16; j++) {
-            const int64_t t = 16 * g + j;
-            if (t < nt) mr_kernels_avx512.quant_x(x + t * xs, cols, q + j * cols, d + j * nb, s + j * nb);
-            else { /* padding token: contributes nothing (its outputs are not written) */
-                memset(q + j * cols, 0, (size_t)cols * 2);
-                memset(d + j * nb, 0, (size_t)nb * 4);
-            }
-        }
+        xp_quant16(x, nt, xs, cols, g, q, d, s);
         for (int64_t b = 0; b < nb; b++) {
             const int64_t i = g * nb + b;
+            __m512i v[16];
             __m512 r[16];
             float sq[16], dd[16];
-            for (int j = 0; j < 16; j++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(q + j * cols + 32 * b));
-                sq[j] = d[j * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_madd_epi16(v, _mm512_set1_epi16(1)));
-                dd[j] = d[j * nb + b];
-                r[j] = _mm512_castsi512_ps(v);
-            }
+            xp_block(q, d, cols, b, v, sq, dd);
+            for (int j = 0; j < 16; j++) r[j] = _mm512_castsi512_ps(v[j]);
             transpose16(r); /* r[u] lane j = pair u of token j */
             for (int u = 0; u < 16; u++) _mm512_storeu_ps((float *)(void *)(xp->q + (i * 16 + u) * 32), r[u]);
             _mm512_storeu_ps(xp->d + i * 16, _mm512_loadu_ps(dd));

@@ -88,6 +88,32 @@ MR_INLINE void pk_q6k_quad(const uint8_t *tw, int r, int Q, __m512i v[4]) {
     v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srli_epi16(H, 2), m30, 0xF8);
 }
 
+/* The integer GEMM's activation panels (x86_avx512_gemm.c, x86_amx.c): tokens 16 g .. 16 g + 15 of x quantized as
+ * the integer path's quant_x does into q (16, cols) int16, d and s (16, cols / 32); tokens from nt on are zero */
+MR_INLINE void xp_quant16(const float *x, int64_t nt, int64_t xs, int64_t cols, int64_t g, int16_t *q, float *d,
+                          float *s) {
+    const int64_t nb = cols / 32;
+    for (int j = 0; j < 16; j++) {
+        const int64_t t = 16 * g + j;
+        if (t < nt) mr_kernels_avx512.quant_x(x + t * xs, cols, q + j * cols, d + j * nb, s + j * nb);
+        else { /* padding token: contributes nothing (its outputs are not written) */
+            memset(q + j * cols, 0, (size_t)cols * 2);
+            memset(d + j * nb, 0, (size_t)nb * 4);
+        }
+    }
+}
+
+/* block b of those 16 tokens: v[j] their 32 int16, dd[j] the scale, sq[j] the scale * the integer sum */
+MR_INLINE void xp_block(const int16_t *q, const float *d, int64_t cols, int64_t b, __m512i v[16], float sq[16],
+                        float dd[16]) {
+    const int64_t nb = cols / 32;
+    for (int j = 0; j < 16; j++) {
+        v[j] = _mm512_loadu_si512((const void *)(q + j * cols + 32 * b));
+        sq[j] = d[j * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_madd_epi16(v[j], _mm512_set1_epi16(1)));
+        dd[j] = d[j * nb + b];
+    }
+}
+
 /* the sums of 4 vectors */
 MR_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
