@@ -278,16 +278,16 @@ typedef struct {
      * quantizes nt rows of x as quant_x does into a panel (tmp: 9 * cols floats of scratch);
      * gw[type] unpacks ng 4-row groups of tiles into int16 rows wu (row stride cols), per-32 scales wd
      * and mins wm (gw_min 1), or per-16 scales wd (gw_min 2: 2 * cols / 32 per row, where wm would be); gemm_rows
-     * then computes y[t * ys + r] for r < nr <= 8, t < nt (s16: wd per 16, wm NULL), and may prefetch the pfn
-     * bytes at pf (the packed tiles unpacked next) on the way. */
+     * then computes y[t * ys + r] for r < nr <= 8 (16 with gemm_i8), t < nt (s16: wd per 16, wm NULL), and may
+     * prefetch the pfn bytes at pf (the packed tiles unpacked next) on the way. */
     void (*gemm_xpanel)(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp);
     void (*gw[GT_COUNT])(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
                          float *wm);
     uint8_t gw_min[GT_COUNT];
     void (*gemm_rows)(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
                       int64_t nt, float *y, int64_t ys, int s16, const uint8_t *pf, int64_t pfn);
-    /* gw8[type]: gw's unpacking in the AMX int8 GEMM's form (x86_avx512_gemm.c); gemm_i8: this table's gemm_rows
-     * reads it (16 rows per call) */
+    /* gw8[type]: gw's unpacking in the AMX int8 GEMM's form (x86_avx512_gemm.c: int8 rows, scales and mins by K
+     * step, 16 rows each); gemm_i8: this table's gemm_xpanel / gemm_rows are that GEMM's (16 rows per call) */
     void (*gw8[GT_COUNT])(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu,
                           float *wd, float *wm);
     int gemm_i8;
