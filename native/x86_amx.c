@@ -14,9 +14,11 @@
  *      part) * 512 (uint16 units); rows >= nr zero;
  *   y[t * ys + r] for t < nt, r < nr (mr_amx_rows).
  *
- * Tiles (one configuration per thread, loaded at its first call; every tile 16 rows x 64 bytes): 0, 1 C (16
- * tokens x 16 rows float32, row halves 0 / 1); 2, 3 A hi / lo (16 tokens x 32 columns); 4, 5 B hi / lo of row
- * half 0, 6, 7 of row half 1. */
+ * Tiles (CFG_BF16, every tile 16 rows x 64 bytes; a thread loads a configuration when its next call needs another
+ * than the last one, see load_cfg): 0, 1 C (16 tokens x 16 rows float32, row halves 0 / 1); 2, 3 A hi / lo (16
+ * tokens x 32 columns); 4, 5 B hi / lo of row half 0, 6, 7 of row half 1.
+ *
+ * The second half of this file runs the integer GEMM on int8 tiles (below). */
 #include "common.h"
 
 #ifdef MR_X86
@@ -205,30 +207,7 @@ void mr_amx_rows(const uint16_t *wt, int nr, int64_t cols, const uint16_t *xh, c
  * tokens int32, alternating steps). */
 
 static void amx8_xpanel(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp) {
-    const int64_t nb = cols / 32, ng = (nt + 15) / 16;
-    int16_t *q = (int16_t *)tmp;                 /* (16, cols) */
-    float *d = tmp + 8 * cols, *s = d + 16 * nb; /* (16, nb) each */
-    uint8_t *out = (uint8_t *)xp->q;
-    for (int64_t g = 0; g < ng; g++) {
-        xp_quant16(x, nt, xs, cols, g, q, d, s);
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t i = g * nb + b;
-            __m512i v[16];
-            __m512 r[16];
-            float sq[16], dd[16];
-            xp_block(q, d, cols, b, v, sq, dd);
-            for (int j = 0; j < 16; j++) {
-                const __m256i hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v[j], 8)), lo = _mm512_cvtepi16_epi8(v[j]);
-                r[j] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(hi), lo, 1));
-            }
-            transpose16(r); /* r[k] lane j = dword k of token j: hi bytes 4k..4k+3 (k < 8), then the lo bytes */
-            for (int k = 0; k < 16; k++) _mm512_storeu_ps((float *)(void *)(out + i * 1024 + 64 * k), r[k]);
-            _mm512_storeu_ps(xp->d + i * 16, _mm512_loadu_ps(dd));
-            _mm512_storeu_ps(xp->ds + i * 16, _mm512_loadu_ps(sq));
-        }
-    }
-    xp->nb = nb;
-    xp->ng = ng;
+    xp_panel(x, nt, xs, cols, tmp, xp, 1);
 }
 
 /* the int32 sums of one K step (hi at c, lo at c + 256: 16 rows x 16 tokens) -> for each row r:
@@ -264,11 +243,13 @@ MR_INLINE void amx8_step(const int8_t *w, int64_t cols, const uint8_t *xh, const
     else AMX8_STEP(0, 4, 5);
 }
 
-/* K step s of 16 rows: block s, or (per-16 scales) half s % 2 of block s / 2 */
+/* K step s of 16 rows: block s, or (per-16 scales) half s % 2 of block s / 2 (activation rows 4h..4h+3) */
 MR_INLINE void amx8_step_at(const int8_t *w8, int64_t cols, const uint8_t *xq, int64_t s, int32_t *c, const int S16) {
-    const int64_t b = S16 ? s >> 1 : s, h = S16 ? s & 1 : 0; /* per-16: activation rows 4h..4h+3 of the block */
-    if (s & 1) amx8_step(w8 + 32 * b + 16 * h, cols, xq + b * 1024 + 256 * h, xq + b * 1024 + 512 + 256 * h, c, 1);
-    else amx8_step(w8 + 32 * b + 16 * h, cols, xq + b * 1024 + 256 * h, xq + b * 1024 + 512 + 256 * h, c, 0);
+    const int64_t b = S16 ? s >> 1 : s, h = S16 ? s & 1 : 0;
+    const int8_t *w = w8 + 32 * b + 16 * h;
+    const uint8_t *xh = xq + b * 1024 + 256 * h;
+    if (s & 1) amx8_step(w, cols, xh, xh + 512, c, 1);
+    else amx8_step(w, cols, xh, xh + 512, c, 0);
 }
 
 /* 16 rows x one group of 16 tokens. Software-pipelined: step s + 1's tiles (the other tile set, the other half of

@@ -39,29 +39,8 @@
 
 /* ---------------------------------------------------------------- activations */
 
-/* nt rows of x (stride xs) -> the panel, quantized by the integer path's quant_x (the same int16
- * values and scales as the decode kernels get); tmp: 9 * cols floats of scratch */
 static void gemm_xpanel(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp) {
-    const int64_t nb = cols / 32, ng = (nt + 15) / 16;
-    int16_t *q = (int16_t *)tmp;            /* (16, cols) */
-    float *d = tmp + 8 * cols, *s = d + 16 * nb; /* (16, nb) each */
-    for (int64_t g = 0; g < ng; g++) {
-        xp_quant16(x, nt, xs, cols, g, q, d, s);
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t i = g * nb + b;
-            __m512i v[16];
-            __m512 r[16];
-            float sq[16], dd[16];
-            xp_block(q, d, cols, b, v, sq, dd);
-            for (int j = 0; j < 16; j++) r[j] = _mm512_castsi512_ps(v[j]);
-            transpose16(r); /* r[u] lane j = pair u of token j */
-            for (int u = 0; u < 16; u++) _mm512_storeu_ps((float *)(void *)(xp->q + (i * 16 + u) * 32), r[u]);
-            _mm512_storeu_ps(xp->d + i * 16, _mm512_loadu_ps(dd));
-            _mm512_storeu_ps(xp->ds + i * 16, _mm512_loadu_ps(sq));
-        }
-    }
-    xp->nb = nb;
-    xp->ng = ng;
+    xp_panel(x, nt, xs, cols, tmp, xp, 0);
 }
 
 /* ---------------------------------------------------------------- weights (P4 tiles -> int16 rows) */

@@ -88,30 +88,49 @@ MR_INLINE void pk_q6k_quad(const uint8_t *tw, int r, int Q, __m512i v[4]) {
     v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srli_epi16(H, 2), m30, 0xF8);
 }
 
-/* The integer GEMM's activation panels (x86_avx512_gemm.c, x86_amx.c): tokens 16 g .. 16 g + 15 of x quantized as
- * the integer path's quant_x does into q (16, cols) int16, d and s (16, cols / 32); tokens from nt on are zero */
-MR_INLINE void xp_quant16(const float *x, int64_t nt, int64_t xs, int64_t cols, int64_t g, int16_t *q, float *d,
-                          float *s) {
-    const int64_t nb = cols / 32;
-    for (int j = 0; j < 16; j++) {
-        const int64_t t = 16 * g + j;
-        if (t < nt) mr_kernels_avx512.quant_x(x + t * xs, cols, q + j * cols, d + j * nb, s + j * nb);
-        else { /* padding token: contributes nothing (its outputs are not written) */
-            memset(q + j * cols, 0, (size_t)cols * 2);
-            memset(d + j * nb, 0, (size_t)nb * 4);
+/* The integer GEMM's activation panel (mr_xp, common.h): nt rows of x (stride xs) quantized by the integer path's
+ * quant_x (the same int16 values and scales as the decode kernels get), regrouped per 16 tokens and 32-block into
+ * 1024 bytes at xp->q + (g nb + b) * 512, with d and ds (16 each). BYTES 0, the AVX-512 GEMM's
+ * (x86_avx512_gemm.c): 16 column pairs x 16 tokens x 2 int16; BYTES 1, the AMX int8 GEMM's (x86_amx.c): each value
+ * split into 256 hi + lo, hi bytes (8 rows x 16 tokens x 4: row k, token j = columns 4k..4k+3) then lo bytes the
+ * same way. tmp: 9 * cols floats of scratch; padding tokens of a last group are zero. */
+MR_INLINE void xp_panel(const float *x, int64_t nt, int64_t xs, int64_t cols, float *tmp, mr_xp *xp, const int BYTES) {
+    const int64_t nb = cols / 32, ng = (nt + 15) / 16;
+    int16_t *q = (int16_t *)tmp;                 /* (16, cols) */
+    float *d = tmp + 8 * cols, *s = d + 16 * nb; /* (16, nb) each */
+    uint8_t *out = (uint8_t *)xp->q;
+    for (int64_t g = 0; g < ng; g++) {
+        for (int j = 0; j < 16; j++) {
+            const int64_t t = 16 * g + j;
+            if (t < nt) mr_kernels_avx512.quant_x(x + t * xs, cols, q + j * cols, d + j * nb, s + j * nb);
+            else { /* padding token: contributes nothing (its outputs are not written) */
+                memset(q + j * cols, 0, (size_t)cols * 2);
+                memset(d + j * nb, 0, (size_t)nb * 4);
+            }
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = g * nb + b;
+            __m512 r[16];
+            float sq[16], dd[16];
+            for (int j = 0; j < 16; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(q + j * cols + 32 * b));
+                sq[j] = d[j * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_madd_epi16(v, _mm512_set1_epi16(1)));
+                dd[j] = d[j * nb + b];
+                if (BYTES) { /* dwords 0..7: the hi bytes of the block's columns in order, 8..15 the lo bytes */
+                    const __m256i hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)), lo = _mm512_cvtepi16_epi8(v);
+                    r[j] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(hi), lo, 1));
+                } else {
+                    r[j] = _mm512_castsi512_ps(v);
+                }
+            }
+            transpose16(r); /* r[k] lane j = dword k of token j */
+            for (int k = 0; k < 16; k++) _mm512_storeu_ps((float *)(void *)(out + i * 1024 + 64 * k), r[k]);
+            _mm512_storeu_ps(xp->d + i * 16, _mm512_loadu_ps(dd));
+            _mm512_storeu_ps(xp->ds + i * 16, _mm512_loadu_ps(sq));
         }
     }
-}
-
-/* block b of those 16 tokens: v[j] their 32 int16, dd[j] the scale, sq[j] the scale * the integer sum */
-MR_INLINE void xp_block(const int16_t *q, const float *d, int64_t cols, int64_t b, __m512i v[16], float sq[16],
-                        float dd[16]) {
-    const int64_t nb = cols / 32;
-    for (int j = 0; j < 16; j++) {
-        v[j] = _mm512_loadu_si512((const void *)(q + j * cols + 32 * b));
-        sq[j] = d[j * nb + b] * (float)_mm512_reduce_add_epi32(_mm512_madd_epi16(v[j], _mm512_set1_epi16(1)));
-        dd[j] = d[j * nb + b];
-    }
+    xp->nb = nb;
+    xp->ng = ng;
 }
 
 /* the sums of 4 vectors */
