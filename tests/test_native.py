@@ -1214,7 +1214,7 @@ def test_amx_int8_gemm_is_the_int16_gemm(nat, qtype):
     row groups of 1..16 rows (a chunk's last group), 10..48 tokens (a last group of fewer than 16), per-32 and
     per-16 scales and the k-quant mins. A NaN activation stays in its own token's outputs."""
     rng = np.random.default_rng(11 + PACKABLE.index(qtype))
-    unit = 256 if qtype in ("Q4_K", "Q6_K") else 128
+    unit = _pack_unit(qtype)
     for rows, cols, nt in [(3, unit, 17), (45, 2 * unit, 33), (70, 3 * unit, 48), (20, unit, 21)]:
         w = random_weights(rng, qtype, rows, cols)
         pm = native.pack(w, qtype)
@@ -1224,7 +1224,7 @@ def test_amx_int8_gemm_is_the_int16_gemm(nat, qtype):
         y8 = native.matmul(x, pm, threads=2, isa="avx512_amx")
         y16 = native.matmul(x, pm, threads=2, isa="avx512")
         assert np.array_equal(y8, y16), (qtype, rows, cols, nt, float(np.abs(y8 - y16).max()))
-        if qtype != "Q6_K":  # from 10 tokens (alone, the int16 GEMM of 17 copies gives the same rows)
+        if qtype != "Q6_K":  # from 10 tokens (the int16 GEMM runs from 17: these 10 tokens twice over, same rows)
             x10 = x[:10]
             assert native.matmul_path(qtype, 10, isa="avx512_amx", packed=True) == "amx-int8"
             y = native.matmul(x10, pm, threads=2, isa="avx512_amx")
