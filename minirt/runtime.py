@@ -66,7 +66,8 @@ class CachePool:
     """Idle KV caches kept after requests end, reused by the next request sharing their prefix.
 
     Bounded by the bytes their used positions occupy (LRU eviction), so a chat's next turn
-    recomputes only the new messages.
+    recomputes only the new messages. A request continuing a whole cached conversation takes its
+    cache; one sharing only part of it (a common system prompt) gets a copy of that part.
     """
 
     def __init__(self, make: Callable[[], KVCache], max_bytes: int) -> None:
@@ -91,10 +92,18 @@ class CachePool:
                 if n > best_n:
                     best, best_n = c, n
             if best is not None:
-                self._idle.remove(best)
-                best.truncate(best_n)
                 self.hits += 1
                 self.reused_tokens += best_n
+                if best_n < best.n_past:
+                    # a shared prefix (a system prompt): copied, so that the cache keeps the rest and
+                    # every request of a burst starting with it reuses it, not only the first
+                    self._idle.remove(best)
+                    self._idle.append(best)  # most recently used
+                    fork = self._make()
+                    fork.copy_prefix_from(best, best_n)
+                    return fork, best_n
+                self._idle.remove(best)
+                best.truncate(best_n)
                 return best, best_n
             if self._idle:  # recycle the least recently used cache rather than allocating
                 c = self._idle.pop(0)

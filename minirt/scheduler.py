@@ -4,7 +4,8 @@ One scheduler thread owns the forward passes. Requests (from any number of Pytho
 HTTP server) are admitted while the KV budget allows, join the running batch between steps, and
 leave it the moment they finish. Each step is one forward pass over every running sequence: one
 token for each sequence that is decoding plus a bounded chunk of prompt for sequences still in
-prefill, so a long prompt never freezes the other streams for more than one chunk.
+prefill, so a long prompt never freezes the other streams for more than one chunk (a whole batch of
+prompt while prompts outnumber the decoding streams: a burst of requests starts together).
 
 KV budget: every admitted request reserves the positions it may need (prompt + max_tokens, at most
 ``n_ctx``); idle caches kept by the prefix cache count too and are evicted first when room is
@@ -210,8 +211,14 @@ class Scheduler:
             self._reap()
 
     def _prefill_budget(self, running: list[Request]) -> int:
+        """Prompt tokens for the next pass: the whole batch while no stream decodes or while more
+        prompts wait than streams decode (a burst of requests: the few early streams pause for one
+        longer pass and the others start at once, a larger pass costs less per token), else one
+        ``prefill_chunk``, so that a long prompt delays the decoding streams by one chunk a pass."""
         decoding = sum(1 for r in running if not r.seq.in_prefill)
-        return self.prefill_chunk if decoding else engine_batch(self.model)
+        if decoding and 2 * decoding >= len(running):
+            return self.prefill_chunk
+        return max(self.prefill_chunk, engine_batch(self.model) - decoding)
 
     def _reap(self) -> None:
         with self._cv:

@@ -242,6 +242,69 @@ def test_concurrent_requests_share_forward_passes(tiny_path):
         assert m.scheduler.steps < 80
 
 
+def test_a_burst_of_prompts_is_prefilled_together(tiny_path):
+    """Prompts that outnumber the decoding streams get the whole batch in one pass (a burst of requests starts
+    together); a prompt arriving beside as many decoding streams is cut into prefill chunks."""
+    prompts = [f"{PROMPT} {' '.join(f'w{i}{j}' for j in range(12))}" for i in range(4)]
+    with minirt.load(tiny_path, n_ctx=128) as m:
+        m.configure_scheduler(prefill_chunk=8)
+        calls: dict[int, list[tuple[int, int]]] = {i: [] for i in range(-1, 4)}
+        prefilled, gate = threading.Event(), threading.Event()
+
+        def hold(done, total):  # the first request decodes; the scheduler waits here until the burst is queued
+            calls[-1].append((done, total))
+            if done == total:
+                prefilled.set()
+                gate.wait(10)
+
+        def rec(i):
+            return lambda done, total: calls[i].append((done, total))
+
+        h0 = m.submit("w1", max_tokens=40, temperature=0.0, ignore_eos=True, progress=hold)
+        assert prefilled.wait(10)
+        hs = [m.submit(p, max_tokens=2, temperature=0.0, ignore_eos=True, progress=rec(i))
+              for i, p in enumerate(prompts)]
+        gate.set()
+        outs = [h.result(60) for h in hs]
+        h0.result(60)
+        for i, o in enumerate(outs):  # 4 prompts of 16+ tokens beside 1 decoding stream: one pass each
+            n = len(o.prompt_ids)
+            assert n > 8 and calls[i] == [(n, n)], (i, calls[i])
+        # one prompt beside one decoding stream: chunks of 8
+        calls[0].clear()
+        prefilled.clear()
+        gate.clear()
+        m.cache_pool.clear()  # nothing of the prompt cached: all of it computed
+        h0 = m.submit("w2", max_tokens=40, temperature=0.0, ignore_eos=True, progress=hold)
+        assert prefilled.wait(10)
+        h1 = m.submit(prompts[0] + " again", max_tokens=2, temperature=0.0, ignore_eos=True, progress=rec(0))
+        gate.set()
+        n = len(h1.result(60).prompt_ids)
+        h0.result(60)
+        assert [d for d, _ in calls[0]] == list(range(8, n, 8)) + [n], calls[0]
+
+
+def test_every_request_of_a_burst_reuses_a_cached_prefix(tiny_path):
+    """A finished conversation's prefix (a shared system prompt) serves every request that starts with it, also
+    when they run at once: each gets a copy, and the cached conversation stays whole for the next one."""
+    with minirt.load(tiny_path, n_ctx=128) as m:
+        base = m.tokenize(PROMPT + " w1 w2 w3 w4 w5 w6")
+        shared = base[:-2]
+        branches = [shared + m.tokenize(f" b{i} c{i}", add_special=False) for i in range(3)]
+        refs = []
+        for b in branches:  # each alone, nothing cached
+            m.cache_pool.clear()
+            refs.append(m.generate(b, max_tokens=6, temperature=0.0, ignore_eos=True).token_ids)
+        m.cache_pool.clear()
+        first = m.generate(base, max_tokens=4, temperature=0.0, ignore_eos=True)
+        hs = [m.submit(b, max_tokens=6, temperature=0.0, ignore_eos=True) for b in branches]
+        outs = [h.result(60) for h in hs]
+        assert [o.token_ids for o in outs] == refs
+        assert [o.usage["cached_tokens"] for o in outs] == [len(shared)] * 3
+        again = m.generate(base + first.token_ids, max_tokens=2, temperature=0.0, ignore_eos=True)
+        assert again.usage["cached_tokens"] == len(base) + len(first.token_ids) - 1  # the conversation, whole
+
+
 def test_kv_budget_queue_and_refusal(tiny_path):
     with minirt.load(tiny_path, n_ctx=128) as m:
         m.configure_scheduler(kv_budget_tokens=100, max_queue=1, n_parallel=4)
