@@ -157,7 +157,7 @@ def _reference_stats(x: np.ndarray, k: int):
     return m, lse, order[:k]
 
 
-@pytest.mark.parametrize("n", [1, 3, 15, 16, 17, 63, 64, 65, 1000, 151936])
+@pytest.mark.parametrize("n", [1, 3, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 151936])
 @pytest.mark.parametrize("kind", ["normal", "ties", "half_banned", "ascending", "one_finite"])
 def test_logit_stats_against_a_full_sort(stats_path, n, kind):
     """max, logsumexp and the top k (value descending, lowest id first among equal values) of
