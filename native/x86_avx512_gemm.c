@@ -80,10 +80,17 @@ MR_INLINE void st64(int16_t *wu, int64_t cols, int64_t row, int64_t c, __m512i v
 
 /* the 16 f16 scales [4r + q] of a 32-block-type tile (4 rows from row0, blocks 4t + q) -> wd */
 MR_INLINE void tile_scales16(const uint8_t *tile, float *wd, int64_t row0, int64_t nb, int64_t t, const int I8) {
-    float s[16];
-    _mm512_storeu_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile)));
-    for (int r = 0; r < 4; r++)
-        for (int q = 0; q < 4; q++) wd[sidx(row0 + r, 4 * t + q, nb, I8)] = s[4 * r + q];
+    __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
+    /* four stores of four floats (sixteen scalar ones were a third of the AMX int8 unpacking's instructions):
+     * I8, for each block q the four rows side by side (s transposed); else each row's four blocks */
+    if (I8) s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+    float *d0 = wd + sidx(row0, 4 * t, nb, I8), *d1 = wd + (I8 ? sidx(row0, 4 * t + 1, nb, 1) : sidx(row0 + 1, 4 * t, nb, 0));
+    float *d2 = wd + (I8 ? sidx(row0, 4 * t + 2, nb, 1) : sidx(row0 + 2, 4 * t, nb, 0));
+    float *d3 = wd + (I8 ? sidx(row0, 4 * t + 3, nb, 1) : sidx(row0 + 3, 4 * t, nb, 0));
+    _mm_storeu_ps(d0, _mm512_castps512_ps128(s));
+    _mm_storeu_ps(d1, _mm512_extractf32x4_ps(s, 1));
+    _mm_storeu_ps(d2, _mm512_extractf32x4_ps(s, 2));
+    _mm_storeu_ps(d3, _mm512_extractf32x4_ps(s, 3));
 }
 
 /* 64 bytes of P4 nibbles (vectors 0..3 of a quad) -> 128 values in natural order from column c, minus off;
@@ -140,23 +147,52 @@ GW32(gw8_q4_0, GT_Q4_0, 1)
 GW32(gw8_q5_0, GT_Q5_0, 1)
 GW32(gw8_q8_0, GT_Q8_0, 1)
 
+/* a Q4_K tile's scales and mins (4 rows from row0, sub-blocks 8t..8t+7) -> d * sc at wd, dmin * m at wm, as vectors
+ * (they were 64 scalar stores a tile). Row r's bytes at tile + 16 + 16r: 8 scales, 8 mins (decoded 6-bit values);
+ * d, dmin at tile + 2r, tile + 8 + 2r (f16). */
+MR_INLINE void q4k_scales(const uint8_t *tile, float *wd, float *wm, int64_t row0, int64_t nb, int64_t t, const int I8) {
+    const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)); /* d0..d3, dmin0..dmin3 */
+    __m512 v[4]; /* row r: 8 scales then 8 mins, scaled */
+    for (int r = 0; r < 4; r++) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16 + 16 * r))));
+        const __m512 m = _mm512_permutexvar_ps(_mm512_setr_epi32(r, r, r, r, r, r, r, r, 4 + r, 4 + r, 4 + r, 4 + r,
+                                                                 4 + r, 4 + r, 4 + r, 4 + r),
+                                               _mm512_castps256_ps512(dd));
+        v[r] = _mm512_mul_ps(f, m);
+    }
+    if (!I8) { /* each row's 8 scales, 8 mins side by side */
+        for (int r = 0; r < 4; r++) {
+            _mm256_storeu_ps(wd + (row0 + r) * nb + 8 * t, _mm512_castps512_ps256(v[r]));
+            _mm256_storeu_ps(wm + (row0 + r) * nb + 8 * t, _mm512_extractf32x8_ps(v[r], 1));
+        }
+        return;
+    }
+    /* the 4 rows of each column side by side: a 4 x 4 transpose in every 128-bit lane, x[k] lane L = column 4L + k */
+    const __m512 a = _mm512_unpacklo_ps(v[0], v[1]), b = _mm512_unpackhi_ps(v[0], v[1]);
+    const __m512 c = _mm512_unpacklo_ps(v[2], v[3]), e = _mm512_unpackhi_ps(v[2], v[3]);
+    __m512 x[4];
+    x[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
+    x[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
+    x[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b), _mm512_castps_pd(e)));
+    x[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b), _mm512_castps_pd(e)));
+    for (int k = 0; k < 4; k++) { /* columns k, 4 + k: scales of sub-blocks k, 4 + k; 8 + k, 12 + k: their mins */
+        _mm_storeu_ps(wd + 16 * (8 * t + k) + row0, _mm512_castps512_ps128(x[k]));
+        _mm_storeu_ps(wd + 16 * (8 * t + 4 + k) + row0, _mm512_extractf32x4_ps(x[k], 1));
+        _mm_storeu_ps(wm + 16 * (8 * t + k) + row0, _mm512_extractf32x4_ps(x[k], 2));
+        _mm_storeu_ps(wm + 16 * (8 * t + 4 + k) + row0, _mm512_extractf32x4_ps(x[k], 3));
+    }
+}
+
 MR_INLINE void gw_q4_k_(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
                         float *wm, const int I8) {
     const int64_t nb = cols / 32;
     for (int g = 0; g < ng; g++)
         for (int64_t t = 0; t < ntiles; t++) {
             const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
-            for (int r = 0; r < 4; r++) {
-                const int64_t row = 4 * g + r;
-                const float d = f16s(tile + 2 * r), dmin = f16s(tile + 8 + 2 * r);
-                const uint8_t *sm = tile + 16 + 16 * r; /* 8 scales, 8 mins (decoded 6-bit values) */
-                for (int s = 0; s < 8; s++) {
-                    wd[sidx(row, 8 * t + s, nb, I8)] = d * (float)sm[s];
-                    wm[sidx(row, 8 * t + s, nb, I8)] = dmin * (float)sm[8 + s];
-                }
+            q4k_scales(tile, wd, wm, 4 * g, nb, t, I8);
+            for (int r = 0; r < 4; r++)
                 for (int Q = 0; Q < 2; Q++)
-                    nib_rows(tile + 80 + 128 * r + 64 * Q, wu, cols, row, 256 * t + 128 * Q, 0, 0, 0, 0, I8);
-            }
+                    nib_rows(tile + 80 + 128 * r + 64 * Q, wu, cols, 4 * g + r, 256 * t + 128 * Q, 0, 0, 0, 0, I8);
         }
 }
 static void gw_q4_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
