@@ -81,16 +81,15 @@ MR_INLINE void st64(int16_t *wu, int64_t cols, int64_t row, int64_t c, __m512i v
 /* the 16 f16 scales [4r + q] of a 32-block-type tile (4 rows from row0, blocks 4t + q) -> wd */
 MR_INLINE void tile_scales16(const uint8_t *tile, float *wd, int64_t row0, int64_t nb, int64_t t, const int I8) {
     __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
-    /* four stores of four floats (sixteen scalar ones were a third of the AMX int8 unpacking's instructions):
-     * I8, for each block q the four rows side by side (s transposed); else each row's four blocks */
+    /* four stores of four floats (sixteen scalar stores before): I8, for each block the four rows side by side (s
+     * transposed), one block after the other; else each row's four blocks, one row after the other */
     if (I8) s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
-    float *d0 = wd + sidx(row0, 4 * t, nb, I8), *d1 = wd + (I8 ? sidx(row0, 4 * t + 1, nb, 1) : sidx(row0 + 1, 4 * t, nb, 0));
-    float *d2 = wd + (I8 ? sidx(row0, 4 * t + 2, nb, 1) : sidx(row0 + 2, 4 * t, nb, 0));
-    float *d3 = wd + (I8 ? sidx(row0, 4 * t + 3, nb, 1) : sidx(row0 + 3, 4 * t, nb, 0));
-    _mm_storeu_ps(d0, _mm512_castps512_ps128(s));
-    _mm_storeu_ps(d1, _mm512_extractf32x4_ps(s, 1));
-    _mm_storeu_ps(d2, _mm512_extractf32x4_ps(s, 2));
-    _mm_storeu_ps(d3, _mm512_extractf32x4_ps(s, 3));
+    float *d = wd + sidx(row0, 4 * t, nb, I8);
+    const int64_t next = I8 ? 16 : nb;
+    _mm_storeu_ps(d, _mm512_castps512_ps128(s));
+    _mm_storeu_ps(d + next, _mm512_extractf32x4_ps(s, 1));
+    _mm_storeu_ps(d + 2 * next, _mm512_extractf32x4_ps(s, 2));
+    _mm_storeu_ps(d + 3 * next, _mm512_extractf32x4_ps(s, 3));
 }
 
 /* 64 bytes of P4 nibbles (vectors 0..3 of a quad) -> 128 values in natural order from column c, minus off;
