@@ -146,6 +146,25 @@ GW32(gw8_q4_0, GT_Q4_0, 1)
 GW32(gw8_q5_0, GT_Q5_0, 1)
 GW32(gw8_q8_0, GT_Q8_0, 1)
 
+/* four rows of 16 floats (v[r]) -> column j's four values side by side at lo + 16 j (j < 8), hi + 16 (j - 8) (j >= 8):
+ * four rows' scales in gw8's by-K-step form (wd[16 k + row]) as 16 stores (64 scalar ones before) */
+MR_INLINE void st_cols4(const __m512 v[4], float *lo, float *hi) {
+    /* a 4 x 4 transpose in every 128-bit lane: x[k] lane L = column 4L + k */
+    const __m512 a = _mm512_unpacklo_ps(v[0], v[1]), b = _mm512_unpackhi_ps(v[0], v[1]);
+    const __m512 c = _mm512_unpacklo_ps(v[2], v[3]), e = _mm512_unpackhi_ps(v[2], v[3]);
+    __m512 x[4];
+    x[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
+    x[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
+    x[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b), _mm512_castps_pd(e)));
+    x[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b), _mm512_castps_pd(e)));
+    for (int k = 0; k < 4; k++) {
+        _mm_storeu_ps(lo + 16 * k, _mm512_castps512_ps128(x[k]));
+        _mm_storeu_ps(lo + 16 * (4 + k), _mm512_extractf32x4_ps(x[k], 1));
+        _mm_storeu_ps(hi + 16 * k, _mm512_extractf32x4_ps(x[k], 2));
+        _mm_storeu_ps(hi + 16 * (4 + k), _mm512_extractf32x4_ps(x[k], 3));
+    }
+}
+
 /* a Q4_K tile's scales and mins (4 rows from row0, sub-blocks 8t..8t+7) -> d * sc at wd, dmin * m at wm, as vectors
  * (they were 64 scalar stores a tile). Row r's bytes at tile + 16 + 16r: 8 scales, 8 mins (decoded 6-bit values);
  * d, dmin at tile + 2r, tile + 8 + 2r (f16). */
@@ -166,20 +185,7 @@ MR_INLINE void q4k_scales(const uint8_t *tile, float *wd, float *wm, int64_t row
         }
         return;
     }
-    /* the 4 rows of each column side by side: a 4 x 4 transpose in every 128-bit lane, x[k] lane L = column 4L + k */
-    const __m512 a = _mm512_unpacklo_ps(v[0], v[1]), b = _mm512_unpackhi_ps(v[0], v[1]);
-    const __m512 c = _mm512_unpacklo_ps(v[2], v[3]), e = _mm512_unpackhi_ps(v[2], v[3]);
-    __m512 x[4];
-    x[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
-    x[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
-    x[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b), _mm512_castps_pd(e)));
-    x[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b), _mm512_castps_pd(e)));
-    for (int k = 0; k < 4; k++) { /* columns k, 4 + k: scales of sub-blocks k, 4 + k; 8 + k, 12 + k: their mins */
-        _mm_storeu_ps(wd + 16 * (8 * t + k) + row0, _mm512_castps512_ps128(x[k]));
-        _mm_storeu_ps(wd + 16 * (8 * t + 4 + k) + row0, _mm512_extractf32x4_ps(x[k], 1));
-        _mm_storeu_ps(wm + 16 * (8 * t + k) + row0, _mm512_extractf32x4_ps(x[k], 2));
-        _mm_storeu_ps(wm + 16 * (8 * t + 4 + k) + row0, _mm512_extractf32x4_ps(x[k], 3));
-    }
+    st_cols4(v, wd + 16 * 8 * t + row0, wm + 16 * 8 * t + row0); /* scales of sub-blocks 0..7, then their mins */
 }
 
 MR_INLINE void gw_q4_k_(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int64_t cols, int16_t *wu, float *wd,
@@ -230,17 +236,15 @@ MR_INLINE void gw_q6_k_(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, i
     for (int g = 0; g < ng; g++)
         for (int64_t t = 0; t < ntiles; t++) {
             const uint8_t *tile = wp + ((int64_t)g * ntiles + t) * tb;
+            __m512 s[4]; /* row r: its 16 scales d * sc */
+            for (int r = 0; r < 4; r++)
+                s[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 8 + 16 * r)))),
+                                     _mm512_set1_ps(f16s(tile + 2 * r)));
+            if (I8) st_cols4(s, wd + 16 * 16 * t + 4 * g, wd + 16 * (16 * t + 8) + 4 * g);
+            else
+                for (int r = 0; r < 4; r++) _mm512_storeu_ps(wd + (4 * g + r) * ns + 16 * t, s[r]);
             for (int r = 0; r < 4; r++) {
                 const int64_t row = 4 * g + r;
-                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 8 + 16 * r)))),
-                                               _mm512_set1_ps(f16s(tile + 2 * r)));
-                if (I8) {
-                    float sv[16];
-                    _mm512_storeu_ps(sv, s);
-                    for (int i = 0; i < 16; i++) wd[sidx(row, 16 * t + i, ns, 1)] = sv[i];
-                } else {
-                    _mm512_storeu_ps(wd + row * ns + 16 * t, s);
-                }
                 for (int Q = 0; Q < 2; Q++) {
                     __m512i v[4];
                     pk_q6k_quad(tile, r, Q, v);
