@@ -32,9 +32,10 @@ mr_kernels mr_kernels_amx;
 
 /* From this many tokens on, packed matrices take the int8-tile GEMM (below) instead of the decode kernels
  * (bench/kernels.py --tokens 8 / 12 / 16: 1.0x / 1.1-1.3x / 1.1-1.5x the decode kernels' time on Q4_0, Q5_0, Q8_0,
- * Q4_K). Q6_K keeps the int16 GEMM's threshold: its per-16 scales take two tile steps a block (0.8x at 12 tokens,
- * 1.0x at 16-32). */
+ * Q4_K). Q6_K's per-16 scales take two tile steps a block: from 13 tokens (GB/s against the decode kernels at
+ * 10 / 12 / 14 / 16 tokens, 4864x1024 and 1024x4864: 0.88x / 1.0x / 1.14x / 1.2x). */
 #define MR_AMX8_MIN_TOKENS 10
+#define MR_AMX8_MIN_TOKENS_Q6_K 13
 
 #if defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define MR_HAVE_AMX 1
@@ -348,6 +349,7 @@ int mr_init_amx(mr_kernels *k, const mr_kernels *avx512) {
         k->gemm_rows = amx8_rows;
         k->gemm_i8 = 1;
         k->gemm_min_t[GT_Q4_0] = k->gemm_min_t[GT_Q5_0] = k->gemm_min_t[GT_Q8_0] = k->gemm_min_t[GT_Q4_K] = MR_AMX8_MIN_TOKENS;
+        k->gemm_min_t[GT_Q6_K] = MR_AMX8_MIN_TOKENS_Q6_K;
     }
     return 1;
 #else

@@ -88,6 +88,11 @@ def _has_amx_int8() -> bool:
     return _has_amx() and " amx_int8" in flags and os.environ.get("MINIRT_AMX_INT8") != "0"
 
 
+def _amx8_min_tokens(qtype: str) -> int:
+    """Where packed matrices take the int8-tile GEMM (the documented thresholds, x86_amx.c's MR_AMX8_MIN_TOKENS*)."""
+    return 13 if qtype == "Q6_K" else 10
+
+
 def error_bound(x: np.ndarray, W: np.ndarray, path: str) -> np.ndarray:
     """Per-element bound on |Y - Y64| (n_tokens, rows).
 
@@ -255,21 +260,20 @@ def test_paths(nat):
             for q in ("Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "F16", *LOWBIT):
                 assert native.matmul_path(q, 64, isa=isa) == "amx-bf16", q
                 # none: no packing; packed types of the int8-tile GEMM keep it up to 255 tokens
-                int8 = _has_amx_int8() and q in ("Q4_0", "Q5_0", "Q8_0", "Q4_K")
+                int8 = _has_amx_int8() and q in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
                 want = ("amx-int8",) if int8 else ("amx-bf16", "none")
                 assert native.matmul_path(q, 64, isa=isa, packed=True) in want, q
             assert native.matmul_path("Q3_K", 63, isa=isa) == "int8"
             gemm = "amx-int8" if _has_amx_int8() else "int16-gemm"
             assert native.matmul_path("Q4_K", 63, isa=isa, packed=True) == gemm
             assert native.matmul_path("Q6_K", 17, isa=isa, packed=True) == gemm
-            if _has_amx_int8():  # packed Q4_0 / Q5_0 / Q8_0 / Q4_K from 10 tokens to 255 (then bf16), Q6_K from 17
-                for q in ("Q4_0", "Q5_0", "Q8_0", "Q4_K"):
-                    assert native.matmul_path(q, 9, isa=isa, packed=True) == "int16", q
-                    assert native.matmul_path(q, 10, isa=isa, packed=True) == "amx-int8", q
+            if _has_amx_int8():  # packed Q4_0 / Q5_0 / Q8_0 / Q4_K from 10 tokens to 255 (then bf16), Q6_K from 13
+                for q in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
+                    n0 = _amx8_min_tokens(q)
+                    assert native.matmul_path(q, n0 - 1, isa=isa, packed=True) == "int16", q
+                    assert native.matmul_path(q, n0, isa=isa, packed=True) == "amx-int8", q
                     assert native.matmul_path(q, 255, isa=isa, packed=True) == "amx-int8", q
                     assert native.matmul_path(q, 256, isa=isa, packed=True) == "amx-bf16", q
-                assert native.matmul_path("Q6_K", 16, isa=isa, packed=True) == "int16"
-                assert native.matmul_path("Q6_K", 64, isa=isa, packed=True) == "amx-bf16"
         if isa == "avx2":  # the i-quants' row kernels up to 16 tokens
             assert native.matmul_path("IQ2_XXS", 16, isa=isa) == "int16"
             assert native.matmul_path("IQ2_XXS", 17, isa=isa) != "int16"
@@ -1224,11 +1228,11 @@ def test_amx_int8_gemm_is_the_int16_gemm(nat, qtype):
         y8 = native.matmul(x, pm, threads=2, isa="avx512_amx")
         y16 = native.matmul(x, pm, threads=2, isa="avx512")
         assert np.array_equal(y8, y16), (qtype, rows, cols, nt, float(np.abs(y8 - y16).max()))
-        if qtype != "Q6_K":  # from 10 tokens (the int16 GEMM runs from 17: these 10 tokens twice over, same rows)
-            x10 = x[:10]
-            assert native.matmul_path(qtype, 10, isa="avx512_amx", packed=True) == "amx-int8"
-            y = native.matmul(x10, pm, threads=2, isa="avx512_amx")
-            assert np.array_equal(y, native.matmul(np.concatenate([x10] * 2), pm, threads=2, isa="avx512")[:10])
+        # from 10 tokens, Q6_K 13 (the int16 GEMM runs from 17: these tokens twice over, same rows)
+        n0 = _amx8_min_tokens(qtype)
+        assert native.matmul_path(qtype, n0, isa="avx512_amx", packed=True) == "amx-int8"
+        y = native.matmul(x[:n0], pm, threads=2, isa="avx512_amx")
+        assert np.array_equal(y, native.matmul(np.concatenate([x[:n0]] * 2), pm, threads=2, isa="avx512")[:n0])
     x2 = x.copy()
     x2[5, 3] = np.nan
     y2 = native.matmul(x2, pm, threads=2, isa="avx512_amx")

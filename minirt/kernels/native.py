@@ -33,7 +33,7 @@ Paths (``matmul_path`` tells which one a call takes):
   into two bf16 (hi + lo, each within 2**-16 of it) and multiplied in AMX tiles, hi*hi + hi*lo + lo*hi summed
   in float32: at most 3 * 2**-16 of sum |w x| per output (``native/x86_amx.c``).
 - with ``avx512_amx`` on CPUs with AMX-INT8 (``MINIRT_AMX_INT8=0`` leaves it out), ``amx-int8``: the ``int16-gemm``
-  for packed Q4_0 / Q5_0 / Q8_0 / Q4_K from 10 tokens (Q6_K from 17) up to 255 (packed matrices keep it
+  for packed Q4_0 / Q5_0 / Q8_0 / Q4_K from 10 tokens (Q6_K from 13) up to 255 (packed matrices keep it
   before ``amx-bf16``), each int16 activation split exactly into a signed high and an unsigned low byte and
   multiplied with the int8 weights in AMX tiles: the same int32 block sums, so the same results bit for bit,
   1.1-1.9x faster at 12-64 tokens (a 16-sequence decode step, the prompts of a batch).
