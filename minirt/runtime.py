@@ -94,15 +94,14 @@ class CachePool:
             if best is not None:
                 self.hits += 1
                 self.reused_tokens += best_n
+                self._idle.remove(best)
                 if best_n < best.n_past:
                     # a shared prefix (a system prompt): copied, so that the cache keeps the rest and
                     # every request of a burst starting with it reuses it, not only the first
-                    self._idle.remove(best)
                     self._idle.append(best)  # most recently used
                     fork = self._make()
                     fork.copy_prefix_from(best, best_n)
                     return fork, best_n
-                self._idle.remove(best)
                 best.truncate(best_n)
                 return best, best_n
             if self._idle:  # recycle the least recently used cache rather than allocating

@@ -460,6 +460,9 @@ int mr_mat_gemm(const mr_kernels *K, const mr_mat *m, int64_t nt) {
  * a 384 KB slice was slower at 1024 columns: 270 against 298). Results are those of the whole-panel order. */
 #define GEMM_WU_BYTES (512 * 1024)
 #define GEMM_X_BYTES (1024 * 1024)
+/* the packed tiles of the rows from p (a multiple of 4) on */
+static const uint8_t *rows_tiles(const mr_mat *m, int64_t p) { return m->w + (p / 4) * m->ntiles * m->tb; }
+
 /* K->gemm_i8 (AMX): gw8's form, 16 rows per group (int8 rows, then scales and mins by K step, see x86_avx512_gemm.c) */
 static void gemm_rows(const mr_kernels *K, const mr_mat *m, const mr_xp *xp, int64_t nt, int64_t r0, int64_t r1,
                       float *yy, int64_t yys, int worker) {
@@ -480,7 +483,7 @@ static void gemm_rows(const mr_kernels *K, const mr_mat *m, const mr_xp *xp, int
             if (p < r1) {
                 const int nr = (int)(r1 - p < R ? r1 - p : R);
                 int16_t *wu = buf + (i & 1) * gstride;
-                gw(m->w + (p / 4) * m->ntiles * m->tb, m->ntiles, m->tb, (nr + 3) / 4, cols, wu, (float *)(wu + wdo),
+                gw(rows_tiles(m, p), m->ntiles, m->tb, (nr + 3) / 4, cols, wu, (float *)(wu + wdo),
                    (float *)(wu + wdo) + R * ns);
             }
             if (p > r0) {
@@ -490,7 +493,7 @@ static void gemm_rows(const mr_kernels *K, const mr_mat *m, const mr_xp *xp, int
                 const float *wd = (const float *)(wu + wdo), *wm = wd + R * ns;
                 const int64_t n4 = p + R < r1 ? (r1 - p - R < R ? r1 - p - R + 3 : R) / 4 : 0; /* groups of 4 */
                 K->gemm_rows(wu, wd, K->gw_min[m->qtype] == 1 ? wm : NULL, nr, cols, xp, nt, yy + (q - r0), yys,
-                             K->gw_min[m->qtype] == 2, m->w + ((p + R) / 4) * m->ntiles * m->tb, n4 * m->ntiles * m->tb);
+                             K->gw_min[m->qtype] == 2, rows_tiles(m, p + R), n4 * m->ntiles * m->tb);
             }
         }
         return;
@@ -504,7 +507,7 @@ static void gemm_rows(const mr_kernels *K, const mr_mat *m, const mr_xp *xp, int
             const int nr = (int)(b1 - p < R ? b1 - p : R);
             int16_t *wu = buf + (p - b0) / R * gstride;
             float *wd = (float *)(wu + wdo), *wm = wd + R * ns;
-            gw(m->w + (p / 4) * m->ntiles * m->tb, m->ntiles, m->tb, (nr + 3) / 4, cols, wu, wd, wm);
+            gw(rows_tiles(m, p), m->ntiles, m->tb, (nr + 3) / 4, cols, wu, wd, wm);
         }
         for (int64_t g0 = 0; g0 < xp->ng; g0 += tg) {
             const mr_xp sl = {xp->q + g0 * nb * 512, xp->d + g0 * nb * 16, xp->ds ? xp->ds + g0 * nb * 16 : NULL, nb,
@@ -529,7 +532,7 @@ void mr_mat_rows(const mr_kernels *K, const mr_mat *m, const mr_xact *xa, int64_
     if (m->packed) {
         const mr_pgemv_fn f = K->pgemv[m->qtype];
         const int64_t full = (r1 - r0) / 4;
-        const uint8_t *wp = m->w + (r0 / 4) * m->ntiles * m->tb;
+        const uint8_t *wp = rows_tiles(m, r0);
         if (full) f(wp, full, m->ntiles, xa, (int)nt, yy, yys);
         if (r1 - r0 > 4 * full) { /* a last group with padding rows goes through a small buffer */
             float tmp[4 * MR_PACKED_INT_MAX];
