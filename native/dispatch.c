@@ -117,8 +117,9 @@ enum { PATH_NONE = 0, PATH_INT = 1, PATH_FLOAT = 2 };
 /* From this many tokens on, the panel path (when the ISA has one) beats the dot-product tile. */
 #define MR_PANEL_MIN_TOKENS 12
 /* From this many tokens on, packed matrices of the types with an integer GEMM take it instead of the
- * float panel (measured on AVX-512 VNNI: the decode kernels are faster up to MR_PACKED_INT_MAX tokens). */
-#define MR_GEMM_MIN_TOKENS 17
+ * decode kernels (measured on AVX-512 VNNI, Zen 4, 2 threads, a group of 16 tokens costing the same for 11..16:
+ * at 12 tokens level with them, at 10 2 % behind in a 10-sequence decode step, at 16 tokens 1.3-2.3x faster). */
+#define MR_GEMM_MIN_TOKENS 11
 /* From this many tokens on, an ISA with the AMX path (x86_amx.c) takes it for every type... */
 #define MR_AMX_MIN_TOKENS 64
 /* ...but packed matrices with the int8-tile GEMM (gemm_i8, gemm_min_t set) keep it below this many (2 threads,

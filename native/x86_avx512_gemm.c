@@ -333,6 +333,68 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
     }
 }
 
+/* R (4 or 8) rows x one group of up to 16 tokens (a batched decode step): the same sums in the same order as
+ * gemm_tile's, with its accumulators as named variables (gemm_tile's arrays, indexed in unrolled loops, cost a
+ * register copy of every accumulator per column pair and stack stores in its inner loop) and the weight pair as
+ * the broadcast memory operand of vpdpwssd. pf / pfn: the packed tiles of the next row group, prefetched a
+ * slice per 32-block (they come from DRAM while this group's products run). */
+#define GT16_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+MR_INLINE void gemm_tile16(const int16_t *wu, int64_t cols, const float *wd, const float *wm, const mr_xp *x,
+                           int64_t nt, int nr, float *y, int64_t ys, const uint8_t *pf, int64_t pfn, const int R,
+                           const int MIN, const int S16) {
+    const int64_t nb = x->nb, pstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
+    const __m512 zf = _mm512_setzero_ps();
+#define T16_F(r) __m512 f##r = zf;
+    GT16_ROWS(T16_F)
+#undef T16_F
+    for (int64_t b = 0; b < nb; b++) {
+        if (pfn > 0)
+            for (int64_t o = b * pstep; o < (b + 1) * pstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        const int16_t *xq = x->q + b * 512;
+        const int16_t *wb = wu + 32 * b;
+        const __m512i zi = _mm512_setzero_si512();
+#define T16_A(r) __m512i a##r = zi;
+        GT16_ROWS(T16_A)
+#undef T16_A
+        const __m512 dx = _mm512_loadu_ps(x->d + b * 16);
+#define T16_FLUSH(r, SW)                                                                                        \
+    if (r < R) {                                                                                                \
+        f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_mul_ps(dx, _mm512_set1_ps(SW)), f##r);          \
+        a##r = zi;                                                                                              \
+    }
+#pragma GCC unroll 16
+        for (int u = 0; u < 16; u++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + 32 * u));
+#define T16_DOT(r) \
+    if (r < R) a##r = _mm512_dpwssd_epi32(a##r, xv, _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(wb + r * cols + 2 * u))));
+            GT16_ROWS(T16_DOT)
+#undef T16_DOT
+            if (S16 && u == 7) { /* columns 0..15 of the block: their own scale */
+#define T16_H(r) T16_FLUSH(r, wd[r * 2 * nb + 2 * b])
+                GT16_ROWS(T16_H)
+#undef T16_H
+            }
+        }
+#define T16_E(r) T16_FLUSH(r, S16 ? wd[r * 2 * nb + 2 * b + 1] : wd[r * nb + b])
+        GT16_ROWS(T16_E)
+#undef T16_E
+#undef T16_FLUSH
+        if (MIN) {
+            const __m512 ds = _mm512_loadu_ps(x->ds + b * 16);
+#define T16_M(r) if (r < R) f##r = _mm512_fnmadd_ps(ds, _mm512_set1_ps(wm[r * nb + b]), f##r);
+            GT16_ROWS(T16_M)
+#undef T16_M
+        }
+    }
+    float o[8][16] __attribute__((aligned(64)));
+#define T16_S(r) if (r < R) _mm512_store_ps(o[r], f##r);
+    GT16_ROWS(T16_S)
+#undef T16_S
+    const int n = (int)(nt < 16 ? nt : 16);
+    for (int j = 0; j < n; j++)
+        for (int r = 0; r < R && r < nr; r++) y[j * ys + r] = o[r][j];
+}
+
 #define GEMM_ROWS(MIN, S16)                                                                                        \
     do {                                                                                                           \
         int64_t g = 0;                                                                                             \
@@ -352,9 +414,20 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
  * (Q4_K 4608x1024, Q5_0 4864x896, Q6_K 1024x4608, 2 threads; Q8_0 32768x896 unchanged). */
 static void gemm_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
                       int64_t nt, float *y, int64_t ys, int s16, const uint8_t *pf, int64_t pfn) {
-    (void)pf; /* not measured here: the int16 GEMM serves prefills, where the unpacked rows are reused */
-    (void)pfn;
     const int64_t ng = x->ng;
+    if (ng == 1) { /* up to 16 tokens */
+        const float *m = wm ? wm : wd;
+        if (nr > 4) {
+            if (wm) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 8, 1, 0);
+            else if (s16) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 8, 0, 1);
+            else gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 8, 0, 0);
+        } else {
+            if (wm) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 4, 1, 0);
+            else if (s16) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 4, 0, 1);
+            else gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 4, 0, 0);
+        }
+        return;
+    }
     if (wm) GEMM_ROWS(1, 0);
     else {
         wm = wd; /* not read */

@@ -816,31 +816,35 @@ def test_tied_embedding_reads_the_packed_copy(nat, gemma_path):
 
 @pytest.mark.parametrize("qtype", PACKABLE)
 def test_packed_int_batch_matches_each_token(nat, qtype):
-    """The packed integer kernels give every token of a batch (5..16 tokens: one pass over each row
-    group for all of them) bit for bit what it gets alone (1 token: the single-stream kernels)."""
+    """The packed integer kernels give every token of a batch (5..10 tokens, up to 16 where the ISA has no
+    GEMM: one pass over each row group for all of them) bit for bit what it gets alone (1 token: the
+    single-stream kernels)."""
     rng = np.random.default_rng(7 + PACKABLE.index(qtype))
     unit = _pack_unit(qtype)
     for rows, nq in [(37, 3), (64, 1)]:
         cols = nq * unit
         pm = native.pack(random_weights(rng, qtype, rows, cols), qtype)
         for isa in isas_to_test():
-            if native.matmul_path(qtype, 16, isa=isa, packed=True) != "int16":
+            counts = [n for n in range(5, 17) if native.matmul_path(qtype, n, isa=isa, packed=True) == "int16"]
+            if not counts:
                 continue
+            assert counts == list(range(5, counts[-1] + 1)) and counts[-1] >= 10, (isa, counts)
             x = rng.standard_normal((16, cols)).astype(np.float32)
             alone = np.stack([native.matmul(x[t], pm, threads=1, isa=isa) for t in range(16)])
-            for nt in range(5, 17):
+            for nt in counts:
                 y = native.matmul(x[:nt], pm, threads=2, isa=isa)
                 np.testing.assert_array_equal(y, alone[:nt], err_msg=f"{qtype} rows={rows} cols={cols} {isa} nt={nt}")
 
 
 @pytest.mark.parametrize("qtype", PACKABLE)
 def test_packed_gemm_matches_each_token(nat, qtype):
-    """From 17 tokens the integer GEMM (lanes = tokens) takes over where the ISA has it: every token
+    """From 11 tokens the integer GEMM (lanes = tokens) takes over where the ISA has it: every token
     then gets what it gets alone from the decode kernels up to float32 summation order (the same
     int16 activations and integer block sums; only the float accumulation of the blocks differs),
     padding tokens of a last group of 16 change nothing, and more rows than one group of 8 with a
     last partial 4-row group are all written. 16384 columns: the rows go in blocks of one 8-row group and
-    the tokens in slices of two groups of 16 (what stays in L2), a last slice of one group."""
+    the tokens in slices of two groups of 16 (what stays in L2), a last slice of one group; 11..16 tokens, one
+    group (a batched decode step), take the GEMM's one-group kernel."""
     rng = np.random.default_rng(11 + PACKABLE.index(qtype))
     unit = _pack_unit(qtype)
     for rows, nq in [(37, 3), (9, 2), (21, 16384 // unit)]:
@@ -853,7 +857,12 @@ def test_packed_gemm_matches_each_token(nat, qtype):
                 continue
             x = rng.standard_normal((40, cols)).astype(np.float32)
             alone = np.stack([native.matmul(x[t], pm, threads=1, isa=isa) for t in range(40)])
-            for nt in (17, 31, 32, 33, 40):
+            if isa == "avx512":
+                assert native.matmul_path(qtype, 11, isa=isa, packed=True) == "int16-gemm"
+                assert native.matmul_path(qtype, 10, isa=isa, packed=True) == "int16"
+            for nt in (11, 13, 16, 17, 31, 32, 33, 40):
+                if native.matmul_path(qtype, nt, isa=isa, packed=True) not in ("int16-gemm", "amx-int8"):
+                    continue
                 y = native.matmul(x[:nt], pm, threads=2, isa=isa)
                 # float32 sums of the per-block products in another order (Q4_K: minus its min term,
                 # a cancellation of two larger sums): a few float32 roundings of sum |w x|, measured up
@@ -991,10 +1000,12 @@ def test_native_layers_batched_sequences(tiny_quant):
             np.testing.assert_allclose(lg, alone[i][step], rtol=0, atol=5e-4 * np.abs(lg).max())
 
 
-def test_native_layers_batch_of_18_takes_the_gemm(tiny_quant):
-    """18 sequences in one decode step: from 17 tokens the layer stack's packed matrices take the
-    integer GEMM (where the ISA has it) and each sequence still gets what it gets decoded alone (the
-    same int16 activations; float32 summation order aside)."""
+@pytest.mark.parametrize("n_seq", [12, 18])
+def test_native_layers_batch_takes_the_gemm(tiny_quant, n_seq):
+    """12 and 18 sequences in one decode step: from 11 tokens the layer stack's packed matrices take the
+    integer GEMM (where the ISA has it; 12: its one-group kernel, the fused decode step; 18: two groups)
+    and each sequence still gets what it gets decoded alone (the same int16 activations; float32
+    summation order aside)."""
     from minirt.archs.base import Segment
     from minirt.kernels import native
     from minirt.kv_cache import KVCache
@@ -1003,9 +1014,9 @@ def test_native_layers_batch_of_18_takes_the_gemm(tiny_quant):
     m, c = llm.model, llm.model.cfg
     assert m.native_stack is not None
     if "avx512" in native.supported_isas():  # the path this test is for, where the CPU has it
-        assert native.matmul_path("Q5_0", 18, packed=True) in ("int16-gemm", "amx-int8")
+        assert native.matmul_path("Q5_0", n_seq, packed=True) in ("int16-gemm", "amx-int8")
     rng = np.random.default_rng(5)
-    prompts = [[1] + rng.integers(3, 290, int(n)).tolist() for n in rng.integers(1, 12, 18)]
+    prompts = [[1] + rng.integers(3, 290, int(n)).tolist() for n in rng.integers(1, 12, n_seq)]
     alone = [_decode_steps(llm, p + [7, 8], 2, True)[0] for p in prompts]
     caches = [KVCache(c.n_layer, c.n_head_kv, c.head_dim_k, c.head_dim_v, 64) for _ in prompts]
     for p, cache in zip(prompts, caches):
@@ -1228,7 +1239,7 @@ def test_amx_int8_gemm_is_the_int16_gemm(nat, qtype):
         y8 = native.matmul(x, pm, threads=2, isa="avx512_amx")
         y16 = native.matmul(x, pm, threads=2, isa="avx512")
         assert np.array_equal(y8, y16), (qtype, rows, cols, nt, float(np.abs(y8 - y16).max()))
-        # from 10 tokens, Q6_K 13 (the int16 GEMM runs from 17: these tokens twice over, same rows)
+        # from 10 tokens, Q6_K 13 (compared with the int16 GEMM on these tokens twice over, same rows)
         n0 = _amx8_min_tokens(qtype)
         assert native.matmul_path(qtype, n0, isa="avx512_amx", packed=True) == "amx-int8"
         y = native.matmul(x[:n0], pm, threads=2, isa="avx512_amx")

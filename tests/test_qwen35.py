@@ -77,7 +77,7 @@ def test_delta_rule_against_the_definition():
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_batched_and_stepwise_passes_agree(q8_path, backend):
     """Batches, token-by-token decode and split prefills continue each sequence from its own state
-    (``check_recurrent_passes``). Native: batches of other sizes take other matmul kernels (from 17 tokens the
+    (``check_recurrent_passes``). Native: batches of other sizes take other matmul kernels (from 11 tokens the
     integer GEMM), equal up to float32 summation order, which this random model amplifies to ~1e-4."""
     ref = np.load(QD / "ref.npz")
     tol = 1e-4 if backend == "reference" else 5e-4
