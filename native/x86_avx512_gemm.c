@@ -65,17 +65,17 @@ MR_INLINE __m512i nat_hi_nib(__m512i lo, __m512i hi) {
  * int8 at (int8_t *)wu, row stride cols; scales by K step for 16 rows, wd[16 k + row], and so the mins). */
 MR_INLINE int64_t sidx(int64_t row, int64_t k, int64_t ns, const int I8) { return I8 ? 16 * k + row : row * ns + k; }
 
-/* 64 int8 (sgn) or uint8 values minus off -> 64 elements from column c of row `row` */
-MR_INLINE void st64(int16_t *wu, int64_t cols, int64_t row, int64_t c, __m512i v, int sgn, int off, const int I8) {
-    if (I8) { /* the values minus off fit int8 (byte arithmetic wraps to them) */
-        _mm512_storeu_si512((void *)((int8_t *)wu + row * cols + c), _mm512_sub_epi8(v, _mm512_set1_epi8((char)off)));
+/* 64 byte values minus off (the differences fit int8: byte arithmetic wraps to them) -> 64 elements from column c of
+ * row `row` (int8, or sign-extended to int16: one byte subtraction instead of two int16 ones) */
+MR_INLINE void st64(int16_t *wu, int64_t cols, int64_t row, int64_t c, __m512i v, int off, const int I8) {
+    if (off) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)off));
+    if (I8) {
+        _mm512_storeu_si512((void *)((int8_t *)wu + row * cols + c), v);
         return;
     }
     int16_t *o = wu + row * cols + c;
-    const __m256i a = _mm512_castsi512_si256(v), b = _mm512_extracti64x4_epi64(v, 1);
-    const __m512i ofs = _mm512_set1_epi16((short)off);
-    _mm512_storeu_si512((void *)o, _mm512_sub_epi16(sgn ? _mm512_cvtepi8_epi16(a) : _mm512_cvtepu8_epi16(a), ofs));
-    _mm512_storeu_si512((void *)(o + 32), _mm512_sub_epi16(sgn ? _mm512_cvtepi8_epi16(b) : _mm512_cvtepu8_epi16(b), ofs));
+    _mm512_storeu_si512((void *)o, _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)));
+    _mm512_storeu_si512((void *)(o + 32), _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1)));
 }
 
 /* the 16 f16 scales [4r + q] of a 32-block-type tile (4 rows from row0, blocks 4t + q) -> wd */
@@ -98,12 +98,13 @@ MR_INLINE void nib_rows(const uint8_t *src, int16_t *wu, int64_t cols, int64_t r
                         __mmask64 khi, int hb, int off, const int I8) {
     const __m512i m4 = _mm512_set1_epi8(15), z = _mm512_loadu_si512((const void *)src);
     __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-    if (hb) {
-        lo = _mm512_mask_add_epi8(lo, ~klo, lo, _mm512_set1_epi8(16));
-        hi = _mm512_mask_add_epi8(hi, ~khi, hi, _mm512_set1_epi8(16));
+    if (hb) { /* nibble + 16 * 5th bit - 16: minus 16 where the bit is 0 (off is 16) */
+        lo = _mm512_mask_sub_epi8(lo, klo, lo, _mm512_set1_epi8(16));
+        hi = _mm512_mask_sub_epi8(hi, khi, hi, _mm512_set1_epi8(16));
+        off = 0;
     }
-    st64(wu, cols, row, c, nat_lo_nib(lo, hi), 0, off, I8);
-    st64(wu, cols, row, c + 64, nat_hi_nib(lo, hi), 0, off, I8);
+    st64(wu, cols, row, c, nat_lo_nib(lo, hi), off, I8);
+    st64(wu, cols, row, c + 64, nat_hi_nib(lo, hi), off, I8);
 }
 
 /* 32-element block types (tiles of 4 rows x 128 columns): the tile's 16 f16 scales, then each row */
@@ -119,8 +120,8 @@ MR_INLINE void gw_blocks32(const int T, const uint8_t *wp, int64_t ntiles, int64
                 if (T == GT_Q8_0) {
                     const uint8_t *s = tile + 32 + 128 * r;
                     const __m512i a = _mm512_loadu_si512((const void *)s), b = _mm512_loadu_si512((const void *)(s + 64));
-                    st64(wu, cols, row, c, nat_lo_q8(a, b), 1, 0, I8);
-                    st64(wu, cols, row, c + 64, nat_hi_q8(a, b), 1, 0, I8);
+                    st64(wu, cols, row, c, nat_lo_q8(a, b), 0, I8);
+                    st64(wu, cols, row, c + 64, nat_hi_q8(a, b), 0, I8);
                 } else if (T == GT_Q4_0) {
                     nib_rows(tile + 32 + 64 * r, wu, cols, row, c, 0, 0, 0, 8, I8);
                 } else { /* Q5_0 */
