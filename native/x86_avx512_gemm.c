@@ -276,89 +276,34 @@ static void gw8_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int6
 
 /* ---------------------------------------------------------------- the kernel */
 
-/* R rows x V groups of 16 tokens (groups g, g+1): y[(16 (g + v) + j) * ys + r] for r < nr, tokens < nt */
-/* S16: wd holds a scale per 16 columns (row stride 2 nb): each half of a 32-block is scaled on its own */
+/* R (4 or 8) rows x token group g (16 tokens): y[(16 g + j) * ys + r] for r < nr, tokens < nt. The accumulators are
+ * named variables (arrays of them, indexed in unrolled loops, cost a register copy of every accumulator per column
+ * pair and stack stores in the inner loop: a 16-token group ran at 0.4-0.7x this speed) and the weight pair is the
+ * broadcast memory operand of vpdpwssd. One group at a time: a tile of 8 rows x 32 tokens needs 32 accumulators
+ * and spills; for long prompts the same speed as that tile was measured (pp64 / pp300 / pp512 within the noise).
+ * S16: wd holds a scale per 16 columns (row stride 2 nb): each half of a 32-block is scaled on its own.
+ * pf / pfn: the packed tiles of the next row group, prefetched a slice per 32-block (they come from DRAM while this
+ * group's products run). */
+#define GT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const float *wm, const mr_xp *x, int64_t g,
-                         int64_t nt, int nr, float *y, int64_t ys, const int R, const int V, const int MIN, const int S16) {
-    const int64_t nb = x->nb;
-    __m512 f[8][2];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < V; v++) f[r][v] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i a[8][2];
-        for (int r = 0; r < R; r++)
-            for (int v = 0; v < V; v++) a[r][v] = _mm512_setzero_si512();
-        const int16_t *xq = x->q + (g * nb + b) * 512;
-        const int16_t *wb = wu + 32 * b;
-        __m512 dx[2], ds[2];
-        if (S16) /* needed half way (loaded after the loop otherwise: fewer registers live in it) */
-            for (int v = 0; v < V; v++) dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
-        for (int u = 0; u < 16; u++) {
-            __m512i xv[2];
-            for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_si512((const void *)(xq + v * nb * 512 + 32 * u));
-            for (int r = 0; r < R; r++) {
-                const __m512i w = _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(wb + r * cols + 2 * u)));
-                for (int v = 0; v < V; v++) a[r][v] = _mm512_dpwssd_epi32(a[r][v], w, xv[v]);
-            }
-            if (S16 && u == 7) /* columns 0..15 of the block: their own scale */
-                for (int r = 0; r < R; r++) {
-                    const __m512 sw = _mm512_set1_ps(wd[r * 2 * nb + 2 * b]);
-                    for (int v = 0; v < V; v++) {
-                        f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), _mm512_mul_ps(dx[v], sw), f[r][v]);
-                        a[r][v] = _mm512_setzero_si512();
-                    }
-                }
-        }
-        for (int v = 0; v < V; v++) {
-            if (!S16) dx[v] = _mm512_loadu_ps(x->d + ((g + v) * nb + b) * 16);
-            if (MIN) ds[v] = _mm512_loadu_ps(x->ds + ((g + v) * nb + b) * 16);
-        }
-        for (int r = 0; r < R; r++) {
-            const __m512 sw = _mm512_set1_ps(S16 ? wd[r * 2 * nb + 2 * b + 1] : wd[r * nb + b]);
-            for (int v = 0; v < V; v++)
-                f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), _mm512_mul_ps(dx[v], sw), f[r][v]);
-            if (MIN) {
-                const __m512 mw = _mm512_set1_ps(wm[r * nb + b]);
-                for (int v = 0; v < V; v++) f[r][v] = _mm512_fnmadd_ps(ds[v], mw, f[r][v]);
-            }
-        }
-    }
-    for (int v = 0; v < V; v++) {
-        const int64_t t0 = 16 * (g + v);
-        const int n = (int)(nt - t0 < 16 ? nt - t0 : 16);
-        for (int r = 0; r < R && r < nr; r++) {
-            float o[16];
-            _mm512_storeu_ps(o, f[r][v]);
-            for (int j = 0; j < n; j++) y[(t0 + j) * ys + r] = o[j];
-        }
-    }
-}
-
-/* R (4 or 8) rows x one group of up to 16 tokens (a batched decode step): the same sums in the same order as
- * gemm_tile's, with its accumulators as named variables (gemm_tile's arrays, indexed in unrolled loops, cost a
- * register copy of every accumulator per column pair and stack stores in its inner loop) and the weight pair as
- * the broadcast memory operand of vpdpwssd. pf / pfn: the packed tiles of the next row group, prefetched a
- * slice per 32-block (they come from DRAM while this group's products run). */
-#define GT16_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-MR_INLINE void gemm_tile16(const int16_t *wu, int64_t cols, const float *wd, const float *wm, const mr_xp *x,
-                           int64_t nt, int nr, float *y, int64_t ys, const uint8_t *pf, int64_t pfn, const int R,
-                           const int MIN, const int S16) {
+                         int64_t nt, int nr, float *y, int64_t ys, const uint8_t *pf, int64_t pfn, const int R,
+                         const int MIN, const int S16) {
     const int64_t nb = x->nb, pstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
     const __m512 zf = _mm512_setzero_ps();
-#define T16_F(r) __m512 f##r = zf;
-    GT16_ROWS(T16_F)
-#undef T16_F
+#define GT_F(r) __m512 f##r = zf;
+    GT_ROWS(GT_F)
+#undef GT_F
     for (int64_t b = 0; b < nb; b++) {
         if (pfn > 0)
             for (int64_t o = b * pstep; o < (b + 1) * pstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
-        const int16_t *xq = x->q + b * 512;
+        const int16_t *xq = x->q + (g * nb + b) * 512;
         const int16_t *wb = wu + 32 * b;
         const __m512i zi = _mm512_setzero_si512();
-#define T16_A(r) __m512i a##r = zi;
-        GT16_ROWS(T16_A)
-#undef T16_A
-        const __m512 dx = _mm512_loadu_ps(x->d + b * 16);
-#define T16_FLUSH(r, SW)                                                                                        \
+#define GT_A(r) __m512i a##r = zi;
+        GT_ROWS(GT_A)
+#undef GT_A
+        const __m512 dx = _mm512_loadu_ps(x->d + (g * nb + b) * 16);
+#define GT_FLUSH(r, SW)                                                                                        \
     if (r < R) {                                                                                                \
         f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_mul_ps(dx, _mm512_set1_ps(SW)), f##r);          \
         a##r = zi;                                                                                              \
@@ -366,74 +311,52 @@ MR_INLINE void gemm_tile16(const int16_t *wu, int64_t cols, const float *wd, con
 #pragma GCC unroll 16
         for (int u = 0; u < 16; u++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + 32 * u));
-#define T16_DOT(r) \
+#define GT_DOT(r) \
     if (r < R) a##r = _mm512_dpwssd_epi32(a##r, xv, _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(wb + r * cols + 2 * u))));
-            GT16_ROWS(T16_DOT)
-#undef T16_DOT
+            GT_ROWS(GT_DOT)
+#undef GT_DOT
             if (S16 && u == 7) { /* columns 0..15 of the block: their own scale */
-#define T16_H(r) T16_FLUSH(r, wd[r * 2 * nb + 2 * b])
-                GT16_ROWS(T16_H)
-#undef T16_H
+#define GT_H(r) GT_FLUSH(r, wd[r * 2 * nb + 2 * b])
+                GT_ROWS(GT_H)
+#undef GT_H
             }
         }
-#define T16_E(r) T16_FLUSH(r, S16 ? wd[r * 2 * nb + 2 * b + 1] : wd[r * nb + b])
-        GT16_ROWS(T16_E)
-#undef T16_E
-#undef T16_FLUSH
+#define GT_E(r) GT_FLUSH(r, S16 ? wd[r * 2 * nb + 2 * b + 1] : wd[r * nb + b])
+        GT_ROWS(GT_E)
+#undef GT_E
+#undef GT_FLUSH
         if (MIN) {
-            const __m512 ds = _mm512_loadu_ps(x->ds + b * 16);
-#define T16_M(r) if (r < R) f##r = _mm512_fnmadd_ps(ds, _mm512_set1_ps(wm[r * nb + b]), f##r);
-            GT16_ROWS(T16_M)
-#undef T16_M
+            const __m512 ds = _mm512_loadu_ps(x->ds + (g * nb + b) * 16);
+#define GT_M(r) if (r < R) f##r = _mm512_fnmadd_ps(ds, _mm512_set1_ps(wm[r * nb + b]), f##r);
+            GT_ROWS(GT_M)
+#undef GT_M
         }
     }
     float o[8][16] __attribute__((aligned(64)));
-#define T16_S(r) if (r < R) _mm512_store_ps(o[r], f##r);
-    GT16_ROWS(T16_S)
-#undef T16_S
-    const int n = (int)(nt < 16 ? nt : 16);
+#define GT_S(r) if (r < R) _mm512_store_ps(o[r], f##r);
+    GT_ROWS(GT_S)
+#undef GT_S
+    const int n = (int)(nt - 16 * g < 16 ? nt - 16 * g : 16);
     for (int j = 0; j < n; j++)
-        for (int r = 0; r < R && r < nr; r++) y[j * ys + r] = o[r][j];
+        for (int r = 0; r < R && r < nr; r++) y[(16 * g + j) * ys + r] = o[r][j];
 }
 
-#define GEMM_ROWS(MIN, S16)                                                                                        \
-    do {                                                                                                           \
-        int64_t g = 0;                                                                                             \
-        for (; g + 2 <= ng; g += 2) {                                                                              \
-            if (nr > 4) gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 8, 2, MIN, S16);                          \
-            else gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 2, MIN, S16);                                 \
-        }                                                                                                          \
-        if (g < ng) {                                                                                              \
-            if (nr > 4) gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 8, 1, MIN, S16);                          \
-            else gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, 4, 1, MIN, S16);                                 \
-        }                                                                                                          \
-    } while (0)
-
-/* nr <= 8 unpacked rows (wu, wd, wm as gw_* wrote them; wm NULL: no min; s16: wd per 16) x all nt tokens of x.
- * Tiles of 8 rows x 32 tokens (16 int32 accumulators: one broadcast weight pair per 2 dot products and an
- * activation vector per 8) where there are more than 4 rows: 3-6 % faster than two 4-row tiles at 512 tokens
- * (Q4_K 4608x1024, Q5_0 4864x896, Q6_K 1024x4608, 2 threads; Q8_0 32768x896 unchanged). */
+/* nr <= 8 unpacked rows (wu, wd, wm as gw_* wrote them; wm NULL: no min; s16: wd per 16) x all nt tokens of x */
 static void gemm_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
                       int64_t nt, float *y, int64_t ys, int s16, const uint8_t *pf, int64_t pfn) {
-    const int64_t ng = x->ng;
-    if (ng == 1) { /* up to 16 tokens */
-        const float *m = wm ? wm : wd;
+    const float *m = wm ? wm : wd; /* not read without a min */
+    for (int64_t g = 0; g < x->ng; g++) {
+        const uint8_t *p = g ? NULL : pf;
+        const int64_t pn = g ? 0 : pfn;
         if (nr > 4) {
-            if (wm) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 8, 1, 0);
-            else if (s16) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 8, 0, 1);
-            else gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 8, 0, 0);
+            if (wm) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 8, 1, 0);
+            else if (s16) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 8, 0, 1);
+            else gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 8, 0, 0);
         } else {
-            if (wm) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 4, 1, 0);
-            else if (s16) gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 4, 0, 1);
-            else gemm_tile16(wu, cols, wd, m, x, nt, nr, y, ys, pf, pfn, 4, 0, 0);
+            if (wm) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 4, 1, 0);
+            else if (s16) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 4, 0, 1);
+            else gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 4, 0, 0);
         }
-        return;
-    }
-    if (wm) GEMM_ROWS(1, 0);
-    else {
-        wm = wd; /* not read */
-        if (s16) GEMM_ROWS(0, 1);
-        else GEMM_ROWS(0, 0);
     }
 }
 
