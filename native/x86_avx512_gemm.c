@@ -284,6 +284,18 @@ static void gw8_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int6
  * S16: wd holds a scale per 16 columns (row stride 2 nb): each half of a 32-block is scaled on its own.
  * pf / pfn: the packed tiles of the next row group, prefetched a slice per 32-block (they come from DRAM while this
  * group's products run). */
+/* acc + the int16 pairs of xv times weight pair u of row w, broadcast (columns 2u, 2u + 1). GCC loads the pair with a
+ * separate vpbroadcastd; as vpdpwssd's embedded broadcast from a base register and a constant offset the kernel
+ * ran 6 % faster (Zen 4, one core, data in L1: 90 -> 96 G multiply-adds/s, 8 alternating runs each). The "m"
+ * operand tells the compiler which bytes the instruction reads. */
+MR_INLINE __m512i gt_dot(__m512i acc, __m512i xv, const int16_t *w, const int u) {
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vpdpwssd %c3(%2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(xv), "r"(w), "i"(4 * u), "m"(*(const int16_t(*)[32])w));
+    return acc;
+#else
+    return _mm512_dpwssd_epi32(acc, xv, _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(w + 2 * u))));
+#endif
+}
 #define GT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const float *wm, const mr_xp *x, int64_t g,
                          int64_t nt, int nr, float *y, int64_t ys, const uint8_t *pf, int64_t pfn, const int R,
@@ -311,8 +323,7 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
 #pragma GCC unroll 16
         for (int u = 0; u < 16; u++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + 32 * u));
-#define GT_DOT(r) \
-    if (r < R) a##r = _mm512_dpwssd_epi32(a##r, xv, _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(wb + r * cols + 2 * u))));
+#define GT_DOT(r) if (r < R) a##r = gt_dot(a##r, xv, wb + r * cols, u);
             GT_ROWS(GT_DOT)
 #undef GT_DOT
             if (S16 && u == 7) { /* columns 0..15 of the block: their own scale */
