@@ -11,7 +11,12 @@
  * scaled once. int8 activations (vpdpbusd, twice the multiply-adds per instruction) were measured
  * too: about 2x faster again, but at llama.cpp's q8_0 precision, which made minirt's results no
  * better than llama.cpp's (the embedding checks against transformers tied or lost instead of won;
- * bench/RESULTS.md, 2026-12-02 midday).
+ * bench/RESULTS.md, 2026-12-02 midday). The AMX path's exact split of each int16 activation into a high and a low
+ * byte does not help here: vpdpbusd multiplies unsigned by signed bytes only, and two of them per 4 columns are as
+ * many instructions as two vpdpwssd. On Zen 4 a zmm vpdpwssd issues once per cycle, sharing the pipes with the
+ * float FMAs (measured: 3.6 G/s per core alone, 1.8 G/s of each interleaved with as many FMAs), so the 16 products
+ * and 3 scaling ops per row and 32-block bound this kernel at 84 % of 32 multiply-adds per cycle; measured 81 %
+ * with data in L1.
  *
  * Shapes at the boundary:
  *   weights:  a row group is unpacked once per pass (gw[type]) into wu (nr <= 8 rows x cols, int16,
@@ -276,17 +281,10 @@ static void gw8_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int6
 
 /* ---------------------------------------------------------------- the kernel */
 
-/* R (4 or 8) rows x token group g (16 tokens): y[(16 g + j) * ys + r] for r < nr, tokens < nt. The accumulators are
- * named variables (arrays of them, indexed in unrolled loops, cost a register copy of every accumulator per column
- * pair and stack stores in the inner loop: a 16-token group ran at 0.4-0.7x this speed) and the weight pair is the
- * broadcast memory operand of vpdpwssd. One group at a time: a tile of 8 rows x 32 tokens needs 32 accumulators
- * and spills; for long prompts the same speed as that tile was measured (pp64 / pp300 / pp512 within the noise).
- * S16: wd holds a scale per 16 columns (row stride 2 nb): each half of a 32-block is scaled on its own.
- * pf / pfn: the packed tiles of the next row group, prefetched a slice per 32-block (they come from DRAM while this
- * group's products run). */
 /* acc + the int16 pairs of xv times weight pair u of row w, broadcast (columns 2u, 2u + 1). GCC loads the pair with a
  * separate vpbroadcastd; as vpdpwssd's embedded broadcast from a base register and a constant offset the kernel
- * ran 6 % faster (Zen 4, one core, data in L1: 90 -> 96 G multiply-adds/s, 8 alternating runs each). The "m"
+ * ran 6 % faster (Zen 4, one core, data in L1: 90 -> 96 G multiply-adds/s, 8 alternating runs each; through
+ * native.matmul, one thread, 16 / 256 tokens: 1.2x). The "m"
  * operand tells the compiler which bytes the instruction reads. */
 MR_INLINE __m512i gt_dot(__m512i acc, __m512i xv, const int16_t *w, const int u) {
 #if defined(__GNUC__) && !defined(__clang__)
@@ -296,6 +294,15 @@ MR_INLINE __m512i gt_dot(__m512i acc, __m512i xv, const int16_t *w, const int u)
     return _mm512_dpwssd_epi32(acc, xv, _mm512_set1_epi32((int)mr_rd32((const uint8_t *)(w + 2 * u))));
 #endif
 }
+
+/* R (4 or 8) rows x token group g (16 tokens): y[(16 g + j) * ys + r] for r < nr, tokens < nt. The accumulators are
+ * named variables (arrays of them, indexed in unrolled loops, cost a register copy of every accumulator per column
+ * pair and stack stores in the inner loop: a 16-token group ran at 0.4-0.7x this speed) and the weight pair is the
+ * broadcast memory operand of vpdpwssd. One group at a time: a tile of 8 rows x 32 tokens needs 32 accumulators
+ * and spills; for long prompts the same speed as that tile was measured (pp64 / pp300 / pp512 within the noise).
+ * S16: wd holds a scale per 16 columns (row stride 2 nb): each half of a 32-block is scaled on its own.
+ * pf / pfn: the packed tiles of the next row group, prefetched a slice per 32-block (they come from DRAM while this
+ * group's products run). */
 #define GT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const float *wm, const mr_xp *x, int64_t g,
                          int64_t nt, int nr, float *y, int64_t ys, const uint8_t *pf, int64_t pfn, const int R,
