@@ -118,7 +118,7 @@ enum { PATH_NONE = 0, PATH_INT = 1, PATH_FLOAT = 2 };
 #define MR_PANEL_MIN_TOKENS 12
 /* From this many tokens on, packed matrices of the types with an integer GEMM take it instead of the
  * decode kernels (measured on AVX-512 VNNI, Zen 4, 2 threads, a group of 16 tokens costing the same for 11..16:
- * at 12 tokens level with them, at 10 2 % behind in a 10-sequence decode step, at 16 tokens 1.3-2.3x faster). */
+ * at 12 tokens level with them, at 10 2 % behind in a 10-sequence decode step, at 16 tokens 1.2-1.5x faster). */
 #define MR_GEMM_MIN_TOKENS 11
 /* From this many tokens on, an ISA with the AMX path (x86_amx.c) takes it for every type... */
 #define MR_AMX_MIN_TOKENS 64

@@ -26,7 +26,7 @@ Paths (``matmul_path`` tells which one a call takes):
   same int16 activations as the ``int16`` path (so the same error bound, and each token of a batch
   gets what it gets alone up to float32 summation order), with 16 tokens in the lanes of each
   ``vpdpwssd`` and every weight pair broadcast: 1.1-1.5x the float panel's speed, and at 16 tokens (a
-  16-sequence decode step) 1.3-2.3x the packed decode kernels, which keep 5..10 tokens
+  16-sequence decode step) 1.2-1.5x the packed decode kernels, which keep 5..10 tokens
   (``native/x86_avx512_gemm.c`` says why not int8).
 - from 64 tokens with the ``avx512_amx`` ISA (CPUs with AMX-BF16, e.g. Xeon Sapphire Rapids and later;
   chosen by default where present, ``MINIRT_ISA=avx512`` or ``MINIRT_AMX=0`` turns it off), ``amx-bf16``: every
