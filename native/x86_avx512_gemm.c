@@ -284,8 +284,7 @@ static void gw8_q6_k(const uint8_t *wp, int64_t ntiles, int64_t tb, int ng, int6
 /* acc + the int16 pairs of xv times weight pair u of row w, broadcast (columns 2u, 2u + 1). GCC loads the pair with a
  * separate vpbroadcastd; as vpdpwssd's embedded broadcast from a base register and a constant offset the kernel
  * ran 6 % faster (Zen 4, one core, data in L1: 90 -> 96 G multiply-adds/s, 8 alternating runs each; through
- * native.matmul, one thread, 16 / 256 tokens: 1.2x). The "m"
- * operand tells the compiler which bytes the instruction reads. */
+ * native.matmul, one thread, 16 / 256 tokens: 1.2x). The "m" operand tells the compiler which bytes it reads. */
 MR_INLINE __m512i gt_dot(__m512i acc, __m512i xv, const int16_t *w, const int u) {
 #if defined(__GNUC__) && !defined(__clang__)
     __asm__("vpdpwssd %c3(%2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(xv), "r"(w), "i"(4 * u), "m"(*(const int16_t(*)[32])w));
