@@ -358,22 +358,24 @@ MR_INLINE void gemm_tile(const int16_t *wu, int64_t cols, const float *wd, const
         for (int r = 0; r < R && r < nr; r++) y[(16 * g + j) * ys + r] = o[r][j];
 }
 
-/* nr <= 8 unpacked rows (wu, wd, wm as gw_* wrote them; wm NULL: no min; s16: wd per 16) x all nt tokens of x */
+/* token group g through the tile compiled for R rows and the matrix's scale form (a min, per-16 scales, or neither) */
+MR_INLINE void gemm_group(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
+                          int64_t g, int64_t nt, float *y, int64_t ys, int s16, const uint8_t *pf, int64_t pfn,
+                          const int R) {
+    if (wm) gemm_tile(wu, cols, wd, wm, x, g, nt, nr, y, ys, pf, pfn, R, 1, 0);
+    else if (s16) gemm_tile(wu, cols, wd, wd, x, g, nt, nr, y, ys, pf, pfn, R, 0, 1); /* wm: not read */
+    else gemm_tile(wu, cols, wd, wd, x, g, nt, nr, y, ys, pf, pfn, R, 0, 0);
+}
+
+/* nr <= 8 unpacked rows (wu, wd, wm as gw_* wrote them; wm NULL: no min; s16: wd per 16) x all nt tokens of x; the
+ * first group prefetches the next row group's packed tiles (pf, pfn) */
 static void gemm_rows(const int16_t *wu, const float *wd, const float *wm, int nr, int64_t cols, const mr_xp *x,
                       int64_t nt, float *y, int64_t ys, int s16, const uint8_t *pf, int64_t pfn) {
-    const float *m = wm ? wm : wd; /* not read without a min */
     for (int64_t g = 0; g < x->ng; g++) {
         const uint8_t *p = g ? NULL : pf;
         const int64_t pn = g ? 0 : pfn;
-        if (nr > 4) {
-            if (wm) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 8, 1, 0);
-            else if (s16) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 8, 0, 1);
-            else gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 8, 0, 0);
-        } else {
-            if (wm) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 4, 1, 0);
-            else if (s16) gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 4, 0, 1);
-            else gemm_tile(wu, cols, wd, m, x, g, nt, nr, y, ys, p, pn, 4, 0, 0);
-        }
+        if (nr > 4) gemm_group(wu, wd, wm, nr, cols, x, g, nt, y, ys, s16, p, pn, 8);
+        else gemm_group(wu, wd, wm, nr, cols, x, g, nt, y, ys, s16, p, pn, 4);
     }
 }
 
